@@ -1,0 +1,189 @@
+"""The `hotcold` command line. Errors are one line and exit code 2 unless --debug is given."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hotcold import __version__
+from hotcold.errors import HotcoldError
+
+app = typer.Typer(
+    name="hotcold",
+    help="Run language models too large for your GPU: hot neurons on the GPU, cold ones on the CPU.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+_state = {"debug": False}
+
+ModelArg = typer.Argument(None, help="HF model folder or .gguf file (default: the embedded Gemma 3 270M)")
+DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"hotcold {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    _state["debug"] = debug
+
+
+def _load(model: Optional[Path], device: Optional[str], dtype: Optional[str]):
+    from hotcold.models.loader import default_model_path, load_model
+
+    return load_model(model if model is not None else default_model_path(), device, dtype)
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise HotcoldError(f"{path}: no such file; --data takes a UTF-8 .txt file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise HotcoldError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+@app.command()
+def run(
+    model: Optional[Path] = ModelArg,
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; without it, an interactive chat."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the model's chat template."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for chat."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0, help="0 for greedy."),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(40, "--top-k", min=0, help="0 turns it off."),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096 in chat)."),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text, streamed to the terminal, or chat interactively without --prompt."""
+    from hotcold.models.generate import Generator
+    from hotcold.models.sampling import SamplingParams
+
+    lm = _load(model, device, dtype)
+    if lm.tokenizer is None:
+        raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; hotcold run needs a tokenizer")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repeat_penalty)
+    gen = Generator(lm, max_context=ctx)
+    if prompt is None:
+        if as_json:
+            raise HotcoldError("--json needs --prompt")
+        _interactive(gen, params, max_tokens, seed, stop, system)
+        return
+    tok = lm.tokenizer
+    if chat or system:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    else:
+        ids = tok.encode(prompt)
+    text = []
+    for event in gen.generate(ids, max_tokens, params, stop=stop, seed=seed):
+        text.append(event.text)
+        if not as_json:
+            print(event.text, end="", flush=True)
+    s = gen.stats
+    if as_json:
+        print(json.dumps({
+            "text": "".join(text), "token_ids": s.token_ids, "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens, "finish_reason": s.finish_reason,
+            "ttft_s": round(s.ttft_s, 4), "decode_tok_per_s": round(s.decode_tok_per_s, 2),
+        }))
+    else:
+        print()
+        print(f"[{s.prompt_tokens} prompt tokens, {s.completion_tokens} generated, ttft {s.ttft_s:.2f} s, "
+              f"{s.decode_tok_per_s:.1f} tok/s, {s.finish_reason}]", file=sys.stderr)
+
+
+def _interactive(gen, params, max_tokens: int, seed, stop, system: Optional[str]) -> None:
+    """A chat loop on the terminal; the KV cache keeps the conversation so far."""
+    tok = gen.lm.tokenizer
+    messages = [{"role": "system", "content": system}] if system else []
+    print(f"hotcold chat with {gen.lm.name} ({tok.template_source} template). Empty line or Ctrl-D to quit.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if not line.strip():
+            return
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        reply = []
+        for event in gen.generate(ids, max_tokens, params, stop=stop, seed=seed):
+            reply.append(event.text)
+            print(event.text, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+@app.command()
+def perplexity(
+    model: Optional[Path] = ModelArg,
+    data: Optional[Path] = typer.Option(None, "--data", help="UTF-8 text file (default: Python's documentation text)."),
+    ctx: int = typer.Option(512, "--ctx", min=4, help="Window length in tokens; each window's second half is scored."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Score at most this many windows."),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    as_json: bool = typer.Option(False, "--json", help='Print {"ppl", "tokens_scored", "ctx"} as JSON.'),
+) -> None:
+    """Perplexity over non-overlapping windows, as llama-perplexity computes it."""
+    from rich.progress import Progress
+
+    from hotcold.models.perplexity import calibration_text, perplexity as compute
+
+    lm = _load(model, device, dtype)
+    if lm.tokenizer is None:
+        raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; perplexity needs a tokenizer")
+    text = _read_text(data) if data else calibration_text()
+    ids = lm.tokenizer.encode(text)
+    bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
+    with Progress(transient=True, disable=as_json) as bar:
+        task = bar.add_task("perplexity", total=None)
+        result = compute(lm.model, ids, ctx, bos, chunks, lambda done, total: bar.update(task, completed=done, total=total))
+    if as_json:
+        print(json.dumps({"ppl": result.ppl, "tokens_scored": result.tokens_scored, "ctx": ctx, "windows": result.windows}))
+    else:
+        print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens ({result.windows} windows of {ctx})")
+
+
+def main() -> None:
+    """Console entry point: HotcoldError -> one line on stderr, exit 2."""
+    try:
+        app()
+    except HotcoldError as e:
+        if _state["debug"]:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # an unexpected failure: still one line unless --debug
+        if _state["debug"]:
+            raise
+        print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The token generator: prefill then decode over a preallocated KV cache, as a Python iterator.
+
+The CLI and the server consume `Generator.generate(...)`, which yields one TokenEvent per
+sampled token; the last event carries `finish_reason` ("stop" or "length"). Text is
+detokenised incrementally and held back while it could still be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hotcold.errors import ContextLengthError
+from hotcold.models.loader import LoadedModel
+from hotcold.models.sampling import SamplingParams, penalise, sample
+from hotcold.models.transformer import KVCache
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the text it completed (may be empty while text is held back)."""
+
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # on the last event: "stop" (EOS or stop string) or "length"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt prefix reused from the previous call's KV cache
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        n = self.completion_tokens - 1  # the first token comes from prefill
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+def split_stop(text: str, stops: Sequence[str]) -> tuple[str, bool, str]:
+    """(text safe to emit, stop string found, text held back as a possible stop prefix)."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    if hits:
+        return text[: min(hits)], True, ""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return text[: len(text) - hold], False, text[len(text) - hold :]
+
+
+class Generator:
+    """Generates tokens for one sequence at a time, reusing the KV cache for a shared prompt prefix."""
+
+    def __init__(self, lm: LoadedModel, max_context: int | None = None):
+        self.lm = lm
+        model_ctx = lm.config.max_position_embeddings
+        self.max_context = min(max_context or model_ctx, model_ctx)
+        self.cache: KVCache | None = None
+        self.cached_ids: list[int] = []
+        self.stats = GenerationStats()
+
+    def _ensure_cache(self, needed: int) -> None:
+        if self.cache is None or self.cache.max_len < needed:
+            size = min(self.max_context, max(needed, 256))
+            self.cache = KVCache(self.lm.config, size, device=self.lm.device, dtype=self.lm.dtype)
+            self.cached_ids = []
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], start: int, last_only: bool = True) -> torch.Tensor:
+        """Run ids at positions start.. through the model, writing the cache; logits [T or 1, V] fp32."""
+        tokens = torch.tensor([ids], device=self.lm.device)
+        out = None
+        for i in range(0, len(ids), PREFILL_CHUNK):
+            chunk = tokens[:, i : i + PREFILL_CHUNK]
+            out = self.lm.model(chunk, start + i, self.cache, last_only=last_only)
+        return out[0]
+
+    def check_fits(self, n_prompt: int) -> None:
+        if n_prompt >= self.max_context:
+            raise ContextLengthError(
+                f"prompt has {n_prompt} tokens but the context holds {self.max_context}; "
+                "shorten the prompt or raise --ctx (the model allows "
+                f"{self.lm.config.max_position_embeddings})"
+            )
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int = 256,
+        sampling: SamplingParams = SamplingParams(),
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
+    ) -> Iterator[TokenEvent]:
+        """Yield TokenEvents until EOS, a stop string, max_tokens or the end of the context."""
+        if not prompt_ids:
+            raise ContextLengthError("prompt is empty; give at least one token")
+        self.check_fits(len(prompt_ids))
+        budget = min(max_tokens, self.max_context - len(prompt_ids))
+        self._ensure_cache(len(prompt_ids) + budget)
+        budget = min(budget, self.cache.max_len - len(prompt_ids))
+        tok = self.lm.tokenizer
+        eos = set() if ignore_eos else (set(tok.eos_ids) if tok else set(self.lm.config.eos_token_ids))
+        detok = tok.detokenizer() if tok else None
+        gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+
+        # Prefill only the part of the prompt not already in the cache.
+        reuse = 0
+        for a, b in zip(self.cached_ids, prompt_ids[:-1]):
+            if a != b:
+                break
+            reuse += 1
+        stats.cached_prompt_tokens = reuse
+        self.cached_ids = list(prompt_ids[:reuse])
+        logits = self.forward(prompt_ids[reuse:], reuse)[-1]
+        self.cached_ids = list(prompt_ids)
+        history = torch.tensor(prompt_ids, dtype=torch.long)
+        pending = ""
+        t_first = None
+        while True:
+            logits = logits.cpu()
+            token = sample(penalise(logits, history, sampling), sampling, gen)
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t0
+            stats.completion_tokens += 1
+            stats.token_ids.append(token)
+            event = TokenEvent(token, "")
+            if logprobs is not None:
+                lp = torch.log_softmax(logits, dim=-1)
+                event.logprob = float(lp[token])
+                if logprobs > 0:
+                    top = torch.topk(lp, logprobs)
+                    event.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+            if token in eos:
+                event.text, event.finish_reason = pending + (detok.flush() if detok else ""), "stop"
+            else:
+                pending += detok.add(token) if detok else ""
+                event.text, stopped, pending = split_stop(pending, stop)
+                if stopped:
+                    event.finish_reason = "stop"
+                elif stats.completion_tokens >= budget:
+                    event.text += pending + (detok.flush() if detok else "")
+                    event.finish_reason = "length"
+            if event.finish_reason:
+                stats.finish_reason = event.finish_reason
+                stats.decode_s = time.perf_counter() - t_first
+                yield event
+                return
+            yield event
+            history = torch.cat([history, torch.tensor([token])])
+            logits = self.forward([token], len(self.cached_ids))[-1]
+            self.cached_ids.append(token)

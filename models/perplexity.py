@@ -1,0 +1,73 @@
+"""Perplexity the way llama-perplexity computes it: non-overlapping windows, second half scored."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hotcold.errors import HotcoldError
+from hotcold.models.transformer import Transformer
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    nll_sum: float
+    tokens_scored: int
+    windows: int
+    ctx: int
+
+
+def calibration_text() -> str:
+    """Python's own documentation (pydoc_data.topics): ~110k tokens of English prose, no download."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def window_nll(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[float, int]:
+    """Sum of NLL over the second half of one window, as llama-perplexity scores it.
+
+    logits: [N, V] fp32 for tokens: [N]; positions first..N-2 predict tokens first+1..N-1.
+    """
+    n = tokens.shape[0]
+    first = n // 2
+    logp = torch.log_softmax(logits[first : n - 1].double(), dim=-1)
+    target = tokens[first + 1 :]
+    nll = -logp.gather(1, target[:, None]).sum()
+    return float(nll), int(target.numel())
+
+
+@torch.inference_mode()
+def perplexity(
+    model: Transformer,
+    ids: list[int],
+    ctx: int = 512,
+    bos_id: int | None = None,
+    max_windows: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
+    """Split ids into windows of ctx tokens (the first replaced by BOS when the model uses one)."""
+    if ctx < 4:
+        raise HotcoldError(f"--ctx: {ctx} is too small; use at least 4 (default 512)")
+    n_windows = len(ids) // ctx
+    if max_windows:
+        n_windows = min(n_windows, max_windows)
+    if n_windows == 0:
+        raise HotcoldError(f"text has {len(ids)} tokens, fewer than one window of --ctx {ctx}; give more text or a smaller --ctx")
+    device = next(model.parameters()).device
+    nll_sum, scored = 0.0, 0
+    for w in range(n_windows):
+        window = torch.tensor(ids[w * ctx : (w + 1) * ctx], device=device)
+        if bos_id is not None:
+            window[0] = bos_id
+        logits = model(window[None])[0]  # [ctx, V]
+        nll, n = window_nll(logits, window)
+        nll_sum += nll
+        scored += n
+        if progress:
+            progress(w + 1, n_windows)
+    return PerplexityResult(math.exp(nll_sum / scored), nll_sum, scored, n_windows, ctx)

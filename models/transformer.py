@@ -1,0 +1,112 @@
+"""The dense reference forward shared by every family, and its preallocated KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hotcold.models.config import Gemma3Config, ModelConfig, OPTConfig
+from hotcold.models.layers import FFN, Attention, make_ffn, make_norm
+
+
+class KVCache:
+    """Preallocated keys and values per layer: each [B, Hkv, max_len, Dh]."""
+
+    def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32):
+        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+        self.max_len = max_len
+        self.layers = [
+            (torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+            for _ in range(config.num_layers)
+        ]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+
+
+class Block(nn.Module):
+    """One decoder layer: attention and a replaceable FFN, with the family's norm placement."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = Attention(config, layer)
+        self.ffn_norm = make_norm(config)
+        self.ffn: FFN = make_ffn(config, layer)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.post_attn_norm = make_norm(config)
+            self.post_ffn_norm = make_norm(config)
+        self.pre_norm = getattr(config, "pre_norm", True)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> torch.Tensor:
+        # x: [B, T, D]
+        if not self.pre_norm:  # OPT-350m style: norm after the residual add
+            x = self.attn_norm(x + self.attn(x, positions, cache_kv))
+            return self.ffn_norm(x + self.ffn(x))
+        h = self.attn(self.attn_norm(x), positions, cache_kv)
+        if self.sandwich:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.ffn(self.ffn_norm(x))
+        if self.sandwich:
+            h = self.post_ffn_norm(h)
+        return x + h
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: tokens [B, T] at absolute positions start..start+T-1 -> logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        embed_dim = c.word_embed_proj_dim if isinstance(c, OPTConfig) else c.hidden_size
+        self.embed = nn.Embedding(c.vocab_size, embed_dim)
+        if isinstance(c, OPTConfig):
+            self.embed_positions = nn.Embedding(c.max_position_embeddings + 2, c.hidden_size)
+            if embed_dim != c.hidden_size:
+                self.project_in = nn.Linear(embed_dim, c.hidden_size, bias=False)
+                self.project_out = nn.Linear(c.hidden_size, embed_dim, bias=False)
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_layers))
+        if getattr(c, "final_norm", True):
+            self.norm = make_norm(c)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(embed_dim, c.vocab_size, bias=False)
+        self.softcap = c.final_logit_softcapping if isinstance(c, Gemma3Config) else None
+
+    def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # tokens: [B, T] -> x: [B, T, D]
+        x = self.embed(tokens)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        if hasattr(self, "project_in"):
+            x = self.project_in(x)
+        if hasattr(self, "embed_positions"):
+            x = x + self.embed_positions(positions + 2)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, D] -> logits: [B, T, V] fp32
+        if hasattr(self, "norm"):
+            x = self.norm(x)
+        if hasattr(self, "project_out"):
+            x = self.project_out(x)
+        w = self.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = (x @ w.T).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """tokens: [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), fp32."""
+        T = tokens.shape[1]
+        positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
+        x = self.embed_tokens(tokens, positions)
+        for i, block in enumerate(self.layers):
+            x = block(x, positions, cache.layers[i] if cache is not None else None)
+        if last_only:
+            x = x[:, -1:]
+        return self.head(x)

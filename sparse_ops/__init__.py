@@ -1,0 +1,1 @@
+"""hotcold.sparse_ops"""

@@ -1,0 +1,117 @@
+"""The dense reference forward of every family against transformers on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotcold.models.generate import Generator
+from hotcold.models.loader import load_model
+from hotcold.models.sampling import SamplingParams
+from hotcold.models.transformer import KVCache
+from tiny_models import FAMILIES, make_tiny
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+def _pair(family, tiny_dir, dtype=torch.float32):
+    path = make_tiny(family, tiny_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    return ref, load_model(path, "cpu", name)
+
+
+def _prompt(n=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 160, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logits_match_transformers(family, tiny_dir):
+    ref, lm = _pair(family, tiny_dir)
+    ids = _prompt()
+    with torch.no_grad():
+        expected = ref(ids).logits
+    got = lm.model(ids)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decoding_matches_full_forward(family, tiny_dir):
+    """Prefill 10 tokens, then feed the rest one at a time through the KV cache."""
+    ref, lm = _pair(family, tiny_dir)
+    ids = _prompt(20, seed=2)
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    cache = KVCache(lm.config, 32)
+    with torch.inference_mode():
+        steps = [lm.model(ids[:, :10], 0, cache)[0]]
+        for t in range(10, 20):
+            steps.append(lm.model(ids[:, t : t + 1], t, cache)[0])
+    got = torch.cat(steps)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def _reference_greedy(ref, ids, n):
+    seq = ids.clone()
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = ref(seq).logits[0, -1].argmax()
+            seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+    return seq[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_identical(family, tiny_dir):
+    ref, lm = _pair(family, tiny_dir)
+    ids = _prompt(12, seed=3)
+    expected = _reference_greedy(ref, ids, 16)
+    gen = Generator(lm)
+    events = list(gen.generate(ids[0].tolist(), 16, SamplingParams(temperature=0), ignore_eos=True))
+    assert [e.token_id for e in events] == expected
+    assert events[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_transformers(family, dtype, tiny_dir):
+    ref, lm = _pair(family, tiny_dir, dtype)
+    ids = _prompt()
+    with torch.no_grad():
+        expected = ref(ids).logits.float()
+    got = lm.model(ids)
+    assert lm.model.embed.weight.dtype == dtype
+    rel = (got - expected).norm() / expected.norm()
+    assert rel < 2e-2
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_prefix_reuse_gives_same_tokens(tiny_dir):
+    """A second call sharing the prompt prefix reuses the cache and still generates the same tokens."""
+    lm = load_model(make_tiny("llama", tiny_dir), "cpu")
+    ids = _prompt(16, seed=4)[0].tolist()
+    fresh = [e.token_id for e in Generator(lm).generate(ids, 8, SamplingParams(temperature=0), ignore_eos=True)]
+    gen = Generator(lm)
+    list(gen.generate(ids[:10], 4, SamplingParams(temperature=0), ignore_eos=True))
+    again = [e.token_id for e in gen.generate(ids, 8, SamplingParams(temperature=0), ignore_eos=True)]
+    assert gen.stats.cached_prompt_tokens == 10
+    assert again == fresh
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_matches_cpu(family, tiny_dir):
+    path = make_tiny(family, tiny_dir)
+    cpu = load_model(path, "cpu", "float32")
+    gpu = load_model(path, "cuda", "float32")
+    ids = _prompt()
+    expected = cpu.model(ids)
+    got = gpu.model(ids.cuda()).cpu()
+    assert (got - expected).abs().max().item() < 1e-3

@@ -1,0 +1,48 @@
+"""Tiny random models of every supported family, made with transformers and saved with save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+)
+
+
+def tiny_configs() -> dict:
+    import transformers as T
+
+    return {
+        "llama": T.LlamaConfig(**COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 32}),
+        "qwen2": T.Qwen2Config(**COMMON),
+        "qwen3": T.Qwen3Config(**COMMON, head_dim=24),
+        "opt": T.OPTConfig(vocab_size=160, hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4,
+                           max_position_embeddings=256, word_embed_proj_dim=64, init_std=0.1),
+        "gemma3": T.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        "mixtral": T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": T.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+        "qwen3_moe": T.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      head_dim=16, norm_topk_prob=True),
+    }
+
+
+def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
+    """Write the family's tiny random model to folder/family and return that path."""
+    import transformers as T
+
+    out = folder / family
+    if not (out / "config.json").exists():
+        torch.manual_seed(seed)
+        model = T.AutoModelForCausalLM.from_config(tiny_configs()[family])
+        model.save_pretrained(out)
+    return out
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "opt", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
