@@ -24,6 +24,7 @@ _state = {"debug": False}
 ModelArg = typer.Argument(None, help="HF model folder or .gguf file (default: the embedded Gemma 3 270M)")
 DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
+ThreadsOpt = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's choice).")
 
 
 def _version(value: bool) -> None:
@@ -40,9 +41,13 @@ def _root(
     _state["debug"] = debug
 
 
-def _load(model: Optional[Path], device: Optional[str], dtype: Optional[str]):
+def _load(model: Optional[Path], device: Optional[str], dtype: Optional[str], threads: Optional[int] = None):
+    import torch
+
     from hotcold.models.loader import default_model_path, load_model
 
+    if threads:
+        torch.set_num_threads(threads)
     return load_model(model if model is not None else default_model_path(), device, dtype)
 
 
@@ -70,15 +75,17 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096 in chat)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence (benchmarks)."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streamed to the terminal, or chat interactively without --prompt."""
     from hotcold.models.generate import Generator
     from hotcold.models.sampling import SamplingParams
 
-    lm = _load(model, device, dtype)
+    lm = _load(model, device, dtype, threads)
     if lm.tokenizer is None:
         raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; hotcold run needs a tokenizer")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -96,7 +103,7 @@ def run(
     else:
         ids = tok.encode(prompt)
     text = []
-    for event in gen.generate(ids, max_tokens, params, stop=stop, seed=seed):
+    for event in gen.generate(ids, max_tokens, params, stop=stop, seed=seed, ignore_eos=ignore_eos):
         text.append(event.text)
         if not as_json:
             print(event.text, end="", flush=True)
@@ -145,6 +152,7 @@ def perplexity(
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Score at most this many windows."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
     as_json: bool = typer.Option(False, "--json", help='Print {"ppl", "tokens_scored", "ctx"} as JSON.'),
 ) -> None:
     """Perplexity over non-overlapping windows, as llama-perplexity computes it."""
@@ -152,7 +160,7 @@ def perplexity(
 
     from hotcold.models.perplexity import calibration_text, perplexity as compute
 
-    lm = _load(model, device, dtype)
+    lm = _load(model, device, dtype, threads)
     if lm.tokenizer is None:
         raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; perplexity needs a tokenizer")
     text = _read_text(data) if data else calibration_text()
@@ -165,6 +173,18 @@ def perplexity(
         print(json.dumps({"ppl": result.ppl, "tokens_scored": result.tokens_scored, "ctx": ctx, "windows": result.windows}))
     else:
         print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens ({result.windows} windows of {ctx})")
+
+
+def _register_optional_commands() -> None:
+    """Commands whose modules are owned by other stages register here (imports stay light)."""
+    try:
+        from hotcold.server.command import serve
+    except ImportError:
+        return
+    app.command()(serve)
+
+
+_register_optional_commands()
 
 
 def main() -> None:
