@@ -1,0 +1,589 @@
+"""Read GGUF model files into hotcold's canonical tensors and an HF-style config.
+
+`GGUFFile(path)` memory-maps a llama.cpp GGUF file with `gguf.GGUFReader`, checks
+it is complete, exposes its metadata as plain Python values, translates that
+metadata into a Hugging Face `config.json`-style dict (`hf_config()`), and yields
+its tensors one at a time under the canonical names of models/NAMES.md,
+dequantised and with llama.cpp's storage conventions undone (`tensors()`):
+
+- GGUF lists dims fastest-first (ne0 = the input dim); the reader's numpy view is
+  already reversed, so a matrix comes out as PyTorch's [out, in].
+- llama.cpp permutes the q/k rows of `llama` models for its rotary layout;
+  `unpermute_rotary` restores HF's layout.
+- llama.cpp stores gemma3 norm weights as w + 1; we subtract the 1 again.
+- Llama-3 rope scaling is stored as a `rope_freqs` tensor of per-frequency
+  divisors, not as metadata; `llama3_rope_scaling` recovers HF's parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Iterator
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from hotcold.errors import ModelFileError, UnsupportedModelError
+
+__all__ = [
+    "GGUFFile",
+    "SUPPORTED_TENSOR_TYPES",
+    "canonical_name",
+    "hf_config_from_metadata",
+    "llama3_rope_scaling",
+    "permute_rotary",
+    "unpermute_rotary",
+]
+
+SUPPORTED_TENSOR_TYPES = frozenset(
+    {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+)
+
+# GGUF general.architecture -> HF model_type (llama with experts becomes "mixtral").
+_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+}
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+# Whole-model tensors: GGUF name -> canonical name.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed.weight",  # [V, D]
+    "output_norm.weight": "norm.weight",  # [D]
+    "output.weight": "lm_head.weight",  # [V, D]
+}
+# Per-layer tensors: GGUF `blk.{i}.<key>` -> canonical `layers.{i}.<value>`.
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight",
+    "post_ffw_norm.weight": "post_ffn_norm.weight",
+    "attn_q.weight": "attn.q.weight",  # [H*Dh, D]
+    "attn_k.weight": "attn.k.weight",  # [Hkv*Dh, D]
+    "attn_v.weight": "attn.v.weight",  # [Hkv*Dh, D]
+    "attn_output.weight": "attn.o.weight",  # [D, H*Dh]
+    "attn_q.bias": "attn.q.bias",
+    "attn_k.bias": "attn.k.bias",
+    "attn_v.bias": "attn.v.bias",
+    "attn_output.bias": "attn.o.bias",
+    "attn_q_norm.weight": "attn.q_norm.weight",  # [Dh]
+    "attn_k_norm.weight": "attn.k_norm.weight",  # [Dh]
+    "ffn_gate.weight": "ffn.gate.weight",  # [I, D]
+    "ffn_up.weight": "ffn.up.weight",  # [I, D]
+    "ffn_down.weight": "ffn.down.weight",  # [D, I]
+    "ffn_gate_inp.weight": "ffn.router.weight",  # [E, D]
+    "ffn_gate_exps.weight": "ffn.experts.gate",  # [E, I, D]
+    "ffn_up_exps.weight": "ffn.experts.up",  # [E, I, D]
+    "ffn_down_exps.weight": "ffn.experts.down",  # [E, D, I]
+    "ffn_gate_shexp.weight": "ffn.shared.gate.weight",  # [Is, D]
+    "ffn_up_shexp.weight": "ffn.shared.up.weight",  # [Is, D]
+    "ffn_down_shexp.weight": "ffn.shared.down.weight",  # [D, Is]
+    "ffn_gate_inp_shexp.weight": "ffn.shared_gate.weight",  # GGUF [D] -> [1, D]
+}
+# Tensors with no canonical counterpart whose content comes through hf_config().
+_SKIPPED = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_GGUF_MAGIC = b"GGUF"
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    """Canonical hotcold name of a GGUF tensor; None for tensors to skip.
+
+    Raises UnsupportedModelError for a name hotcold does not know.
+    """
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _SKIPPED:
+        return None
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise UnsupportedModelError(
+        f"tensor {gguf_name!r} is not one hotcold knows how to load; "
+        "this model variant is not supported"
+    )
+
+
+def permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (HF rotate-half layout -> interleaved pairs).
+
+    w: [n_head*Dh, ...] -> same shape; within each head, rows (j, Dh/2 + j) become
+    adjacent rows (2j, 2j + 1).
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of `permute_rotary`: llama.cpp's interleaved q/k rows back to HF's layout.
+
+    w: [n_head*Dh, ...] (a weight [n_head*Dh, D] or a bias [n_head*Dh]).
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ----------------------------------------------------------------------------------
+# Config translation
+# ----------------------------------------------------------------------------------
+
+
+def _one_line(text: Any) -> str:
+    """Collapse any whitespace (newlines included) so a message stays on one line."""
+    return " ".join(str(text).split())
+
+
+def _uniform(value: Any, key: str, source: str) -> Any:
+    """A per-layer list whose entries are all equal -> that entry; a scalar -> itself."""
+    if not isinstance(value, list):
+        return value
+    if value and all(v == value[0] for v in value):
+        return value[0]
+    raise UnsupportedModelError(
+        f"{source}: metadata {key} varies per layer ({_one_line(value[:8])}...); "
+        "hotcold needs the same value for every layer"
+    )
+
+
+class _Meta:
+    """Reads `{arch}.*` keys of a metadata dict, raising a one-line error when one is missing."""
+
+    def __init__(self, metadata: dict[str, Any], arch: str, source: str):
+        self.md, self.arch, self.source = metadata, arch, source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        full = f"{self.arch}.{key}"
+        value = self.md.get(full, default)
+        return default if value is None else _uniform(value, full, self.source)
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelFileError(
+                f"{self.source}: metadata key {self.arch}.{key} is missing; "
+                "the file is incomplete or came from an unsupported converter, re-convert it"
+            )
+        return value
+
+
+def llama3_rope_scaling(
+    freq_factors: np.ndarray, rope_theta: float, head_dim: int, original_context: int = 8192
+) -> dict[str, Any] | None:
+    """Recover HF's llama3 `rope_scaling` from llama.cpp's `rope_freqs` tensor.
+
+    freq_factors: [Dh/2], the divisor llama.cpp applies to each rotary frequency:
+    1 for short wavelengths, `factor` for long ones and a blend in between, where
+    smooth = (original_context / wavelength - low) / (high - low) and
+    divisor = 1 / ((1 - smooth) / factor + smooth). The blend is linear in
+    1 / wavelength, so a line fit through the blended entries gives low and high
+    (Meta's 1 and 4 when fewer than two entries are blended). Returns None when no
+    frequency is scaled; raises UnsupportedModelError when the factors do not
+    follow the llama3 rule.
+    """
+    f = np.asarray(freq_factors, dtype=np.float64)  # [Dh/2]
+    factor = float(f.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [Dh/2]
+    x = original_context * inv_freq / (2 * math.pi)  # original_context / wavelength
+    blended = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    low, high = 1.0, 4.0
+    if blended.sum() >= 2:
+        smooth = (1 / f[blended] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(x[blended], smooth, 1)
+        low = round(float(-intercept / slope), 4)
+        high = round(float(low + 1 / slope), 4)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 4),
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": int(original_context),
+    }
+    if f.shape != inv_freq.shape or not np.allclose(_llama3_divisors(scaling, inv_freq), f, rtol=1e-3):
+        raise UnsupportedModelError(
+            "tensor rope_freqs.weight does not follow the llama3 rope-scaling rule; "
+            "this rope scaling is not supported"
+        )
+    return scaling
+
+
+def _llama3_divisors(scaling: dict[str, Any], inv_freq: np.ndarray) -> np.ndarray:
+    """Per-frequency divisors [Dh/2] implied by HF llama3 rope_scaling (HF's formula)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (ctx / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < ctx / high, 1.0, np.where(wavelen > ctx / low, factor, blend))
+
+
+def _rope_scaling(
+    meta: _Meta, head_dim: int, rope_theta: float, rope_freqs: np.ndarray | None
+) -> dict[str, Any] | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` keys or a llama3 `rope_freqs` tensor."""
+    kind = meta.get("rope.scaling.type")
+    factor = meta.get("rope.scaling.factor")
+    original = meta.get("rope.scaling.original_context_length")
+    legacy_linear = meta.get("rope.scale_linear")  # pre-2024 files
+    if kind is None and legacy_linear not in (None, 1.0):
+        kind, factor = "linear", legacy_linear
+    if kind == "linear" and factor not in (None, 1.0):
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor is not None:
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if kind not in (None, "none", "linear"):
+        raise UnsupportedModelError(
+            f"{meta.source}: rope scaling type {kind!r} ({meta.arch}.rope.scaling.type) "
+            "is not supported; use a model without it"
+        )
+    if rope_freqs is not None:
+        try:
+            return llama3_rope_scaling(rope_freqs, rope_theta, head_dim, original or 8192)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{meta.source}: {e}") from None
+    return None
+
+
+def _dim(tensor_shapes: dict[str, tuple[int, ...]], name: str, axis: int) -> int | None:
+    """Size of `axis` of a tensor's [out, in]-order shape, or None when it is absent."""
+    shape = tensor_shapes.get(name)
+    return None if shape is None else int(shape[axis])
+
+
+def hf_config_from_metadata(
+    metadata: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    rope_freqs: np.ndarray | None = None,
+    source: str = "model.gguf",
+) -> dict[str, Any]:
+    """Translate GGUF metadata into an HF config.json-style dict.
+
+    tensor_shapes: GGUF tensor name -> shape in PyTorch order (e.g. token_embd [V, D]);
+    used for tie_word_embeddings, attention biases and sizes missing from metadata.
+    rope_freqs: llama.cpp's `rope_freqs.weight` values [Dh/2] when the file has them.
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in _MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: general.architecture {arch!r} is not supported; "
+            f"hotcold reads GGUF models of: {', '.join(sorted(_MODEL_TYPES))}"
+        )
+    meta = _Meta(metadata, arch, source)
+    n_experts = int(meta.get("expert_count", 0))
+    model_type = "mixtral" if arch == "llama" and n_experts > 0 else _MODEL_TYPES[arch]
+
+    hidden = int(meta.need("embedding_length"))
+    n_layers = int(meta.need("block_count"))
+    n_heads = int(meta.need("attention.head_count"))
+    n_kv_heads = int(meta.get("attention.head_count_kv", n_heads))
+    head_dim = int(meta.get("attention.key_length", hidden // n_heads))
+    expert_ffn = meta.get("expert_feed_forward_length") or _dim(tensor_shapes, "blk.0.ffn_gate_exps.weight", 1)
+    ffn = meta.get("feed_forward_length") or expert_ffn
+    if ffn is None:
+        meta.need("feed_forward_length")
+    vocab = meta.get("vocab_size")
+    if vocab is None:
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens else _dim(tensor_shapes, "token_embd.weight", 0)
+        if vocab is None:
+            meta.need("vocab_size")
+    rope_theta = float(meta.get("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10_000.0))
+
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [_HF_ARCHITECTURES[model_type]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(ffn),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta.need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(meta, head_dim, rope_theta, rope_freqs),
+        "max_position_embeddings": int(meta.need("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "sliding_window": meta.get("attention.sliding_window"),
+    }
+    if arch == "gemma3":
+        cfg.update(_gemma3_fields(meta, n_layers, hidden, n_heads, head_dim))
+    else:
+        cfg["hidden_act"] = "silu"
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe"):
+        cfg["use_sliding_window"] = False
+        cfg["max_window_layers"] = n_layers
+    if model_type == "mixtral":
+        cfg["num_local_experts"] = n_experts
+        cfg["num_experts_per_tok"] = int(meta.need("expert_used_count"))
+    if arch in ("qwen2moe", "qwen3moe"):
+        cfg.update(_qwen_moe_fields(meta, arch, n_experts, expert_ffn, tensor_shapes))
+    return cfg
+
+
+def _gemma3_fields(meta: _Meta, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma-3-only config fields (interleaved sliding/full attention)."""
+    pattern = meta.md.get(f"{meta.arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # newer files: one bool per layer, True = sliding
+        layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
+        pattern = next((i + 1 for i, s in enumerate(pattern) if not s), len(pattern))
+    else:  # every `pattern`-th layer is global
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
+        ]
+    # Queries are scaled by 1/sqrt(head_dim), except Gemma 3 27B (62 layers) which uses
+    # hidden/heads (HF query_pre_attn_scalar 168); llama.cpp makes the same exception.
+    scalar = hidden // n_heads if n_layers == 62 else head_dim
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "rope_local_base_freq": float(meta.get("rope.freq_base_swa", 10_000.0)),
+        "sliding_window_pattern": pattern,
+        "layer_types": layer_types,
+        "final_logit_softcapping": meta.get("final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+        "attention_bias": False,
+    }
+
+
+def _qwen_moe_fields(
+    meta: _Meta, arch: str, n_experts: int, expert_ffn: int | None, tensor_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """Qwen2-MoE / Qwen3-MoE config fields (every layer sparse)."""
+    if n_experts <= 0:
+        meta.need("expert_count")
+    fields: dict[str, Any] = {
+        "num_experts": n_experts,
+        "num_local_experts": n_experts,
+        "num_experts_per_tok": int(meta.need("expert_used_count")),
+        "moe_intermediate_size": int(expert_ffn if expert_ffn is not None else meta.need("expert_feed_forward_length")),
+        "norm_topk_prob": arch == "qwen3moe",  # llama.cpp renormalises top-k for qwen3moe only
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if arch == "qwen2moe":
+        shared = meta.get("expert_shared_feed_forward_length") or _dim(tensor_shapes, "blk.0.ffn_up_shexp.weight", 0)
+        fields["shared_expert_intermediate_size"] = int(shared) if shared is not None else 0
+    return fields
+
+
+# ----------------------------------------------------------------------------------
+# The file
+# ----------------------------------------------------------------------------------
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """GGUFReader that checks tensor types and sizes before mapping the tensor data."""
+
+    def __init__(self, path: str):
+        self._source = path
+        super().__init__(path, mode="r")
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        """As GGUFReader._get, but slicing a plain ndarray view of the map: slicing the memmap
+        itself costs ~20x more, which made opening a 262k-token vocabulary take 10 s."""
+        plain = self.__dict__.get("_plain")
+        if plain is None or plain.base is not self.data:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        itemsize = np.dtype(dtype).itemsize
+        arr = plain[offset : offset + itemsize * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        """Numeric arrays (token scores and types: 262k entries for Gemma) as one view, not one per element."""
+        if raw_type == gguf.GGUFValueType.ARRAY:
+            itype = self._get(orig_offs, np.uint32)
+            sub = gguf.GGUFValueType(int(itype[0]))
+            nptype = self.gguf_scalar_to_np.get(sub)
+            alen = self._get(orig_offs + 4, np.uint64)
+            if nptype is not None and int(alen[0]) > 0:
+                values = self._get(orig_offs + 12, nptype, int(alen[0]))
+                return 12 + int(values.nbytes), [itype, alen, values], [2], [gguf.GGUFValueType.ARRAY, sub]
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        data_end = 0  # bytes of tensor data the header promises, from start_offs
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            name = bytes(name).decode("utf-8", "replace")
+            try:
+                qtype = QT(int(raw_type[0]))
+            except ValueError:
+                raise UnsupportedModelError(
+                    f"{self._source}: tensor {name!r} has ggml type {int(raw_type[0])}, unknown to "
+                    "the installed gguf package; upgrade gguf or use another quantisation"
+                ) from None
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(dims.astype(np.int64))) * block_bytes // block
+            data_end = max(data_end, int(offset[0]) + n_bytes)
+        found = len(self.data) - start_offs
+        if found < data_end:
+            raise ModelFileError(
+                f"{self._source}: file is truncated (expected {data_end} bytes of tensor data, "
+                f"found {max(found, 0)}); re-download it"
+            )
+        super()._build_tensors(start_offs, fields)
+
+
+def _open_reader(path: str) -> gguf.GGUFReader:
+    """Open `path` with GGUFReader, turning every failure into a one-line HotcoldError."""
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: file not found; check the path")
+    if os.path.isdir(path):
+        raise ModelFileError(f"{path}: is a directory, not a .gguf file; pass the .gguf file itself")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot be read ({_one_line(e.strerror or e)}); check its permissions") from None
+    if magic != _GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); pass a llama.cpp .gguf model file"
+        )
+    try:
+        return _CheckedReader(path)
+    except (ModelFileError, UnsupportedModelError):
+        raise
+    except Exception as e:  # GGUFReader raises ValueError/IndexError/... on a cut-off header
+        raise ModelFileError(
+            f"{path}: file is truncated or corrupt ({os.path.getsize(path)} bytes; "
+            f"the GGUF header could not be read: {_one_line(e)}); re-download it"
+        ) from None
+
+
+class GGUFFile:
+    """A memory-mapped GGUF model file.
+
+    Attributes: path, metadata (every key -> plain Python value), architecture
+    (general.architecture). Opening checks the magic, the header, that all tensor
+    data lies inside the file, and that the architecture is supported.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self._reader = _open_reader(self.path)
+        self.metadata: dict[str, Any] = {key: field.contents() for key, field in self._reader.fields.items()}
+        self._check_tensor_extents()
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFileError(
+                f"{self.path}: metadata key general.architecture is missing; the file is not a complete GGUF model"
+            )
+        if arch not in _MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"{self.path}: general.architecture {arch!r} is not supported; "
+                f"hotcold reads GGUF models of: {', '.join(sorted(_MODEL_TYPES))}"
+            )
+        self.architecture: str = arch
+
+    def _check_tensor_extents(self) -> None:
+        """Every tensor's bytes must lie inside the file (the reader maps, it does not read)."""
+        size = len(self._reader.data)
+        end = max((t.data_offset + int(t.n_bytes) for t in self._reader.tensors), default=0)
+        if end > size:
+            raise ModelFileError(
+                f"{self.path}: file is truncated (expected {end - self._reader.data_offset} bytes of tensor data, "
+                f"found {size - self._reader.data_offset}); re-download it"
+            )
+
+    def tensor_inventory(self) -> list[tuple[str, list[int], str]]:
+        """(GGUF name, shape, ggml type) of every tensor, sorted: what the model fingerprint hashes."""
+        return sorted((t.name, list(shape), t.tensor_type.name)
+                      for t, shape in zip(self._reader.tensors, self.tensor_shapes().values()))
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """GGUF tensor name -> shape in PyTorch order (GGUF's dims reversed)."""
+        return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in self._reader.tensors}
+
+    def hf_config(self) -> dict[str, Any]:
+        """A Hugging Face config.json-style dict (with "model_type") for this model."""
+        rope_freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
+        freqs = None if rope_freqs is None else self._dequantize(rope_freqs)  # [Dh/2]
+        return hf_config_from_metadata(self.metadata, self.tensor_shapes(), freqs, source=self.path)
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (canonical name, tensor) one at a time, dequantised into `dtype`.
+
+        All names and types are checked before the first tensor is yielded.
+        """
+        plan = [(t, self._canonical(t)) for t in self._reader.tensors]
+        for t, name in plan:
+            if name is not None:
+                self._check_type(t)
+        heads = self._head_counts()
+        for t, name in plan:
+            if name is None:
+                continue
+            w = self._convert(t, heads)
+            yield name, torch.from_numpy(w).to(dtype)
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _canonical(self, t: Any) -> str | None:
+        try:
+            return canonical_name(t.name)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{self.path}: {e}") from None
+
+    def _check_type(self, t: Any) -> None:
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which hotcold cannot "
+                f"dequantise (supported: {supported}); use a file quantised with a supported type"
+            )
+
+    def _head_counts(self) -> tuple[int, int]:
+        meta = _Meta(self.metadata, self.architecture, self.path)
+        n_heads = int(meta.need("attention.head_count"))
+        return n_heads, int(meta.get("attention.head_count_kv", n_heads))
+
+    def _dequantize(self, t: Any) -> np.ndarray:
+        """Tensor data as a fresh float32 array in PyTorch order ([out, in]; experts [E, out, in])."""
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        if t.tensor_type == QT.F32:
+            w = w.copy()  # F32 "dequantises" to a view of the mmap: never hand that out
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF dims are ne0 (input) first
+        return w.astype(np.float32, copy=False).reshape(shape)
+
+    def _convert(self, t: Any, heads: tuple[int, int]) -> np.ndarray:
+        """Dequantise one tensor and undo llama.cpp's storage conventions."""
+        w = self._dequantize(t)
+        key = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
+        if self.architecture == "llama" and key in ("attn_q.weight", "attn_q.bias"):
+            w = unpermute_rotary(w, heads[0])  # w: [H*Dh, D]
+        elif self.architecture == "llama" and key in ("attn_k.weight", "attn_k.bias"):
+            w = unpermute_rotary(w, heads[1])  # w: [Hkv*Dh, D]
+        elif self.architecture == "gemma3" and key.endswith("norm.weight"):
+            w = w - 1.0  # stored as 1 + w; HF's Gemma3RMSNorm adds the 1 itself
+        elif key == "ffn_gate_inp_shexp.weight":
+            w = w.reshape(1, -1)  # [D] -> [1, D]
+        return np.ascontiguousarray(w)
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({self.path!r}, architecture={self.architecture!r}, tensors={len(self._reader.tensors)})"
