@@ -115,3 +115,20 @@ def test_cuda_matches_cpu(family, tiny_dir):
     expected = cpu.model(ids)
     got = gpu.model(ids.cuda()).cpu()
     assert (got - expected).abs().max().item() < 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_bf16_close_to_transformers(family, tiny_dir):
+    path = make_tiny(family, tiny_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    lm = load_model(path, "cuda", "bfloat16")
+    ids = _prompt().cuda()
+    with torch.no_grad():
+        expected = ref(ids).logits.float()
+    got = lm.model(ids)
+    assert (got.norm() > 0) and ((got - expected).norm() / expected.norm() < 2e-2)
+    gen = Generator(lm)
+    tokens = [e.token_id for e in gen.generate(ids[0].tolist(), 8, SamplingParams(temperature=0), ignore_eos=True)]
+    assert len(tokens) == 8
