@@ -175,16 +175,14 @@ def perplexity(
         print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens ({result.windows} windows of {ctx})")
 
 
-def _register_optional_commands() -> None:
-    """Commands whose modules are owned by other stages register here (imports stay light)."""
-    try:
-        from hotcold.server.command import serve
-    except ImportError:
-        return
+def _register_stage_commands() -> None:
+    """Commands whose code lives with their stage (server/); their heavy imports stay inside them."""
+    from hotcold.server.command import serve
+
     app.command()(serve)
 
 
-_register_optional_commands()
+_register_stage_commands()
 
 
 def main() -> None:

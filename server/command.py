@@ -1,0 +1,83 @@
+"""`hotcold serve`: start uvicorn at once, load the model in the background, serve the OpenAI API."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hotcold.errors import HotcoldError, ModelFileError
+
+log = logging.getLogger("hotcold.server")
+
+
+def serve(
+    model: Optional[Path] = typer.Argument(None, help="HF model folder or .gguf file "
+                                                      "(default: the embedded Gemma 3 270M)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for all interfaces)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="HOTCOLD_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    max_concurrency: int = typer.Option(8, "--max-concurrency", min=1,
+                                        help="Most requests admitted (running + waiting); more get 429."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on "
+                                                             "CPU, bfloat16 on GPU)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name",
+                                             help="Model id in /v1/models (default: the model file or folder name)."),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
+    import uvicorn
+
+    from hotcold.models.loader import default_model_path, load_model, resolve_device, resolve_dtype
+    from hotcold.server.app import create_app
+    from hotcold.server.engine import Engine
+
+    path = (model if model is not None else default_model_path()).expanduser()
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file or folder; pass an HF model folder or a .gguf file")
+    resolve_dtype(dtype, resolve_device(device))  # bad options fail before the server starts
+    name = model_name or (path.stem if path.is_file() else path.name)
+    sock = _listen(host, port)
+
+    _log_to_console()
+    log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
+    engine = Engine(lambda: load_model(path, device, dtype), max_concurrency, ctx)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
+                                           log_level="info", timeout_graceful_shutdown=5))
+    engine.start(on_fatal=lambda: setattr(server, "should_exit", True))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+    if engine.load_error:
+        raise HotcoldError(engine.load_error)
+
+
+def _log_to_console() -> None:
+    """The server's own log lines, formatted like uvicorn's."""
+    from uvicorn.logging import DefaultFormatter
+
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the listening socket here so a taken port is a one-line error, not a uvicorn traceback."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise HotcoldError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
