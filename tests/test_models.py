@@ -132,3 +132,16 @@ def test_cuda_bf16_close_to_transformers(family, tiny_dir):
     gen = Generator(lm)
     tokens = [e.token_id for e in gen.generate(ids[0].tolist(), 8, SamplingParams(temperature=0), ignore_eos=True)]
     assert len(tokens) == 8
+
+
+def test_sharded_checkpoint_loads_like_single(tiny_dir, tmp_path):
+    """save_pretrained with a small shard size writes model.safetensors.index.json + shards."""
+    path = make_tiny("qwen2_moe", tiny_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    single, sharded = load_model(path, "cpu"), load_model(tmp_path / "sharded", "cpu")
+    ids = _prompt()
+    assert torch.equal(single.model(ids), sharded.model(ids))
+    assert single.fingerprint != load_model(make_tiny("qwen2", tiny_dir), "cpu").fingerprint
