@@ -143,11 +143,15 @@ class LlamaConfig(ModelConfig):
         f["attn_bias"] = bool(d.get("attention_bias", False))
         if d.get("mlp_bias"):
             raise UnsupportedModelError("config: mlp_bias=true is not supported for llama models")
-        window = d.get("sliding_window")
-        if window:
-            f["sliding_window"] = int(window)
-            f["layer_types"] = ["sliding_attention"] * f["num_layers"]
+        _mistral_sliding(d, f)
         return cls(**f)
+
+
+def _mistral_sliding(d: dict, f: dict) -> None:
+    """Mistral-style configs: a sliding_window, when set, applies to every layer."""
+    if d.get("sliding_window"):
+        f["sliding_window"] = int(d["sliding_window"])
+        f["layer_types"] = ["sliding_attention"] * f["num_layers"]
 
 
 def _qwen_sliding(d: dict, f: dict) -> None:
@@ -324,11 +328,8 @@ class MixtralConfig(MoEConfig):
     @classmethod
     def from_hf(cls, d: dict) -> "MixtralConfig":
         f = _common_fields(d)
-        window = d.get("sliding_window")
-        if window:
-            f["sliding_window"] = int(window)
-            f["layer_types"] = ["sliding_attention"] * f["num_layers"]
-        return cls(**f, **cls._moe_fields(d, True), )
+        _mistral_sliding(d, f)
+        return cls(**f, **cls._moe_fields(d, True))
 
 
 @dataclass
