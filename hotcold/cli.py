@@ -115,7 +115,7 @@ def run(
             "ttft_s": round(s.ttft_s, 4), "decode_tok_per_s": round(s.decode_tok_per_s, 2),
         }))
     else:
-        print()
+        print(flush=True)
         print(f"[{s.prompt_tokens} prompt tokens, {s.completion_tokens} generated, ttft {s.ttft_s:.2f} s, "
               f"{s.decode_tok_per_s:.1f} tok/s, {s.finish_reason}]", file=sys.stderr)
 
