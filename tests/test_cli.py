@@ -44,30 +44,28 @@ def test_truncated_gguf(smollm2_path, tmp_path):
     assert_one_line_error(run_cli("run", bad, "--prompt", "hi"), "cut.gguf", "truncated")
 
 
+def _with_config(src, dest, **changes):
+    """A copy of the model folder src whose config.json has `changes` applied."""
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(changes)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
 def test_unknown_architecture(tiny_llama, tmp_path):
-    bad = tmp_path / "bert"
-    shutil.copytree(tiny_llama, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["model_type"] = "bert"
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _with_config(tiny_llama, tmp_path / "bert", model_type="bert")
     assert_one_line_error(run_cli("perplexity", bad), "config.json", "model_type='bert'")
 
 
 def test_config_weights_mismatch(tiny_llama, tmp_path):
-    bad = tmp_path / "mismatch"
-    shutil.copytree(tiny_llama, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["intermediate_size"] = 128
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _with_config(tiny_llama, tmp_path / "mismatch", intermediate_size=128)
     assert_one_line_error(run_cli("perplexity", bad), "ffn", "does not match")
 
 
 def test_missing_layer_in_weights(tiny_llama, tmp_path):
-    bad = tmp_path / "deeper"
-    shutil.copytree(tiny_llama, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["num_hidden_layers"] += 1
-    (bad / "config.json").write_text(json.dumps(cfg))
+    layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
+    bad = _with_config(tiny_llama, tmp_path / "deeper", num_hidden_layers=layers + 1)
     assert_one_line_error(run_cli("perplexity", bad), "layers.3", "missing")
 
 
