@@ -35,10 +35,10 @@ class ModelConfig:
     attn_bias: bool = False  # q/k/v projections carry a bias
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention"
+    activation: str = "silu"  # FFN activation: "silu", "relu" (ReLU-fied models), "gelu_tanh"
 
     # Behaviour of the family (overridden by subclasses).
     norm_kind: ClassVar[str] = "rms"  # "rms", "rms_plus_one" (gemma: x * (1 + w)), "layer"
-    activation: ClassVar[str] = "silu"  # "silu", "relu", "gelu_tanh"
     qk_norm: ClassVar[bool] = False
     sandwich_norms: ClassVar[bool] = False  # gemma3: norms after attention and FFN too
     rope_interleaved_gguf: ClassVar[bool] = False
@@ -104,6 +104,17 @@ def _rope(d: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
     return theta, dict(scaling, rope_type=kind)
 
 
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _activation(d: dict, default: str) -> str:
+    name = d.get("hidden_act") or d.get("hidden_activation") or default
+    if name not in _ACTIVATIONS:
+        known = ", ".join(sorted(_ACTIVATIONS))
+        raise UnsupportedModelError(f"config: hidden_act '{name}' is not supported (supported: {known})")
+    return _ACTIVATIONS[name]
+
+
 def _common_fields(d: dict) -> dict:
     hidden = int(_req(d, "hidden_size"))
     heads = int(_req(d, "num_attention_heads"))
@@ -125,6 +136,7 @@ def _common_fields(d: dict) -> dict:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_list(d),
+        activation=_activation(d, "silu"),
     )
 
 
@@ -193,7 +205,6 @@ class OPTConfig(ModelConfig):
     """OPT: LayerNorm, ReLU FFN with biases, learned positions (offset 2), tied head."""
 
     norm_kind: ClassVar[str] = "layer"
-    activation: ClassVar[str] = "relu"
     word_embed_proj_dim: int = 0
     pre_norm: bool = True  # do_layer_norm_before
     final_norm: bool = True
@@ -226,6 +237,7 @@ class OPTConfig(ModelConfig):
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_list(d),
             attn_bias=True,
+            activation="relu",
             word_embed_proj_dim=int(d.get("word_embed_proj_dim") or hidden),
             pre_norm=pre_norm,
             final_norm=pre_norm and not d.get("_remove_final_layer_norm", False),
@@ -237,7 +249,6 @@ class Gemma3Config(ModelConfig):
     """Gemma 3 (text): GeGLU, sandwich norms, QK-norm, sliding/global layers, scaled tied embeddings."""
 
     norm_kind: ClassVar[str] = "rms_plus_one"
-    activation: ClassVar[str] = "gelu_tanh"
     qk_norm: ClassVar[bool] = True
     sandwich_norms: ClassVar[bool] = True
     query_pre_attn_scalar: float = 256.0
@@ -264,7 +275,7 @@ class Gemma3Config(ModelConfig):
             d = dict(d["text_config"], model_type="gemma3_text")
         if d.get("attn_logit_softcapping"):
             raise UnsupportedModelError("config: gemma3 attn_logit_softcapping is not supported")
-        f = _common_fields(d)
+        f = _common_fields(dict(d, hidden_activation=d.get("hidden_activation") or "gelu_pytorch_tanh"))
         f["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", True))
         f["attn_bias"] = bool(d.get("attention_bias", False))
         n = f["num_layers"]

@@ -332,7 +332,8 @@ def hf_config_from_metadata(
     if arch == "gemma3":
         cfg.update(_gemma3_fields(meta, n_layers, hidden, n_heads, head_dim))
     else:
-        cfg["hidden_act"] = "silu"
+        # Generated benchmark models (tools/make_model.py) are ReLU-fied llamas; llama.cpp ignores this key.
+        cfg["hidden_act"] = metadata.get("hotcold.hidden_act", "silu")
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe"):
         cfg["use_sliding_window"] = False

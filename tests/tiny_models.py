@@ -19,6 +19,7 @@ def tiny_configs() -> dict:
         "llama": T.LlamaConfig(**COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                            "original_max_position_embeddings": 32}),
+        "llama_relu": T.LlamaConfig(**COMMON, hidden_act="relu"),  # ReLU-fied llama (ProSparse, ReluLLaMA)
         "mistral": T.MistralConfig(**COMMON, sliding_window=8),
         "qwen2": T.Qwen2Config(**COMMON),
         "qwen3": T.Qwen3Config(**COMMON, head_dim=24),
@@ -46,4 +47,4 @@ def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
     return out
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "llama_relu", "mistral", "qwen2", "qwen3", "opt", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
