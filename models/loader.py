@@ -122,13 +122,43 @@ def _copy(params: dict, name: str, expert: int | None, tensor: torch.Tensor, sou
     dest.copy_(tensor)
 
 
-def load_model(path: str | Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load an HF folder or a GGUF file. Raises HotcoldError subclasses with one-line messages."""
+@dataclass
+class ModelInfo:
+    """What a model is, read from its headers only (no weights): for planning and artifact checks."""
+
+    config: ModelConfig
+    path: Path
+    fingerprint: str
+
+
+def describe_model(path: str | Path) -> ModelInfo:
+    """Config and fingerprint of an HF folder or GGUF file without loading its weights."""
+    path = _existing(path)
+    if path.is_dir():
+        from hotcold.models import hf_loader
+
+        raw = hf_loader.read_config(path)
+        config = config_from_hf(raw, source=str(path / "config.json"))
+        return ModelInfo(config, path, fingerprint(raw, hf_loader.tensor_inventory(path)))
+    from hotcold.models.gguf_loader import GGUFFile
+
+    gguf = GGUFFile(path)
+    raw = gguf.hf_config()
+    return ModelInfo(config_from_hf(raw, source=str(path)), path, fingerprint(raw, gguf.tensor_inventory()))
+
+
+def _existing(path: str | Path) -> Path:
     path = Path(path).expanduser()
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or folder; pass an HF model folder or a .gguf file")
+    return path
+
+
+def load_model(path: str | Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load an HF folder or a GGUF file. Raises HotcoldError subclasses with one-line messages."""
+    path = _existing(path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     if path.is_dir():
         from hotcold.models import hf_loader
 

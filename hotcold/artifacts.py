@@ -1,0 +1,82 @@
+"""Where a model's artifacts live (profile, predictors, plan) and how they are written and checked.
+
+Artifacts sit next to the model, in `<model>.hotcold/` (e.g. `llama-7b.hotcold/` beside the folder
+`llama-7b/`, `model.hotcold/` beside `model.gguf`). When that place is not writable (a model inside
+a read-only package), they go to `$HOTCOLD_HOME/<name>-<fingerprint>/` (default `~/.cache/hotcold`).
+Every artifact records the model fingerprint; one made for another model is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from hotcold.errors import HotcoldError
+
+
+class ArtifactError(HotcoldError):
+    """An artifact is missing, unreadable, or made for another model."""
+
+
+def _beside(model_path: Path) -> Path:
+    model_path = Path(model_path).expanduser().resolve()
+    stem = model_path.stem if model_path.is_file() else model_path.name
+    return model_path.parent / f"{stem}.hotcold"
+
+
+def _cache(model_path: Path, fingerprint: str) -> Path:
+    home = Path(os.environ.get("HOTCOLD_HOME", Path.home() / ".cache" / "hotcold")).expanduser()
+    model_path = Path(model_path)
+    stem = model_path.stem if model_path.is_file() else model_path.name
+    return home / f"{stem}-{fingerprint}"
+
+
+def find_artifact_dir(model_path: Path, fingerprint: str) -> Path | None:
+    """The existing artifact folder of this model, or None: beside it first, then the cache."""
+    for d in (_beside(model_path), _cache(model_path, fingerprint)):
+        if d.is_dir():
+            return d
+    return None
+
+
+def artifact_dir(model_path: Path, fingerprint: str, out: Path | None = None) -> Path:
+    """The folder to write this model's artifacts to (created): `out`, beside the model, or the cache."""
+    if out is not None:
+        candidates = [Path(out).expanduser()]
+    else:
+        candidates = [_beside(model_path), _cache(model_path, fingerprint)]
+    for d in candidates:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return d
+    raise ArtifactError(f"{candidates[0]}: cannot create or write this folder; pass --out DIR")
+
+
+@contextlib.contextmanager
+def atomic_path(dest: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`; on success it is renamed over `dest`, else removed."""
+    dest = Path(dest)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def check_fingerprint(found: str | None, expected: str, what: Path) -> None:
+    """Refuse an artifact whose recorded fingerprint is not this model's."""
+    if found != expected:
+        raise ArtifactError(
+            f"{what}: made for another model (fingerprint {found}, this model is {expected}); "
+            "re-run `hotcold profile`/`hotcold plan` for this model or point to the right file"
+        )
