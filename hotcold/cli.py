@@ -177,8 +177,10 @@ def perplexity(
 
 def _register_stage_commands() -> None:
     """Commands whose code lives with their stage (server/); their heavy imports stay inside them."""
+    from hotcold.profiler.command import profile
     from hotcold.server.command import serve
 
+    app.command()(profile)
     app.command()(serve)
 
 

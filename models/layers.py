@@ -217,10 +217,13 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(n, dim, hidden))
         self.act = activation_fn(act)
 
+    def activations(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's down-projection input. x: [N, D] -> h: [N, I]."""
+        return self.act(x @ self.gate[e].T) * (x @ self.up[e].T)
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         # x: [N, D] -> [N, D]
-        h = self.act(x @ self.gate[e].T) * (x @ self.up[e].T)
-        return h @ self.down[e].T
+        return self.activations(e, x) @ self.down[e].T
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,14 +254,24 @@ class MoEFFN(FFN):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         weights, ids = route(self.router(x), self.top_k, self.renormalise)  # [N, k]
+        out = self.mix(x, weights, ids, self.experts.expert)
+        return self.add_shared(x, out).reshape(shape)
+
+    @staticmethod
+    def mix(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_fn) -> torch.Tensor:
+        """Sum of each token's routed experts' outputs. x: [N, D]; weights, ids: [N, k]; expert_fn(e, x_e)."""
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            y = self.experts.expert(e, x[rows]) * weights[rows, slot, None].to(x.dtype)
+            y = expert_fn(e, x[rows]) * weights[rows, slot, None].to(x.dtype)
             out.index_add_(0, rows, y)
+        return out
+
+    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Add the sigmoid-gated shared expert, when the family has one. x, out: [N, D]."""
         if hasattr(self, "shared"):
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out.reshape(shape)
+        return out
 
 
 def make_ffn(config: ModelConfig, layer: int) -> FFN:

@@ -48,3 +48,23 @@ def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
 
 
 FAMILIES = ["llama", "llama_relu", "mistral", "qwen2", "qwen3", "opt", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+def add_tiny_tokenizer(folder: Path, vocab_size: int = 160) -> Path:
+    """Train a small BPE tokenizer (vocabulary <= the tiny models' 160) on Python's documentation
+    and save it beside a tiny model, so text-driven commands (profile, run) work on it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hotcold.models.perplexity import calibration_text
+
+    if not (folder / "tokenizer.json").exists():
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=80)
+        tok.train_from_iterator([calibration_text()[:200_000]], trainer)
+        assert tok.get_vocab_size() <= vocab_size
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(
+            '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}')
+    return folder

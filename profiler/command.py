@@ -1,0 +1,102 @@
+"""`hotcold profile`: which neurons and experts fire, written beside the model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hotcold.errors import HotcoldError
+
+
+def profile(
+    model: Optional[Path] = typer.Argument(None, help="HF model folder or .gguf file (default: the embedded Gemma 3 270M)"),
+    data: list[Path] = typer.Option([], "--data", help="Calibration text: .txt, or .jsonl with a 'text' field "
+                                                       "(repeatable; default: Python's documentation)."),
+    tokens: int = typer.Option(65536, "--tokens", min=1, help="Tokens to count activations over."),
+    seq_len: int = typer.Option(512, "--seq-len", min=8, help="Tokens per calibration sequence."),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", min=0.0, max=0.99,
+                                             help="Gated FFNs: fixed target sparsity (instead of --ppl-budget)."),
+    ppl_budget: Optional[float] = typer.Option(None, "--ppl-budget", min=0.0001, max=1.0,
+                                               help="Gated FFNs: largest sparsity whose held-out perplexity rises "
+                                                    "by at most this fraction (default 0.01)."),
+    samples: int = typer.Option(4096, "--samples", min=0, help="Predictor-training samples kept per layer."),
+    heldout: int = typer.Option(2048, "--heldout-tokens", min=0, help="Held-out tokens for perplexity."),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch."),
+) -> None:
+    """Stream calibration text through the model and record which neurons and experts fire."""
+    import torch
+    from rich.console import Console
+
+    from hotcold.artifacts import artifact_dir
+    from hotcold.models.loader import default_model_path, load_model
+    from hotcold.profiler.artifact import write_profile
+    from hotcold.profiler.data import default_source, read_source, tokenise
+    from hotcold.profiler.profile import ProfileOptions, run_profile, thresholded_kinds
+    from hotcold.profiler.report import plot, print_table
+
+    if sparsity is not None and ppl_budget is not None:
+        raise HotcoldError("give either --sparsity or --ppl-budget, not both")
+    sources = [read_source(p) for p in data] or [default_source()]
+    if threads:
+        torch.set_num_threads(threads)
+    console = Console(stderr=True)
+    lm = load_model(model if model is not None else default_model_path(), device, dtype)
+    if lm.tokenizer is None:
+        raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; profiling needs a tokenizer")
+    folder = artifact_dir(lm.path, lm.fingerprint, out)
+    gated = thresholded_kinds(lm)
+    if not gated and (sparsity is not None or ppl_budget is not None):
+        console.print("note: ReLU model: neurons are active when they fire; --sparsity/--ppl-budget do not apply")
+    opts = ProfileOptions(tokens=tokens, seq_len=seq_len, sparsity=sparsity if gated else None,
+                          ppl_budget=ppl_budget if ppl_budget is not None else 0.01, samples=samples,
+                          heldout_tokens=heldout if gated else 0, seed=seed)
+    if gated and opts.sparsity is None and heldout < seq_len:
+        raise HotcoldError(f"--heldout-tokens {heldout} is less than one --seq-len window ({seq_len}); "
+                           "the perplexity budget needs held-out text (or give --sparsity)")
+    cal = tokenise(lm.tokenizer, sources, tokens, seq_len, opts.heldout_tokens)
+    if cal.reused:
+        have = sum(s.tokens for s in sources) - len(cal.heldout)
+        console.print(f"note: the data has {have} tokens for counting, fewer than --tokens {tokens}; "
+                      "reusing it with shifted windows")
+    with _progress(console) as update:
+        tensors, meta = run_profile(lm, cal, opts, update)
+    paths = write_profile(folder, tensors, meta, lambda p: plot(
+        {r["layer"]: tensors.get(f"layers.{r['layer']}.neuron_freq", tensors.get(f"layers.{r['layer']}.expert_freq"))
+         for r in meta["layers"]}, meta, p))
+    print_table(meta, console)
+    for p in paths:
+        print(p)
+    sys.stdout.flush()
+
+
+class _progress:
+    """A rich progress bar per stage: tokens done, tokens/s, time left."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console, transient=True)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self.update
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=total or None, rate="")
+        task = self.tasks[stage]
+        elapsed = self.bar.tasks[task].elapsed or 0
+        rate = f"{done / elapsed:,.0f} tok/s" if total and elapsed > 0 else f"{done} evaluations"
+        self.bar.update(task, completed=done, rate=rate)
