@@ -1,1 +1,19 @@
-"""hotcold.sparse_ops"""
+"""hotcold.sparse_ops: kernels only, no model knowledge.
+
+cpu  numba kernels over a *selected subset of rows* of a host matrix (`HostMatrix`: f32, fp16/bf16
+     bits, or int8 with per-row scale): `gemv_rows` (out[j] = m[rows[j]]·x), `axpy_rows`
+     (out += Σ coeff[j]·m[rows[j]]), the fused FFN `ffn_rows` / `ffn_rows_batch` (gated or
+     ungated+bias; relu | silu | gelu_tanh), dense `gemv`, `set_threads`, and numpy selection
+     helpers (`mask_to_rows`, `index_map`, `split_rows`). All release the GIL.
+gpu  torch ops for the GPU's compacted hot neurons (device-agnostic): `compact_rows`, `hot_ffn`,
+     `mask_to_rows`, `index_map`, `split_mask`, `split_rows`.
+
+Row layout: one neuron is one row, so pass W_up/W_gate as [I, D] and W_down transposed, [I, D].
+"""
+
+from . import cpu, gpu
+from .cpu import HostMatrix, axpy_rows, ffn_rows, ffn_rows_batch, gemv, gemv_rows, set_threads
+from .gpu import compact_rows, hot_ffn
+
+__all__ = ["cpu", "gpu", "HostMatrix", "gemv_rows", "gemv", "axpy_rows", "ffn_rows", "ffn_rows_batch",
+           "set_threads", "compact_rows", "hot_ffn"]

@@ -1,0 +1,434 @@
+"""CPU sparse kernels: numba GEMV / axpy / fused FFN over a selected subset of matrix rows.
+
+A `HostMatrix` holds a row-major [N, D] matrix in host memory (f32, fp16 or bf16 bits as uint16,
+or int8 with a per-row scale). The kernels read only the rows they are given, so their cost is
+proportional to the number of selected rows, not to N. Weights of one neuron are one row: for an
+FFN pass W_up / W_gate as [I, D] and W_down *transposed*, also [I, D].
+
+All kernels are `numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)`: they release the
+GIL, so a worker thread can run them while the main thread queues GPU work. fp16/bf16 are widened
+to float32 in the inner loop by LLVM intrinsics (no float16 array type in numba); accumulation is
+float32. The thread count is numba's and is *thread-local*: call `set_threads` in the thread that
+runs the kernels.
+
+Reductions into out[D] (axpy, the down projection) give each thread a chunk of the selected rows
+and its own partial sum, then add the partials in parallel over D. Splitting D among threads
+instead was measured slower: 85 vs 28 GB/s (f32), 101 vs 13 (f16) with 16 threads on the H200 host,
+K = 4096 of 32768 rows, D = 4096 (`tools/bench_kernels.py --variants`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+__all__ = [
+    "HostMatrix", "quantize_i8", "gemv_rows", "gemv", "axpy_rows", "ffn_rows", "ffn_rows_batch",
+    "set_threads", "get_threads", "mask_to_rows", "index_map", "split_rows", "ACTS", "KINDS",
+]
+
+KINDS = ("f32", "f16", "bf16", "i8")
+ACTS = {"relu": 0, "silu": 1, "gelu_tanh": 2}
+_STORAGE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16, "i8": np.int8}
+_FROM_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_TO_DTYPE = {v: k for k, v in _FROM_DTYPE.items()}
+_JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)
+_TILE_BYTES = 1 << 16  # per-thread partial sums of one token tile: tile * D * 4 bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Element widening: storage element -> float32, inlined into the inner loops.
+# fp16 bits travel as int16 and bf16 bits as uint16 so that numba dispatches on the array type.
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, v):
+    """bf16 bits (16-bit int) -> float32: zext to i32, shl 16, bitcast."""
+    if not isinstance(v, types.Integer) or v.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = builder.zext(args[0], ir.IntType(32))
+        w = builder.shl(w, ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(w, ir.FloatType())
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, v):
+    """fp16 bits (16-bit int) -> float32: bitcast to half, fpext."""
+    if not isinstance(v, types.Integer) or v.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(v), codegen
+
+
+def _widen(v):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_widen, inline="always")
+def _widen_impl(v):
+    if v == types.float32:
+        return lambda v: v
+    if v == types.int8:
+        return lambda v: np.float32(v)
+    if v == types.uint16:
+        return lambda v: _bf16_bits_to_f32(v)
+    if v == types.int16:
+        return lambda v: _f16_bits_to_f32(v)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. `w` is the storage array (float32 | int16 fp16 bits | uint16 bf16 bits | int8),
+# `s` a float32 [N] per-row scale (ones unless int8), `rows` int64 [K].
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _dot(wr, x):
+    # wr: [D] storage, x: [D] float32 -> float32
+    acc = np.float32(0.0)
+    for d in range(x.shape[0]):
+        acc += _widen(wr[d]) * x[d]
+    return acc
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _act(z, act):
+    # z: float32 scalar; act: 0 relu, 1 silu, 2 gelu_tanh
+    if act == 0:
+        return z if z > 0 else np.float32(0.0)
+    if act == 1:
+        if z >= 0:
+            return z / (np.float32(1.0) + np.exp(-z))
+        e = np.exp(z)
+        return z * e / (np.float32(1.0) + e)
+    c = np.float32(0.7978845608028654)  # sqrt(2/pi)
+    return np.float32(0.5) * z * (np.float32(1.0) + np.tanh(c * (z + np.float32(0.044715) * z * z * z)))
+
+
+@njit(nogil=True, cache=True)
+def _rows_in_range(rows, n):
+    for j in range(rows.shape[0]):
+        if rows[j] < 0 or rows[j] >= n:
+            return False
+    return True
+
+
+@njit(**_JIT)
+def _gemv_rows_kernel(w, s, rows, x, out):
+    # w: [N, D], rows: [K], x: [D], out: [K] (overwritten)
+    for j in prange(rows.shape[0]):
+        r = rows[j]
+        out[j] = _dot(w[r], x) * s[r]
+
+
+@njit(**_JIT)
+def _axpy_rows_kernel(w, s, rows, coeff, nt, out):
+    # out[D] += sum_j coeff[j] * w[rows[j]]: nt chunks of rows, per-chunk partial sums, then a reduction
+    K, D = rows.shape[0], w.shape[1]
+    part = np.empty((nt, D), np.float32)
+    for c in prange(nt):
+        p = part[c]
+        for d in range(D):
+            p[d] = 0.0
+        for j in range(c * K // nt, (c + 1) * K // nt):
+            r = rows[j]
+            a = coeff[j] * s[r]
+            if a != 0.0:
+                wr = w[r]
+                for d in range(D):
+                    p[d] += a * _widen(wr[d])
+    for d in prange(D):
+        acc = np.float32(0.0)
+        for c in range(nt):
+            acc += part[c, d]
+        out[d] += acc
+
+
+@njit(**_JIT)
+def _ffn_rows_kernel(X, rows, up, us, gate, gs, bias, down, ds, act, gated, use_bias, nt, tile, out):
+    # X: [T, D]; up/gate/down: [N, D]; out: [T, D] (+=). Tokens go in tiles of `tile`; the rows are
+    # split in nt chunks, each accumulating its part of h @ down into part[c] (no races), then reduced.
+    T, D = X.shape
+    K = rows.shape[0]
+    part = np.empty((nt, tile, D), np.float32)
+    hbuf = np.empty((nt, tile), np.float32)
+    for t0 in range(0, T, tile):
+        n = min(tile, T - t0)
+        for c in prange(nt):
+            p = part[c]
+            h = hbuf[c]
+            for t in range(n):
+                for d in range(D):
+                    p[t, d] = 0.0
+            for j in range(c * K // nt, (c + 1) * K // nt):
+                r = rows[j]
+                upr = up[r]
+                nz = False
+                for t in range(n):
+                    xt = X[t0 + t]
+                    if gated:
+                        g = _act(_dot(gate[r], xt) * gs[r], act)
+                        hv = g * (_dot(upr, xt) * us[r]) if g != 0.0 else np.float32(0.0)
+                    else:
+                        z = _dot(upr, xt) * us[r]
+                        if use_bias:
+                            z += bias[r]
+                        hv = _act(z, act)
+                    h[t] = hv * ds[r]
+                    nz = nz or hv != 0.0
+                if nz:  # skip reading the down row when every token's activation is exactly zero
+                    dr = down[r]
+                    for t in range(n):
+                        a = h[t]
+                        if a != 0.0:
+                            pt = p[t]
+                            for d in range(D):
+                                pt[d] += a * _widen(dr[d])
+        for d in prange(D):
+            for t in range(n):
+                acc = np.float32(0.0)
+                for c in range(nt):
+                    acc += part[c, t, d]
+                out[t0 + t, d] += acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Host matrices
+
+def quantize_i8(w: torch.Tensor, block_rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row int8: returns (q int8 [N, D], scale float32 [N]) with w ≈ q * scale[:, None]."""
+    w = w.detach().cpu()
+    n, d = w.shape
+    q = np.empty((n, d), np.int8)
+    scale = np.empty(n, np.float32)
+    for lo in range(0, n, block_rows):  # bounded temporary memory for big matrices
+        b = w[lo:lo + block_rows].float()
+        sc = b.abs().amax(dim=1) / 127.0
+        inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
+        q[lo:lo + block_rows] = (b * inv[:, None]).round_().clamp_(-127, 127).to(torch.int8).numpy()
+        scale[lo:lo + block_rows] = sc.numpy()
+    return q, scale
+
+
+class HostMatrix:
+    """A row-major [N, D] matrix in host memory, kept for row-gathered access.
+
+    data: float32 [N, D] | uint16 [N, D] holding fp16 or bf16 bits | int8 [N, D]
+    kind: "f32" | "f16" | "bf16" | "i8"
+    scale: float32 [N] per-row scale, only for "i8" (row ≈ data * scale)
+    """
+
+    def __init__(self, data: np.ndarray, kind: str, scale: np.ndarray | None = None):
+        if kind not in _STORAGE:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if data.ndim != 2 or data.dtype != _STORAGE[kind] or not data.flags.c_contiguous:
+            raise ValueError(f"{kind} data must be a C-contiguous 2-D {np.dtype(_STORAGE[kind])} array, "
+                             f"got {data.dtype} {data.shape}")
+        if (kind == "i8") != (scale is not None):
+            raise ValueError("scale is required for kind 'i8' and only for it")
+        if scale is not None and (scale.dtype != np.float32 or scale.shape != (data.shape[0],)):
+            raise ValueError(f"scale must be float32 [{data.shape[0]}]")
+        self.data, self.kind, self.scale = data, kind, scale
+        self._w = data.view(np.int16) if kind == "f16" else data  # kernel dispatch type (see _widen)
+        self._s = scale if scale is not None else np.ones(data.shape[0], np.float32)
+        self._all_rows: np.ndarray | None = None
+
+    @classmethod
+    def from_torch(cls, t: torch.Tensor, kind: str | None = None) -> "HostMatrix":
+        """From a 2-D tensor. kind None: from t.dtype; "i8": quantise per row; another kind converts.
+        Shares memory with t when t is a contiguous CPU tensor of that dtype."""
+        if t.dim() != 2:
+            raise ValueError(f"expected a 2-D tensor, got shape {tuple(t.shape)}")
+        t = t.detach()
+        if kind is None:
+            if t.dtype not in _FROM_DTYPE:
+                raise ValueError(f"no kind for dtype {t.dtype}; pass kind=")
+            kind = _FROM_DTYPE[t.dtype]
+        if kind == "i8":
+            q, scale = quantize_i8(t)
+            return cls(q, "i8", scale)
+        if kind not in _TO_DTYPE:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        t = t.to(device="cpu", dtype=_TO_DTYPE[kind]).contiguous()
+        data = t.numpy() if kind == "f32" else t.view(torch.uint16).numpy()
+        return cls(data, kind)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+
+    def row_bytes(self) -> int:
+        """Bytes a kernel reads per selected row."""
+        return self.data.shape[1] * self.data.itemsize
+
+    def to_torch(self) -> torch.Tensor:
+        """Dequantised float32 [N, D] copy (for tests / references)."""
+        if self.kind == "f32":
+            return torch.from_numpy(self.data.copy())
+        if self.kind == "i8":
+            return torch.from_numpy(self.data).float() * torch.from_numpy(self.scale)[:, None]
+        bits = torch.from_numpy(self.data.view(np.int16))
+        return bits.view(_TO_DTYPE[self.kind]).float()
+
+    def __repr__(self) -> str:
+        return f"HostMatrix({self.kind}, shape={self.shape}, {self.nbytes / 2**20:.1f} MiB)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Python entry points
+
+def set_threads(n: int) -> None:
+    """numba.set_num_threads, clamped to [1, NUMBA_NUM_THREADS]. Thread-local: call it in the thread
+    that runs the kernels (a new thread starts with NUMBA_NUM_THREADS)."""
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+
+
+def get_threads() -> int:
+    """numba's thread count for the calling thread."""
+    return numba.get_num_threads()
+
+
+def _as_rows(rows: np.ndarray, n: int) -> np.ndarray:
+    rows = np.ascontiguousarray(rows, dtype=np.int64)  # int32 is widened (one small copy)
+    if rows.ndim != 1:
+        raise ValueError(f"rows must be 1-D, got shape {rows.shape}")
+    if not _rows_in_range(rows, n):
+        raise IndexError(f"row index out of range [0, {n})")
+    return rows
+
+
+def _as_f32(a: np.ndarray, shape: tuple, name: str) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    return a
+
+
+def _check_out(out: np.ndarray, shape: tuple) -> np.ndarray:
+    if out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    return out
+
+
+def gemv_rows(m: HostMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out[j] = m[rows[j]] · x. rows int [K]; x float32 [D]; returns out float32 [K] (overwritten)."""
+    n, d = m.shape
+    rows = _as_rows(rows, n)
+    x = _as_f32(x, (d,), "x")
+    out = np.empty(rows.shape[0], np.float32) if out is None else _check_out(out, rows.shape)
+    if rows.shape[0]:
+        _gemv_rows_kernel(m._w, m._s, rows, x, out)
+    return out
+
+
+def gemv(m: HostMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Dense out = m @ x over all N rows (for CPU-placed dense layers). x [D] -> out [N]."""
+    if m._all_rows is None:
+        m._all_rows = np.arange(m.shape[0], dtype=np.int64)
+    return gemv_rows(m, m._all_rows, x, out)
+
+
+def axpy_rows(m: HostMatrix, rows: np.ndarray, coeff: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[D] += sum_j coeff[j] * m[rows[j]]  (down projection with m = W_down transposed, [I, D])."""
+    n, d = m.shape
+    rows = _as_rows(rows, n)
+    coeff = _as_f32(coeff, rows.shape, "coeff")
+    _check_out(out, (d,))
+    k = rows.shape[0]
+    if k:
+        _axpy_rows_kernel(m._w, m._s, rows, coeff, min(get_threads(), k), out)
+    return out
+
+
+_NO_BIAS = np.zeros(1, np.float32)
+
+
+def ffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: HostMatrix, act: str,
+                   gate: HostMatrix | None = None, up_bias: np.ndarray | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """Fused sparse FFN for T tokens sharing one row selection; returns out float32 [T, D] (+=).
+
+    For each selected neuron i: h = act(gate_i·x) * (up_i·x) when gate is given (bias ignored),
+    else h = act(up_i·x + up_bias_i); then out += sum_i h_i * down_t[i]. act: relu | silu | gelu_tanh.
+    """
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    n, d = up.shape
+    for name, mat in (("down_t", down_t), ("gate", gate)):
+        if mat is not None and mat.shape != (n, d):
+            raise ValueError(f"{name} has shape {mat.shape}, expected {(n, d)} like up")
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != d:
+        raise ValueError(f"X must be [T, {d}], got {X.shape}")
+    T = X.shape[0]
+    rows = _as_rows(rows, n)
+    out = np.zeros((T, d), np.float32) if out is None else _check_out(out, (T, d))
+    k = rows.shape[0]
+    if k == 0 or T == 0:
+        return out
+    bias = _NO_BIAS if (up_bias is None or gate is not None) else _as_f32(up_bias, (n,), "up_bias")
+    g = gate if gate is not None else up  # same storage type: gated and ungated share one compilation
+    tile = max(1, min(T, _TILE_BYTES // (4 * d)))
+    _ffn_rows_kernel(X, rows, up._w, up._s, g._w, g._s, bias, down_t._w, down_t._s, ACTS[act],
+                     gate is not None, bias is not _NO_BIAS, min(get_threads(), k), tile, out)
+    return out
+
+
+def ffn_rows(x: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: HostMatrix, act: str,
+             gate: HostMatrix | None = None, up_bias: np.ndarray | None = None,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """One token of `ffn_rows_batch`: x float32 [D] -> out float32 [D] (+=)."""
+    d = up.shape[1]
+    x = _as_f32(x, (d,), "x")
+    out2 = None if out is None else _check_out(out, (d,)).reshape(1, d)
+    res = ffn_rows_batch(x.reshape(1, d), rows, up, down_t, act, gate, up_bias, out2)
+    return res.reshape(d) if out is None else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection helpers (numpy, for the executor's CPU side)
+
+def mask_to_rows(mask: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+    """Sorted int64 positions of the set entries of mask [N], or of mask[idx] when idx is given
+    (positions into a matrix compacted to the rows idx)."""
+    m = np.asarray(mask)
+    return np.flatnonzero(m if idx is None else m[idx])
+
+
+def index_map(idx: np.ndarray, n: int) -> np.ndarray:
+    """int32 [n]: position of each neuron in idx, -1 for neurons not in idx."""
+    pos = np.full(n, -1, np.int32)
+    pos[np.asarray(idx)] = np.arange(len(idx), dtype=np.int32)
+    return pos
+
+
+def split_rows(rows: np.ndarray, hot_map: np.ndarray,
+               cold_map: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Split selected neurons rows [K] into (hot, cold) with hot_map = index_map(hot_idx, N).
+
+    hot: int64 positions in the GPU-compacted arrays. cold: int64 neuron indices not on the GPU,
+    or their positions in a CPU-compacted matrix when cold_map = index_map(cold_idx, N) is given.
+    Order follows rows.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    hp = hot_map[rows]
+    is_hot = hp >= 0
+    cold = rows[~is_hot]
+    if cold_map is not None:
+        cold = cold_map[cold].astype(np.int64)
+        if cold.size and cold.min() < 0:
+            raise ValueError("a selected neuron is in neither hot_map nor cold_map")
+    return hp[is_hot].astype(np.int64), cold
