@@ -1,0 +1,440 @@
+"""tools/bench.py: its pure parts (sizes, statistics, table, llama.cpp layer offload, argument checks)
+and one real run of hotcold against llama.cpp on SmolLM2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("hotcold_bench", REPO / "tools" / "bench.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["hotcold_bench"] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+
+# -- sizes, numbers, statistics --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,value", [
+    ("8GiB", 8 << 30), ("8G", 8 << 30), ("8gib", 8 << 30), ("8GB", 8 * 10**9), ("512MiB", 512 << 20),
+    ("1.5GiB", 3 << 29), ("4096", 4096), ("64KiB", 64 << 10), (" 2 TiB ", 2 << 40),
+])
+def test_parse_size(text, value):
+    assert bench.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "8 gigs", "GiB", "-1GiB", "0", "8iB", "8XB", "1e9"])
+def test_parse_size_rejects_with_one_line(text):
+    with pytest.raises(bench.BenchError) as e:
+        bench.parse_size(text)
+    assert "--vram" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_summarise_median_and_spread():
+    s = bench.summarise([3.0, 1.0, 2.0, None])
+    assert s == {"median": 2.0, "min": 1.0, "max": 3.0, "spread": 1.0, "n": 3}
+    assert bench.summarise([4.0, 2.0])["median"] == 3.0
+    assert bench.summarise([None]) is None
+    assert bench.ratio(5.0, 10.0) == 0.5
+    assert bench.ratio(5.0, None) is None and bench.ratio(None, 3.0) is None and bench.ratio(1.0, 0.0) is None
+
+
+def test_number_formats():
+    assert [bench.fmt_num(v) for v in (1234.4, 127.04, 17.84, 1.234, 0.3114, None)] == \
+        ["1234", "127", "17.8", "1.23", "0.311", "-"]
+    assert bench.fmt_bytes(206 << 20) == "206 MiB"
+    assert bench.fmt_bytes(int(1.5 * (1 << 30))) == "1.5 GiB"
+    assert bench.fmt_bytes(None) == "-"
+    assert bench.fmt_ratio(0.141) == "0.14×" and bench.fmt_ratio(12.34) == "12.3×" and bench.fmt_ratio(166.2) == "166×"
+
+
+# -- the report and its table ---------------------------------------------------------------
+
+
+def _run(prefill, decode, ttft, ram, tokens=4, ids=(5, 6, 7, 8), sha=None):
+    return {"load_s": 1.0, "prefill_tok_per_s": prefill, "decode_tok_per_s": decode, "ttft_s": ttft,
+            "peak_ram_bytes": ram, "completion_tokens": tokens, "token_ids": list(ids),
+            "prompt_ids_sha": sha or bench._ids_digest([1, 2, 3])}
+
+
+def _args(**kw):
+    base = dict(prompt_tokens=3, tokens=4, threads=2, repeats=3, device="cpu", dtype=None, vram_bytes=None,
+                no_warmup=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _report(runs, engines=None, **kw):
+    engines = engines or [bench.Engine("hotcold", "hotcold"), bench.Engine("llama.cpp", "llama.cpp")]
+    paths = bench.ModelPaths(None, Path("m.gguf"), Path("m.gguf"), "m.gguf")
+    return bench.build_report(_args(**kw), paths, engines, runs, [1, 2, 3], {}, [], {})
+
+
+def test_report_medians_ratios_and_table():
+    runs = {
+        "hotcold": [_run(100, 10, 0.03, 600 << 20), _run(120, 12, 0.025, 600 << 20), _run(110, 14, 0.027, 600 << 20)],
+        "llama.cpp": [_run(200, 40, 0.015, 200 << 20), _run(220, 40, 0.014, 200 << 20),
+                      _run(210, 40, 0.016, 200 << 20, ids=(5, 6, 9, 9))],
+    }
+    rep = _report(runs)
+    assert rep["reference"] == "llama.cpp"
+    hc = rep["engines"]["hotcold"]
+    assert hc["summary"]["decode_tok_per_s"]["median"] == 12 and hc["summary"]["decode_tok_per_s"]["spread"] == 2
+    assert hc["ratio"]["decode_tok_per_s"] == pytest.approx(0.3)
+    assert hc["ratio"]["prefill_tok_per_s"] == pytest.approx(110 / 210)
+    assert hc["ratio"]["peak_ram_bytes"] == pytest.approx(3.0)
+    assert hc["agreement_with_reference"] == 4  # against the reference's first run
+    table = rep["table"]
+    lines = table.splitlines()
+    hc_line = next(ln for ln in lines if ln.startswith("hotcold"))
+    ref_line = next(ln for ln in lines if ln.startswith("llama.cpp"))
+    assert "12.0±2.0 (0.30×)" in hc_line and "110±10 (0.52×)" in hc_line and "600 MiB (3.00×)" in hc_line
+    assert "40.0±0.0" in ref_line and "×" not in ref_line
+    assert "median of 3" in lines[0] and "threads 2" in lines[0]
+    assert not [n for n in rep["notes"] if "different prompt" in n or "generated" in n]
+    assert any(n.startswith("noisy: hotcold decode ±17%") for n in rep["notes"])  # 2 / 12
+    md = rep["table_markdown"].splitlines()
+    assert "| engine | load s | prefill tok/s |" in md[0] and md[2].startswith("| hotcold | 1.00 | 110±10 (0.52×) |")
+
+
+def test_report_flags_wrong_token_counts_prompt_ids_and_failures():
+    runs = {
+        "hotcold": [_run(100, 10, 0.03, 1, tokens=3, ids=(5, 6, 7))],
+        "llama.cpp": [_run(200, 40, 0.015, 1, sha="deadbeef")],
+        "transformers": [{"error": "OSError: cannot load", "status": "skipped"}],
+    }
+    engines = [bench.Engine(n, n) for n in ("hotcold", "llama.cpp", "transformers")]
+    rep = _report(runs, engines, repeats=1)
+    notes = "\n".join(rep["notes"])
+    assert "hotcold: generated [3] tokens, not 4" in notes
+    assert "llama.cpp: was fed different prompt ids" in notes
+    assert rep["engines"]["transformers"]["status"] == "skipped"
+    assert "transformers: skipped: OSError: cannot load" in rep["table"]
+
+
+def test_report_without_a_peer_has_no_ratios():
+    rep = _report({"hotcold": [_run(100, 10, 0.03, 1)]}, [bench.Engine("hotcold", "hotcold")], repeats=1)
+    assert rep["reference"] is None and "ratio" not in rep["engines"]["hotcold"] and "×" not in rep["table"]
+
+
+def test_reference_is_llama_cpp_else_first_peer():
+    E = bench.Engine
+    assert bench.reference_engine([E("hotcold", "hotcold"), E("transformers", "transformers"),
+                                   E("llama.cpp", "llama.cpp")]) == "llama.cpp"
+    assert bench.reference_engine([E("hotcold", "hotcold"), E("transformers", "transformers")]) == "transformers"
+
+
+def test_report_flags_over_budget_vram():
+    r = _run(100, 10, 0.03, 1)
+    r["peak_vram_bytes"] = 9 << 30
+    rep = _report({"hotcold": [r], "llama.cpp": [_run(200, 40, 0.015, 1)]}, repeats=1, device="cuda",
+                  vram_bytes=8 << 30)
+    assert any("over the 8.0 GiB budget" in n for n in rep["notes"])
+
+
+# -- llama.cpp layer offload ----------------------------------------------------------------
+
+
+def test_llama_gpu_layers_fits_last_layers_then_output():
+    layout = bench.GgufLayout(n_layer=4, layer_bytes=[10, 10, 10, 20], output_bytes=5, kv_bytes_per_token=[1] * 4)
+    n_ctx = 2  # each layer: weights + 2 bytes of KV; llama.cpp offloads the LAST layers first
+    assert bench.llama_gpu_layers(layout, n_ctx, 0) == 0
+    assert bench.llama_gpu_layers(layout, n_ctx, 21) == 0  # the last layer needs 22
+    assert bench.llama_gpu_layers(layout, n_ctx, 22) == 1
+    assert bench.llama_gpu_layers(layout, n_ctx, 33) == 1
+    assert bench.llama_gpu_layers(layout, n_ctx, 34) == 2
+    assert bench.llama_gpu_layers(layout, n_ctx, 58) == 4
+    assert bench.llama_gpu_layers(layout, n_ctx, 62) == 4  # + output needs 63
+    assert bench.llama_gpu_layers(layout, n_ctx, 63) == 5
+    assert bench.llama_gpu_layers(layout, n_ctx, 10**9) == 5
+    assert bench.llama_gpu_layers(layout, 100, 58) == 0  # a long context's KV pushes layers out
+
+
+def test_read_gguf_layout_of_smollm2(smollm2_path):
+    import gguf
+
+    layout = bench.read_gguf_layout(smollm2_path)
+    reader = gguf.GGUFReader(str(smollm2_path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    assert layout.n_layer == 30 and len(layout.layer_bytes) == 30
+    assert sum(layout.layer_bytes) == sum(v for k, v in sizes.items() if k.startswith("blk."))
+    assert layout.layer_bytes[0] == sum(v for k, v in sizes.items() if k.startswith("blk.0."))
+    # tied embeddings: no output.weight, llama.cpp puts a copy of token_embd on the output device
+    assert layout.output_bytes == sizes["token_embd.weight"] + sizes["output_norm.weight"]
+    assert layout.kv_bytes_per_token == [3 * (64 + 64) * 2] * 30  # 3 KV heads of 64, K + V in f16
+    budget = sum(layout.layer_bytes[-10:]) + 10 * layout.kv_bytes_per_token[0] * 256
+    assert bench.llama_gpu_layers(layout, 256, budget) == 10
+
+
+# -- inputs and argument checks -------------------------------------------------------------
+
+
+def _fake_gguf(path: Path) -> Path:
+    path.write_bytes(b"GGUF" + b"\0" * 12)
+    return path
+
+
+def test_resolve_model_layouts(tmp_path):
+    d = tmp_path / "m"
+    (d / "hf").mkdir(parents=True)
+    (d / "hf" / "config.json").write_text("{}")
+    g = _fake_gguf(d / "model.gguf")
+    for arg in (d, d / "hf"):  # the make_model folder, or its hf/ folder
+        p = bench.resolve_model(str(arg), None)
+        assert (p.hf, p.gguf, p.hotcold) == (d / "hf", g, d / "hf")
+    other = _fake_gguf(tmp_path / "other.gguf")
+    assert bench.resolve_model(str(d), str(other)).gguf == other
+    p = bench.resolve_model(str(g), None)
+    assert (p.hf, p.gguf, p.hotcold) == (None, g, g)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert bench.resolve_model(str(bare), None).gguf is None
+
+
+@pytest.mark.parametrize("case", ["missing", "empty_dir", "not_gguf", "gguf_missing", "gguf_not_gguf"])
+def test_resolve_model_errors_are_one_line(tmp_path, case):
+    model, gguf = str(tmp_path / "nope"), None
+    if case == "empty_dir":
+        model = str(tmp_path)
+    elif case == "not_gguf":
+        (tmp_path / "x.gguf").write_text("hello")
+        model = str(tmp_path / "x.gguf")
+    elif case.startswith("gguf"):
+        model = str(_fake_gguf(tmp_path / "m.gguf"))
+        gguf = str(tmp_path / "none.gguf")
+        if case == "gguf_not_gguf":
+            (tmp_path / "none.gguf").write_text("text")
+    with pytest.raises(bench.BenchError) as e:
+        bench.resolve_model(model, gguf)
+    assert "\n" not in str(e.value) and ("MODEL" in str(e.value) or "--gguf" in str(e.value))
+
+
+def test_engines_and_variants():
+    eng = bench.parse_engines("hotcold,llama.cpp", ["hotcold-bf16=--dtype bfloat16"], "", "cpu", None)
+    assert [(e.name, e.kind, e.args) for e in eng] == [
+        ("hotcold", "hotcold", []), ("hotcold-bf16", "hotcold", ["--dtype", "bfloat16"]),
+        ("llama.cpp", "llama.cpp", [])]
+    eng = bench.parse_engines("llama.cpp,v,hotcold", ["v=--dtype float16"], "--device cpu", "cpu", None)
+    assert [e.name for e in eng] == ["llama.cpp", "v", "hotcold"]
+    assert eng[1].args == ["--device", "cpu", "--dtype", "float16"]
+    ns = bench.hotcold_options(eng[1].args, "cuda", "float32")
+    assert (ns.device, ns.dtype) == ("cpu", "float16")
+
+
+@pytest.mark.parametrize("engines,variants,message", [
+    ("hotcold,vllm", [], "unknown engine 'vllm'"),
+    ("", [], "--engines: empty"),
+    ("hotcold,hotcold", [], "twice"),
+    ("hotcold", ["nameonly"], "NAME=ARGS"),
+    ("hotcold", ["llama.cpp=--dtype float16"], "taken"),
+    ("hotcold", ["x=--frobnicate 3"], "unknown '--frobnicate 3'"),
+])
+def test_engine_errors(engines, variants, message):
+    with pytest.raises(bench.BenchError, match=message):
+        bench.parse_engines(engines, variants, "", "cpu", None)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["/no/such/model"], "error: MODEL: /no/such/model: no such file or folder"),
+    (["{gguf}", "--vram", "8 gigs", "--device", "cuda"], "error: --vram: cannot read '8 gigs' as a size"),
+    (["{gguf}", "--vram", "8GiB", "--device", "cpu"], "error: --vram is a GPU budget"),
+    (["{gguf}", "--tokens", "1"], "error: --tokens: must be at least 2"),
+    (["{gguf}", "--threads", "0"], "error: --threads: must be at least 1"),
+    (["{gguf}", "--engines", "hotcold,foo"], "error: --engines: unknown engine 'foo'"),
+    (["{gguf}", "--e2e", "tiny"], "error: give MODEL or --e2e PRESET, not both"),
+    (["{gguf}", "--json", "/no/such/dir/out.json"], "error: --json: folder /no/such/dir does not exist"),
+])
+def test_main_rejects_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
+    g = str(_fake_gguf(tmp_path / "m.gguf"))
+    assert bench.main([a.replace("{gguf}", g) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err
+
+
+def test_default_model_is_smollm2(smollm2_path, monkeypatch):
+    assert bench.default_model() == smollm2_path
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(bench.BenchError, match="give MODEL or --e2e PRESET"):
+        bench.default_model()
+
+
+def test_llama_cpp_without_a_gguf_is_an_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert bench.main([str(tmp_path), "--engines", "hotcold,llama.cpp"]) == 2
+    assert "llama.cpp reads a GGUF: pass --gguf" in capsys.readouterr().err
+
+
+def test_child_env_pins_threads_and_forbids_downloads():
+    env = bench.child_env(3)
+    assert env["OMP_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+
+
+def test_vram_poller_is_inert_without_a_gpu():
+    if bench.VramPoller.sample() is not None:
+        pytest.skip("a GPU tool is present")
+    p = bench.VramPoller(12345, None)
+    p.start()
+    assert p.stop() == (None, None)
+
+
+def test_vram_poller_peaks_by_pid_else_device_delta(monkeypatch):
+    samples = iter([({7: 100, 9: 5}, 1100), ({7: 300}, 1300), ({7: 200}, 1200)] + [({}, 1000)] * 10**4)
+    monkeypatch.setattr(bench.VramPoller, "sample", staticmethod(lambda: next(samples)))
+    p = bench.VramPoller(7, baseline=1000)
+    p.interval = 0.001
+    p.start()
+    deadline = time.monotonic() + 10
+    while (p.peak_pid or 0) < 300 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert p.stop() == (300, "process (NVML/nvidia-smi)")
+    samples = iter([({1: 100}, 1500), ({1: 100}, 1900)] + [({}, 1000)] * 10**4)  # our pid hidden (container)
+    p = bench.VramPoller(7, baseline=1000)
+    p.interval = 0.001
+    p.start()
+    deadline = time.monotonic() + 10
+    while (p.peak_device or 0) < 900 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert p.stop() == (900, "device in use minus baseline")
+
+
+def test_e2e_makes_the_model_with_pass_through_args_and_skips_missing_commands(tmp_path, monkeypatch):
+    fake = tmp_path / "repo"
+    (fake / "tools").mkdir(parents=True)
+    (fake / "tools" / "make_model.py").write_text(
+        "import json, sys, pathlib\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "(out / 'hf').mkdir(parents=True)\n"
+        "(out / 'hf' / 'config.json').write_text(json.dumps(sys.argv[1:]))\n"
+        "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
+    monkeypatch.setattr(bench, "REPO", fake)
+    monkeypatch.setattr(bench, "hotcold_has", lambda command: False)
+    out = tmp_path / "model"
+    args = argparse.Namespace(e2e="tiny-llama", out=str(out), make_args="--layers 2 --seed 7", regenerate=False,
+                              threads=1, vram="8GiB", profile_args="", plan_args="")
+    paths, notes, settings = bench.e2e(args)
+    assert json.loads((out / "hf" / "config.json").read_text()) == [
+        "tiny-llama", "--out", str(out.resolve()), "--layers", "2", "--seed", "7"]
+    assert (paths.hf, paths.gguf) == (out.resolve() / "hf", out.resolve() / "model.gguf")
+    assert any("no 'profile' command" in n for n in notes) and any("no 'plan' command" in n for n in notes)
+    assert settings["e2e"] == "tiny-llama" and "make_model_s" in settings
+    (out / "hf" / "config.json").write_text("{}")  # a second run reuses the model
+    _, notes, settings = bench.e2e(args)
+    assert any("reused the model" in n for n in notes) and "make_model_s" not in settings
+
+
+# -- real engines ----------------------------------------------------------------------------
+
+
+def _bench_cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), *map(str, argv)], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_hotcold_against_llama_cpp_on_smollm2(smollm2_path, tmp_path):
+    out = tmp_path / "bench.json"
+    r = _bench_cli(smollm2_path, "--engines", "hotcold,llama.cpp", "--prompt-tokens", "16", "--tokens", "8",
+                   "--repeats", "1", "--threads", "2", "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["reference"] == "llama.cpp" and len(rep["prompt_ids"]) == 16
+    assert rep["machine"]["threads"] == 2 and rep["machine"]["versions"]["llama-cpp-python"]
+    assert rep["machine"]["cpu"] and rep["date"] and "tools/bench.py" in rep["command"]
+    for name in ("hotcold", "llama.cpp"):
+        e = rep["engines"][name]
+        assert e["status"] == "ok", e
+        (run,) = e["runs"]
+        assert run["completion_tokens"] == 8 and len(run["token_ids"]) == 8
+        assert run["prompt_tokens"] == 16 and run["prompt_ids_sha"] == rep["prompt_ids_sha"]
+        for m in ("load_s", "prefill_tok_per_s", "decode_tok_per_s", "ttft_s"):
+            assert 0 < run[m] < 1e6, (name, m, run[m])
+        assert 50 << 20 < run["peak_ram_bytes"] < 8 << 30
+        assert run.get("peak_vram_bytes") is None  # CPU run
+    assert 0 < rep["engines"]["hotcold"]["ratio"]["decode_tok_per_s"] < 100
+    assert rep["engines"]["hotcold"]["agreement_with_reference"] >= 1  # same prompt -> same first greedy token
+    assert rep["notes"] == [n for n in rep["notes"] if "not 8" not in n and "different prompt" not in n]
+    assert "hotcold" in r.stdout and "llama.cpp" in r.stdout and "decode tok/s" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_engine_is_reported_not_fatal(smollm2_path, tmp_path):
+    """A hotcold variant that cannot run (a device that is not there) fails its row; the others still run."""
+    out = tmp_path / "bench.json"
+    r = _bench_cli(smollm2_path, "--engines", "llama.cpp", "--variant", "broken=--device cuda:99",
+                   "--prompt-tokens", "4", "--tokens", "2", "--repeats", "2", "--threads", "1", "--json", out,
+                   "--no-warmup")
+    assert r.returncode == 1, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["engines"]["llama.cpp"]["status"] == "ok" and len(rep["engines"]["llama.cpp"]["runs"]) == 2
+    broken = rep["engines"]["broken"]
+    assert broken["status"] == "failed" and len(broken["runs"]) == 1  # not repeated after a first failure
+    assert "cuda" in broken["note"].lower()
+    assert "broken" in r.stdout
+
+
+@pytest.mark.slow
+def test_three_engines_on_a_make_model_pair(tmp_path):
+    """hotcold and transformers read DIR/hf, llama.cpp DIR/model.gguf; runs alternate."""
+    d = tmp_path / "tiny"
+    made = subprocess.run([sys.executable, str(REPO / "tools" / "make_model.py"), "tiny-llama", "--out", str(d),
+                           "--quiet"], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    out = tmp_path / "bench.json"
+    r = _bench_cli(d, "--prompt-tokens", "8", "--tokens", "4", "--repeats", "2", "--threads", "1",
+                   "--no-warmup", "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["settings"]["hf"] == str(d / "hf") and rep["settings"]["gguf"] == str(d / "model.gguf")
+    assert list(rep["engines"]) == ["hotcold", "llama.cpp", "transformers"]
+    for i, e in enumerate(rep["engines"].values()):
+        assert e["status"] == "ok" and [run["seq"] for run in e["runs"]] == [i + 1, i + 4]
+        assert all(run["completion_tokens"] == 4 and run["prompt_ids_sha"] == rep["prompt_ids_sha"]
+                   for run in e["runs"])
+        assert e["summary"]["decode_tok_per_s"]["n"] == 2
+    # hotcold and transformers compute the same ReLU model from the same safetensors
+    hc, tf = (rep["engines"][n]["runs"][0]["token_ids"] for n in ("hotcold", "transformers"))
+    assert hc == tf
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(_has_cuda(), reason="checks the message of a machine without CUDA")
+def test_device_cuda_without_a_gpu_stops_in_one_line(smollm2_path):
+    r = _bench_cli(smollm2_path, "--device", "cuda", "--engines", "hotcold", "--prompt-tokens", "4", "--tokens", "2",
+                   "--repeats", "1", "--threads", "1", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == "error: --device cuda: torch sees no CUDA GPU here; use --device cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+def test_cuda_budget_run(smollm2_path, tmp_path):
+    """On a GPU: every engine under a VRAM budget; llama.cpp's layers computed from the GGUF."""
+    out = tmp_path / "bench.json"
+    r = _bench_cli(smollm2_path, "--engines", "hotcold,llama.cpp,transformers", "--device", "cuda", "--vram",
+                   "32MiB", "--prompt-tokens", "16", "--tokens", "8", "--repeats", "1", "--json", out)
+    if "no GPU offload" in r.stderr:
+        pytest.skip("llama-cpp-python here is a CPU build")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert 0 < rep["settings"]["llama_n_gpu_layers"] < 30
+    for e in rep["engines"].values():
+        assert e["status"] == "ok" and e["runs"][0]["completion_tokens"] == 8
+        assert e["runs"][0]["peak_vram_bytes"] > 0
