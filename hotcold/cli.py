@@ -51,6 +51,34 @@ def _load(model: Optional[Path], device: Optional[str], dtype: Optional[str], th
     return load_model(model if model is not None else default_model_path(), device, dtype)
 
 
+SparseOpt = typer.Option(False, "--sparse", help="Compute each FFN only over the neurons its predictor expects to "
+                                                 "fire (needs `hotcold profile MODEL` first).")
+
+
+def _sparse(lm, sparse: bool):
+    """Context in which the model runs predictor-sparse (or a no-op); yields {layer: wrapper} or None."""
+    import contextlib
+
+    if not sparse:
+        return contextlib.nullcontext(None)
+    from hotcold.predictors.artifact import find_predictors, load_predictors
+    from hotcold.predictors.sparse import predicted_sparse
+
+    path = find_predictors(lm.path, lm.fingerprint)
+    if path is None:
+        raise HotcoldError(f"{lm.path}: no predictors for this model; run `hotcold profile {lm.path}` first "
+                           "(or drop --sparse)")
+    return predicted_sparse(lm.model, load_predictors(path, lm.fingerprint))
+
+
+def _selected_fraction(wrapped) -> str:
+    if not wrapped:
+        return ""
+    sel = sum(w.selected for w in wrapped.values())
+    total = sum(w.tokens * w.predictor.w2.out_features for w in wrapped.values())
+    return f", sparse: {sel / max(1, total):.1%} of FFN neurons computed"
+
+
 def _read_text(path: Path) -> str:
     if not path.is_file():
         raise HotcoldError(f"{path}: no such file; --data takes a UTF-8 .txt file")
@@ -76,6 +104,7 @@ def run(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096 in chat)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence (benchmarks)."),
+    sparse: bool = SparseOpt,
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -91,11 +120,18 @@ def run(
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repeat_penalty)
     gen = Generator(lm, max_context=ctx)
-    if prompt is None:
-        if as_json:
-            raise HotcoldError("--json needs --prompt")
-        _interactive(gen, params, max_tokens, seed, stop, system)
-        return
+    with _sparse(lm, sparse) as wrapped:
+        if prompt is None:
+            if as_json:
+                raise HotcoldError("--json needs --prompt")
+            _interactive(gen, params, max_tokens, seed, stop, system)
+            return
+        _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped)
+
+
+def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped) -> None:
+    """One completion of --prompt, streamed (or as one JSON object)."""
+    lm = gen.lm
     tok = lm.tokenizer
     if chat or system:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -113,11 +149,12 @@ def run(
             "text": "".join(text), "token_ids": s.token_ids, "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens, "finish_reason": s.finish_reason,
             "ttft_s": round(s.ttft_s, 4), "decode_tok_per_s": round(s.decode_tok_per_s, 2),
+            "sparse": bool(wrapped),
         }))
     else:
         print(flush=True)
         print(f"[{s.prompt_tokens} prompt tokens, {s.completion_tokens} generated, ttft {s.ttft_s:.2f} s, "
-              f"{s.decode_tok_per_s:.1f} tok/s, {s.finish_reason}]", file=sys.stderr)
+              f"{s.decode_tok_per_s:.1f} tok/s, {s.finish_reason}{_selected_fraction(wrapped)}]", file=sys.stderr)
 
 
 def _interactive(gen, params, max_tokens: int, seed, stop, system: Optional[str]) -> None:
@@ -152,6 +189,7 @@ def perplexity(
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Score at most this many windows."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    sparse: bool = SparseOpt,
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = typer.Option(False, "--json", help='Print {"ppl", "tokens_scored", "ctx"} as JSON.'),
 ) -> None:
@@ -166,21 +204,26 @@ def perplexity(
     text = _read_text(data) if data else calibration_text()
     ids = lm.tokenizer.encode(text)
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
-    with Progress(transient=True, disable=as_json) as bar:
+    with Progress(transient=True, disable=as_json) as bar, _sparse(lm, sparse) as wrapped:
         task = bar.add_task("perplexity", total=None)
         result = compute(lm.model, ids, ctx, bos, chunks, lambda done, total: bar.update(task, completed=done, total=total))
     if as_json:
-        print(json.dumps({"ppl": result.ppl, "tokens_scored": result.tokens_scored, "ctx": ctx, "windows": result.windows}))
+        print(json.dumps({"ppl": result.ppl, "tokens_scored": result.tokens_scored, "ctx": ctx, "windows": result.windows,
+                          "sparse": sparse}))
     else:
-        print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens ({result.windows} windows of {ctx})")
+        print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens ({result.windows} windows of {ctx})"
+              f"{_selected_fraction(wrapped)}")
 
 
 def _register_stage_commands() -> None:
     """Commands whose code lives with their stage (server/); their heavy imports stay inside them."""
+    from hotcold.planner.command import plan, probe
     from hotcold.profiler.command import profile
     from hotcold.server.command import serve
 
     app.command()(profile)
+    app.command()(probe)
+    app.command()(plan)
     app.command()(serve)
 
 

@@ -1,0 +1,260 @@
+"""`hotcold probe` and `hotcold plan`: measure this machine, place a model's units on GPU and CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hotcold.errors import HotcoldError
+
+
+def probe(
+    force: bool = typer.Option(False, "--force", help="Measure again even if this machine has a cached profile."),
+    quick: bool = typer.Option(False, "--quick", help="Small sizes: a rough profile in a few seconds (tests)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+) -> None:
+    """Measure this machine's GPU, CPU kernels and PCIe once; the result is cached per host for `plan`."""
+    from rich.console import Console
+
+    from hotcold.planner.probe import hardware_path, load_hardware
+
+    err = Console(stderr=True)
+    log = (lambda m: err.print(f"[dim]{m}[/dim]")) if not as_json else None
+    if log and (force or not hardware_path().is_file()):
+        err.print("measuring this machine (about 10 s)...")
+    hw, path, measured = load_hardware(None, force=force, quick=quick, log=log)
+    if as_json:
+        print(hw.to_json(), end="")
+        return
+    _print_hardware(hw, path, measured)
+
+
+def _print_hardware(hw, path, measured: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="hardware profile", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    for k, v in hw.summary_rows():
+        table.add_row(k, v)
+    console = Console()
+    console.print(table)
+    how = f"measured in {hw.probe_s:.1f} s" if measured else "cached (--force to measure again)"
+    console.print(f"{path} ({how})")
+
+
+def plan(
+    model: Optional[Path] = typer.Argument(None, help="HF model folder or .gguf file (default: the embedded Gemma 3 270M)"),
+    vram: Optional[str] = typer.Option(None, "--vram", help="GPU memory hotcold may use: 8GiB, 512MiB, 8G, 0 "
+                                                            "(all-CPU). Default: the GPU's free memory, 0 without CUDA."),
+    ram: Optional[str] = typer.Option(None, "--ram", help="Host memory hotcold may use (default: available RAM)."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=1, help="Context length the KV cache must hold "
+                                                                 "(default: the model's, up to 4096)."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Sequences decoded together."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight storage at run time: bf16, f16, f32 or i8."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="profile.safetensors or its folder "
+                                                                   "(default: the model's own)."),
+    uniform: bool = typer.Option(False, "--uniform", help="No profile: every neuron fires with probability "
+                                                          "1 - --assume-sparsity (smoke tests)."),
+    assume_sparsity: float = typer.Option(0.9, "--assume-sparsity", min=0.0, max=1.0,
+                                          help="With --uniform: fraction of neurons inactive per token."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="Plan for another machine: h200, rtx4090, or a "
+                                                                    "JSON file from `hotcold probe` (default: this one)."),
+    solver: str = typer.Option("cbc", "--solver", help="cbc (bundled with PuLP) or highs (highspy)."),
+    block: int = typer.Option(0, "--block", min=0, help="Neurons per placement block (0: about 8192 blocks in all, "
+                                                        "16-128 per layer)."),
+    time_limit: float = typer.Option(8.0, "--time-limit", min=0.1, help="Solver time limit in seconds."),
+    gap: float = typer.Option(0.005, "--gap", min=0.0, max=1.0, help="Relative optimality gap at which to stop."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Solver threads (default: up to 8)."),
+    workspace: Optional[str] = typer.Option(None, "--workspace", help="GPU workspace to keep free (default 256MiB "
+                                                                      "plus per-token activations)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
+    explain: bool = typer.Option(False, "--explain", help="Compare with the greedy hottest-neurons-first placement."),
+    as_json: bool = typer.Option(False, "--json", help="Print plan.json instead of the table."),
+) -> None:
+    """Place every layer's neurons or experts, attention and KV cache on the GPU or CPU for the fastest decode."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from hotcold.artifacts import artifact_dir
+    from hotcold.models.loader import default_model_path, describe_model
+    from hotcold.planner.costs import Constants, weight_format
+    from hotcold.planner.inputs import find_profile, read_profile, uniform_stats
+    from hotcold.planner.make import PlanRequest, make_plan, plan_json, plan_tensors
+    from hotcold.planner.plan import write_plan
+    from hotcold.planner.probe import load_hardware
+    from hotcold.planner.sizes import parse_size
+
+    err = Console(stderr=True)
+    fmt = weight_format(dtype)
+    if solver not in ("cbc", "highs"):
+        raise HotcoldError(f"--solver: unknown solver '{solver}' (use cbc or highs)")
+    path = (model if model is not None else default_model_path()).expanduser()
+    info = describe_model(path)
+    cfg = info.config
+    if uniform:
+        stats, source, sparsity = uniform_stats(cfg, assume_sparsity), "uniform", assume_sparsity
+    else:
+        prof = find_profile(info.path, info.fingerprint, profile)
+        if prof is None or not prof.is_file():
+            where = f" at {prof}" if prof is not None else ""
+            raise HotcoldError(f"{info.path}: no profile{where}; run `hotcold profile {info.path}` first "
+                               "(or plan with an assumed sparsity: --uniform --assume-sparsity 0.9)")
+        stats, _ = read_profile(prof, cfg, info.fingerprint)
+        source, sparsity = str(prof), None
+    hw, hw_file, measured = load_hardware(
+        hardware, log=(lambda m: err.print(f"[dim]{m}[/dim]")) if not as_json else None)
+    if measured and not as_json:
+        err.print(f"[dim]measured this machine once; cached in {hw_file}[/dim]")
+    vram_b = parse_size(vram, "--vram") if vram is not None else (
+        int(hw.gpu_free_bytes * 0.95) if hw.cuda and hw.gpu_free_bytes else 0)
+    ram_b = parse_size(ram, "--ram") if ram is not None else int(hw.ram_available_bytes)
+    ctx_n = ctx if ctx is not None else min(cfg.max_position_embeddings, 4096)
+    constants = Constants()
+    if workspace is not None:
+        constants = dataclasses.replace(constants, workspace_bytes=parse_size(workspace, "--workspace"))
+    req = PlanRequest(vram=vram_b, ram=ram_b, ctx=ctx_n, fmt=fmt, batch=batch, block_size=block, solver=solver,
+                      time_limit=time_limit, gap=gap, threads=threads, explain=explain, constants=constants)
+    result = make_plan(cfg, stats, hw, req)
+    meta = plan_json(result, req, fingerprint=info.fingerprint, model=info.path, model_type=cfg.model_type, hw=hw,
+                     hw_file=hw_file, profile_source=source, sparsity=sparsity)
+    folder = artifact_dir(info.path, info.fingerprint, out)
+    paths = write_plan(folder, plan_tensors(result), meta)
+    if as_json:
+        print(json.dumps(meta, indent=1))
+        return
+    print_plan(result, meta, paths[1])
+
+
+# ------------------------------------------------------------------------------------------- the table
+def _groups(layers: list[dict], buckets: int) -> list[list[dict]]:
+    """Runs of consecutive layers with the same attention/predictor placement and a similar GPU share."""
+    def key(e):
+        share = e.get("gpu_fraction", len(e.get("gpu_experts", [])) / max(1, e.get("experts", 1)))
+        return (e["kind"], e["attention"], e["predictor"], round(share * buckets))
+
+    out: list[list[dict]] = []
+    for e in layers:
+        if out and key(out[-1][-1]) == key(e):
+            out[-1].append(e)
+        else:
+            out.append([e])
+    return out
+
+
+def _mix(group: list[dict], key: str) -> str:
+    """'gpu', 'cpu', or e.g. 'gpu 7/10' when the layers of a run differ."""
+    vals = [x[key] for x in group]
+    if len(set(vals)) == 1:
+        return vals[0]
+    top = max(set(vals), key=vals.count)
+    return f"{top} {vals.count(top)}/{len(vals)}"
+
+
+def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hotcold.planner.sizes import format_size
+
+    console = console or Console()
+    pred = meta["predicted"]
+    title = (f"hotcold plan: {meta['mode']} — VRAM {meta['budget']['vram']}, RAM {meta['budget']['ram']}, "
+             f"ctx {meta['budget']['ctx']}, batch {meta['budget']['batch']}, {meta['weights']['format']}")
+    console.print(title)
+    comp = Table()
+    comp.add_column("component")
+    comp.add_column("GPU", justify="right")
+    comp.add_column("CPU", justify="right")
+    gpu, cpu = meta["bytes"]["gpu"], meta["bytes"]["cpu"]
+    for k in ("attention", "kv_cache", "ffn", "predictors", "lm_head", "embedding", "workspace", "reserve", "total"):
+        if gpu.get(k) or cpu.get(k):
+            comp.add_row(k.replace("_", " ").replace("ffn", "FFN / experts"),
+                         format_size(gpu.get(k, 0)) if gpu.get(k) else "-", format_size(cpu.get(k, 0)) if cpu.get(k) else "-")
+    console.print(comp)
+    layers = meta["layers"]
+    groups = _groups(layers, 20)
+    if len(groups) > 12:
+        groups = _groups(layers, 5)
+    if len(groups) > 12:  # too varied to group by choice: equal runs of consecutive layers
+        size = -(-len(layers) // 10)
+        groups = [layers[i:i + size] for i in range(0, len(layers), size)]
+    lt = Table()
+    for c in ("layers", "attention+KV", "predictor", "FFN on GPU", "of activations", "µs/layer", "bound by"):
+        lt.add_column(c, justify="right" if c in ("of activations", "µs/layer") else "left")
+    for g in groups:
+        a, b = g[0]["layer"], g[-1]["layer"]
+        e = g[0]
+        if e["kind"] == "moe":
+            n = sum(len(x["gpu_experts"]) for x in g) / len(g)
+            ffn = f"{n:.1f}/{e['experts']} experts"
+        else:
+            fr = [x.get("gpu_fraction", 0.0) for x in g]
+            ffn = f"{100 * sum(fr) / len(fr):.0f}%" + (f" ({100 * min(fr):.0f}-{100 * max(fr):.0f}%)"
+                                                       if max(fr) - min(fr) > 0.05 else "") + f" of {e['neurons']}"
+        share = sum(x["gpu_activation_share"] for x in g) / len(g)
+        t = sum(x["time_us"] for x in g) / len(g)
+        cpu_bound = sum(1 for x in g if x["ffn_cpu_us"] > x["ffn_gpu_us"])
+        bound = "CPU" if cpu_bound == len(g) else "GPU" if cpu_bound == 0 else f"CPU {cpu_bound}/{len(g)}"
+        lt.add_row(f"{a}" if a == b else f"{a}-{b}", _mix(g, "attention"), _mix(g, "predictor"), ffn,
+                   f"{100 * share:.0f}%", f"{t:.0f}", bound)
+    console.print(lt)
+    bd = pred["breakdown_s"]
+    console.print(f"predicted [bold]{pred['tokens_per_s']:.2f} tok/s[/bold] ({1e3 * pred['time_per_step_s']:.2f} ms per "
+                  f"step): FFN {1e3 * bd['ffn']:.2f} ms, attention {1e3 * bd['attention']:.2f} ms, predictors "
+                  f"{1e3 * bd['predictors']:.2f} ms, sync {1e3 * pred['sync_s']:.2f} ms, lm_head {1e3 * bd['lm_head']:.2f} ms, "
+                  f"fixed {1e3 * bd['fixed']:.2f} ms; lm_head on {meta['lm_head'].upper()}")
+    s = meta["solver"]
+    if s.get("name"):
+        gap = "-" if s.get("gap") is None else f"{100 * s['gap']:.2f}%"
+        console.print(f"solver {s['name']}: {s['status']} in {s['time_s']:.2f} s, gap {gap}, {s['variables']} variables, "
+                      f"block {meta['block_size']} neurons")
+    else:
+        console.print(f"solver {s['status']}")
+    alt = meta["alternatives"]
+    if "all_cpu_tokens_per_s" in alt and meta["mode"] != "cpu":
+        console.print(f"all-CPU would be {alt['all_cpu_tokens_per_s']:.2f} tok/s")
+    if "greedy" in alt:
+        g = alt["greedy"]
+        fits = "" if g["fits"] else " (over the RAM budget)"
+        console.print(f"greedy hottest-neurons-first: {g['tokens_per_s']:.2f} tok/s{fits}; this plan is "
+                      f"{g['speedup_of_plan']:.3f}x its speed")
+        _print_explain(result, console)
+    for n in meta["notes"]:
+        console.print(f"note: {n}")
+    console.print(f"wrote {json_path} and {json_path.with_name('plan.safetensors').name}")
+
+
+def _print_explain(result, console) -> None:
+    """Where the plan and greedy differ most, per layer."""
+    from rich.table import Table
+
+    if result.greedy is None:
+        return
+    gp, gev = result.greedy
+    p, ev, costs = result.placement, result.evaluation, result.costs
+    rows = []
+    for l, lc in enumerate(costs.layers):
+        d = gev.layers[l].t_s - ev.layers[l].t_s
+        n_p = len(p.gpu_items(costs, l))
+        n_g = len(gp.gpu_items(costs, l))
+        if abs(d) > 1e-9 or n_p != n_g or p.attn_gpu[l] != gp.attn_gpu[l]:
+            rows.append((abs(d), l, n_p, n_g, d))
+    if not rows:
+        console.print("the plan and greedy place every layer alike")
+        return
+    t = Table(title="layers where the plan differs most from greedy", title_justify="left")
+    for c in ("layer", "plan: attention / GPU units", "greedy: attention / GPU units", "plan µs", "greedy µs"):
+        t.add_column(c, justify="right")
+    for _, l, n_p, n_g, d in sorted(rows, reverse=True)[:8]:
+        t.add_row(str(l), f"{'gpu' if p.attn_gpu[l] else 'cpu'} / {n_p}", f"{'gpu' if gp.attn_gpu[l] else 'cpu'} / {n_g}",
+                  f"{ev.layers[l].t_s * 1e6:.1f}", f"{gev.layers[l].t_s * 1e6:.1f}")
+    console.print(t)
+    if result.placement.head_gpu != gp.head_gpu:
+        console.print(f"lm_head: plan {'GPU' if p.head_gpu else 'CPU'}, greedy {'GPU' if gp.head_gpu else 'CPU'}")
+

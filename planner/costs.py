@@ -1,0 +1,425 @@
+"""The cost model: bytes and expected seconds per decode step of every placeable unit of a model.
+
+Units (what the planner places):
+  per layer   the attention block with its KV cache (also the router and shared expert of MoE layers,
+              the layer's norms and biases), the predictor (dense/gated layers), and the FFN as
+              neuron *blocks* in frequency order (dense/gated) or as experts (MoE);
+  per model   the lm_head (GPU or CPU); the embedding table always stays on the CPU (a row lookup).
+
+Time of one decode step (batch B tokens, all on the "hybrid" runtime of DESIGN.md), per layer l:
+
+    t_l = attention part + predictor part + u_l + LAYER_OVERHEAD
+    attention part = A_gpu                            if attention on the GPU
+                   = A_cpu + sync                     else (x goes to the CPU and back)
+    u_l >= GPU FFN time = launches (if any GPU unit) + sum of GPU units' time + hybrid launches (if any CPU unit)
+    u_l >= CPU FFN time = sum of CPU units' expected time + call + sync (if any CPU unit)
+
+The GPU and CPU halves of the FFN overlap (u_l is their max); attention runs before them. Sync is a
+small round trip (copy x [and the mask] down, the CPU's partial result up, synchronise) plus one
+Python thread hand-off; it is paid once per CPU segment of a layer, only when that layer has CPU work.
+
+  * GPU FFN rows are computed densely: every GPU-resident row of a dense/gated layer is read every
+    step (a masked dense product over the hot slice; cheaper than gathering at GPU bandwidth and what
+    the GPU executor does). GPU experts are read only when routed (probability expert_freq).
+  * CPU rows are read only when predicted active: a neuron with activation frequency f costs
+    P(active in at least one of B tokens) = 1 - (1 - f')^B rows, f' = f inflated by the predictor's
+    over-selection (profile.json `predicted_active_fraction` / mean f) when predictor stats exist.
+    CPU experts are computed densely when routed.
+  * Bytes are read at the measured rate of the kernel the runtime uses: `ffn_rows` for CPU FFN rows
+    and experts, `gemv` (dense) for CPU attention, predictors and lm_head, GPU GEMV for the GPU.
+  * The predictor of a layer is needed only when its FFN has CPU work (an all-GPU layer computes its
+    hot slice densely); it sits beside the attention (GPU if the attention is on the GPU).
+  * KV cache: 2 x kv_heads x head_dim x ctx (or the sliding window) x B values per layer, stored
+    with the attention; a step reads on average half of the context.
+  * All-CPU plans (no CUDA, or --vram 0) pay no sync; all-GPU plans need no predictors.
+
+Every constant is in `Constants` below, with its unit; the runtime compares predicted and measured
+times against these (plan.json records them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hotcold.errors import HotcoldError
+from hotcold.planner.probe import HardwareProfile
+from hotcold.planner.sizes import MiB
+
+
+@dataclass(frozen=True)
+class Constants:
+    """Every constant of the cost model. Times in seconds, sizes in bytes, counts are kernel launches
+    or Python kernel calls per decode step."""
+
+    # GPU memory the plan keeps free of weights
+    workspace_bytes: int = 256 * MiB  # bytes: activations, logits, torch allocator slack (plus per-token below)
+    workspace_per_token_bytes_factor: int = 16  # bytes x (hidden + ffn + vocab) per batch token (float32 temporaries)
+    host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
+    # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
+    attn_gpu_kernels: int = 12  # norm, q/k/v, rope x2, cache write, sdpa, o, residual, ...
+    ffn_gpu_kernels: int = 5  # norm, gate+up, act*mul, down, residual (dense/gated FFN with any GPU rows)
+    expert_gpu_kernels: int = 4  # per routed GPU expert: gate, up, act*mul, down
+    hybrid_gpu_kernels: int = 4  # a layer with CPU work: D2H copy, wait, H2D copy, add
+    predictor_gpu_kernels: int = 3  # two small matmuls and a threshold
+    head_gpu_kernels: int = 3  # final norm, lm_head, sampling
+    # Python-level kernel calls on the CPU (each costs `cpu_call_s`)
+    attn_cpu_calls: int = 8
+    ffn_cpu_calls: int = 1  # one fused ffn_rows call
+    expert_cpu_calls: int = 1  # per routed CPU expert
+    predictor_cpu_calls: int = 2
+    head_cpu_calls: int = 2
+    # sizes
+    predictor_fraction: float = 0.05  # predictor bytes / FFN weight bytes, when profile.json has no predictor params
+    predictor_bytes_per_param: float = 2.0  # bytes (fp16 predictor weights)
+    transfer_bytes_per_value: int = 4  # bytes: activations cross PCIe as float32
+    mask_bytes_per_neuron: float = 1.0  # bytes: the predicted-active mask sent to the CPU (uint8)
+    # fixed overheads, the same in every plan (they set absolute tokens/s, never the choice)
+    step_overhead_s: float = 150e-6  # s per decode step: embedding lookup, sampling, Python
+    layer_overhead_s: float = 15e-6  # s per layer: Python dispatch of the layer's modules
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How weights are stored for the run: bytes per weight (one parameter, so quantised formats can be
+    added), extra bytes per row (int8 per-row scale), the CPU kernel kind, and the bytes of one KV /
+    activation element."""
+
+    name: str
+    bytes_per_weight: float
+    row_overhead_bytes: float
+    cpu_kind: str
+    kv_bytes: int
+
+
+FORMATS = {
+    "bf16": WeightFormat("bf16", 2.0, 0.0, "bf16", 2),
+    "f16": WeightFormat("f16", 2.0, 0.0, "f16", 2),
+    "f32": WeightFormat("f32", 4.0, 0.0, "f32", 4),
+    "i8": WeightFormat("i8", 1.0, 4.0, "i8", 2),
+}
+_FORMAT_ALIASES = {"bfloat16": "bf16", "float16": "f16", "fp16": "f16", "float32": "f32", "fp32": "f32", "int8": "i8"}
+
+
+def weight_format(name: str) -> WeightFormat:
+    key = _FORMAT_ALIASES.get(name, name)
+    if key not in FORMATS:
+        raise HotcoldError(f"--dtype: unknown weight format '{name}' (use {', '.join(FORMATS)})")
+    return FORMATS[key]
+
+
+@dataclass
+class LayerStats:
+    """What the profile says about one layer: access probabilities per neuron or expert."""
+
+    kind: str  # gated | dense | moe
+    freq: np.ndarray  # float64 [I] neuron activation frequency, or [E] expert routing frequency
+    predictor_params: int | None = None
+    predicted_active_fraction: float | None = None
+
+
+@dataclass
+class LayerCosts:
+    """Bytes and expected seconds per step of one layer's units (see the module docstring)."""
+
+    layer: int
+    kind: str
+    order: np.ndarray  # int64 neuron (or expert) ids, hottest first
+    starts: np.ndarray  # int64 [K+1]: unit k is order[starts[k]:starts[k+1]]
+    unit_bytes: np.ndarray  # [K] weight bytes (the same on either device)
+    unit_gpu_s: np.ndarray  # [K] seconds per step when on the GPU
+    unit_cpu_s: np.ndarray  # [K] expected seconds per step when on the CPU
+    unit_freq: np.ndarray  # [K] mean access probability of the unit (greedy's key)
+    attn_bytes: float  # weights placed with the attention
+    kv_bytes: float  # KV cache for the requested context and batch
+    attn_gpu_s: float
+    attn_cpu_s: float
+    attn_sync_s: float  # extra when the attention is on the CPU in a hybrid plan
+    pred_bytes: float  # 0 for MoE layers
+    pred_gpu_s: float
+    pred_cpu_s: float
+    ffn_gpu_fixed_s: float  # launches when any unit is on the GPU (dense/gated)
+    ffn_cpu_fixed_s: float  # calls when any unit is on the CPU
+    hybrid_gpu_s: float  # GPU-side extra when the layer has CPU FFN work (hybrid plans)
+    ffn_sync_s: float  # CPU-side sync when the layer has CPU FFN work (hybrid plans)
+
+    @property
+    def n_units(self) -> int:
+        return len(self.unit_bytes)
+
+    @property
+    def n_items(self) -> int:
+        return len(self.order)
+
+
+@dataclass
+class ModelCosts:
+    """The whole model's units, ready for the ILP, greedy and evaluation."""
+
+    layers: list[LayerCosts]
+    head_bytes: float
+    head_gpu_s: float
+    head_cpu_s: float
+    head_sync_s: float
+    tied: bool  # lm_head shares the embedding table (no extra host bytes when the head is on the CPU)
+    embed_bytes: float  # host bytes always (embedding table, positions)
+    workspace_bytes: float  # GPU bytes always in hybrid and GPU plans
+    host_reserve_bytes: float
+    fixed_s: float  # per-step time common to every plan
+    has_gpu: bool
+    constants: Constants = field(default_factory=Constants)
+    block_size: int = 0
+    batch: int = 1
+    ctx: int = 0
+    fmt: WeightFormat = FORMATS["bf16"]
+
+
+# ------------------------------------------------------------------------------------------- building
+def auto_block_size(num_layers: int, n_neurons: int, target_total: int = 8192) -> int:
+    """Neurons per block: about target_total blocks over the model, 16..128 per layer, multiple of 8."""
+    per_layer = max(16, min(128, target_total // max(1, num_layers)))
+    return max(8, int(math.ceil(n_neurons / per_layer / 8)) * 8)
+
+
+def _attention_weights(cfg, layer: int) -> float:
+    """Weights (count) stored with a layer's attention: projections, biases, norms; MoE router and
+    shared expert."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    n = h * (2 * q + 2 * kv)
+    if cfg.attn_bias:
+        n += q + 2 * kv + h
+    n += 4 * h + 2 * hd  # norms (attention, FFN, sandwich) and QK-norm, at most
+    if cfg.ffn_kind(layer) == "dense":
+        n += h  # down bias of OPT
+    if cfg.ffn_kind(layer) == "moe":
+        n += h * cfg.num_experts
+        s = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+        if s:
+            n += 3 * h * s + h
+    return float(n)
+
+
+def _kv_len(cfg, layer: int, ctx: int) -> int:
+    if cfg.sliding_window and cfg.is_sliding(layer):
+        return min(ctx, cfg.sliding_window)
+    return ctx
+
+
+def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFormat, ctx: int, batch: int = 1,
+                block_size: int = 0, constants: Constants | None = None) -> ModelCosts:
+    """The cost of every unit of the model on this hardware. block_size 0: `auto_block_size`."""
+    c = constants or Constants()
+    B = max(1, int(batch))
+    h = cfg.hidden_size
+    w = fmt.bytes_per_weight
+    has_gpu = bool(hw.cuda and hw.gpu_gemv_Bps)
+    gbw = hw.gpu_gemv_Bps if has_gpu else math.inf
+    launch = (hw.launch_s or 0.0) if has_gpu else 0.0
+    rt = (hw.roundtrip_s or 0.0) if has_gpu else 0.0
+    pcie = hw.pcie_Bps() if has_gpu else math.inf
+    ffn_bps = hw.cpu_ffn(fmt.cpu_kind)
+    dense_bps = hw.cpu_dense(fmt.cpu_kind)
+    call = hw.cpu_call_s
+    handoff = hw.thread_handoff_s
+    tv = c.transfer_bytes_per_value
+    if not block_size:
+        block_size = auto_block_size(cfg.num_layers, cfg.intermediate_size)
+    layers = []
+    for l, st in enumerate(stats):
+        kind = st.kind
+        freq = np.clip(np.asarray(st.freq, dtype=np.float64), 0.0, 1.0)
+        order = np.argsort(-freq, kind="stable").astype(np.int64)
+        f_sorted = freq[order]
+        # attention
+        kv_len = _kv_len(cfg, l, ctx)
+        kv_elem = 2 * cfg.num_kv_heads * cfg.head_dim * fmt.kv_bytes * B
+        kv_bytes = float(kv_elem * kv_len)
+        kv_read = float(kv_elem * min(kv_len, max(1, ctx // 2)))
+        attn_bytes = _attention_weights(cfg, l) * w
+        attn_gpu_s = (attn_bytes + kv_read) / gbw + c.attn_gpu_kernels * launch
+        attn_cpu_s = attn_bytes / dense_bps + kv_read / hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16") \
+            + c.attn_cpu_calls * call
+        attn_sync_s = rt + 2 * B * h * tv / pcie + handoff
+        if kind == "moe":
+            n_items = cfg.num_experts
+            inter = cfg.moe_intermediate_size
+            eb = 3 * h * inter * w + 3 * inter * fmt.row_overhead_bytes
+            starts = np.arange(n_items + 1, dtype=np.int64)
+            q = 1.0 - (1.0 - np.minimum(1.0, f_sorted)) ** B  # routed for at least one token of the batch
+            unit_bytes = np.full(n_items, eb)
+            unit_gpu_s = q * (eb / gbw + c.expert_gpu_kernels * launch)
+            unit_cpu_s = q * (eb / ffn_bps + c.expert_cpu_calls * call)
+            unit_freq = f_sorted.copy()
+            pred_bytes = pred_gpu_s = pred_cpu_s = 0.0
+            ffn_gpu_fixed_s = 0.0
+            ffn_cpu_fixed_s = 0.0
+            mask_bytes = B * cfg.top_k * 8
+        else:
+            n_items = len(freq)
+            n_mats = 3 if kind == "gated" else 2
+            rb = n_mats * (h * w + fmt.row_overhead_bytes) + (w if kind == "dense" else 0.0)  # + up bias
+            infl = 1.0
+            if st.predicted_active_fraction and freq.mean() > 0:
+                infl = max(1.0, st.predicted_active_fraction / freq.mean())
+            q = 1.0 - (1.0 - np.minimum(1.0, f_sorted * infl)) ** B
+            starts = np.append(np.arange(0, n_items, block_size), n_items).astype(np.int64)
+            rows = np.diff(starts).astype(np.float64)
+            unit_bytes = rows * rb
+            unit_gpu_s = unit_bytes / gbw
+            exp_rows = np.add.reduceat(q, starts[:-1])
+            unit_cpu_s = exp_rows * rb / ffn_bps
+            unit_freq = np.add.reduceat(f_sorted, starts[:-1]) / rows
+            if st.predictor_params is not None:
+                pred_bytes = float(st.predictor_params) * c.predictor_bytes_per_param
+            else:
+                pred_bytes = c.predictor_fraction * n_items * rb
+            pred_gpu_s = pred_bytes / gbw + c.predictor_gpu_kernels * launch
+            pred_cpu_s = pred_bytes / dense_bps + c.predictor_cpu_calls * call
+            ffn_gpu_fixed_s = c.ffn_gpu_kernels * launch
+            ffn_cpu_fixed_s = c.ffn_cpu_calls * call
+            mask_bytes = n_items * c.mask_bytes_per_neuron
+        layers.append(LayerCosts(
+            layer=l, kind=kind, order=order, starts=starts, unit_bytes=np.asarray(unit_bytes, dtype=np.float64),
+            unit_gpu_s=np.asarray(unit_gpu_s, dtype=np.float64), unit_cpu_s=np.asarray(unit_cpu_s, dtype=np.float64),
+            unit_freq=np.asarray(unit_freq, dtype=np.float64), attn_bytes=attn_bytes, kv_bytes=kv_bytes,
+            attn_gpu_s=attn_gpu_s, attn_cpu_s=attn_cpu_s, attn_sync_s=attn_sync_s if has_gpu else 0.0,
+            pred_bytes=pred_bytes, pred_gpu_s=pred_gpu_s, pred_cpu_s=pred_cpu_s, ffn_gpu_fixed_s=ffn_gpu_fixed_s,
+            ffn_cpu_fixed_s=ffn_cpu_fixed_s, hybrid_gpu_s=c.hybrid_gpu_kernels * launch,
+            ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0))
+    head_bytes = float(cfg.vocab_size * h * w)
+    embed_bytes = float(cfg.vocab_size * h * w)
+    if cfg.model_type == "opt":
+        embed_bytes += (cfg.max_position_embeddings + 2) * h * w
+    workspace = c.workspace_bytes + B * c.workspace_per_token_bytes_factor * (
+        h + max(cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", 0) or 0) + cfg.vocab_size)
+    return ModelCosts(
+        layers=layers, head_bytes=head_bytes,
+        head_gpu_s=head_bytes / gbw + c.head_gpu_kernels * launch,
+        head_cpu_s=head_bytes / dense_bps + c.head_cpu_calls * call,
+        head_sync_s=(rt + B * h * tv / pcie + handoff) if has_gpu else 0.0,
+        tied=bool(cfg.tie_word_embeddings), embed_bytes=embed_bytes, workspace_bytes=float(workspace),
+        host_reserve_bytes=float(c.host_reserve_bytes),
+        fixed_s=c.step_overhead_s + cfg.num_layers * c.layer_overhead_s,
+        has_gpu=has_gpu, constants=c, block_size=block_size, batch=B, ctx=ctx, fmt=fmt)
+
+
+# ------------------------------------------------------------------------------------------- placement
+@dataclass
+class Placement:
+    """Which units are on the GPU. on_gpu[l] is a bool array over layer l's units (in hot-first order);
+    for dense/gated layers the planner only produces prefixes, the evaluator accepts any subset."""
+
+    mode: str  # "hybrid" | "cpu" | "gpu"
+    attn_gpu: list[bool]
+    on_gpu: list[np.ndarray]
+    head_gpu: bool
+
+    @classmethod
+    def all_cpu(cls, costs: ModelCosts) -> "Placement":
+        n = len(costs.layers)
+        return cls("cpu", [False] * n, [np.zeros(lc.n_units, bool) for lc in costs.layers], False)
+
+    @classmethod
+    def all_gpu(cls, costs: ModelCosts) -> "Placement":
+        n = len(costs.layers)
+        return cls("gpu", [True] * n, [np.ones(lc.n_units, bool) for lc in costs.layers], True)
+
+    def gpu_items(self, costs: ModelCosts, l: int) -> np.ndarray:
+        """Neuron (or expert) ids on the GPU in layer l, hottest first."""
+        lc = costs.layers[l]
+        parts = [lc.order[lc.starts[k]:lc.starts[k + 1]] for k in np.flatnonzero(self.on_gpu[l])]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+@dataclass
+class LayerEval:
+    t_s: float
+    attn_s: float
+    pred_s: float
+    ffn_gpu_s: float
+    ffn_cpu_s: float
+    sync_s: float
+    predictor: str  # gpu | cpu | none
+    gpu_bytes: dict[str, float]
+    cpu_bytes: dict[str, float]
+
+
+@dataclass
+class Evaluation:
+    """Predicted time per step and bytes per component per device of a placement."""
+
+    time_s: float
+    layers: list[LayerEval]
+    head_s: float
+    fixed_s: float
+    gpu_bytes: dict[str, float]
+    cpu_bytes: dict[str, float]
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu_bytes.values())
+
+    @property
+    def cpu_total(self) -> float:
+        return sum(self.cpu_bytes.values())
+
+
+def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
+    """The cost model applied to a placement, written independently of the ILP (tests compare them)."""
+    hybrid = p.mode == "hybrid"
+    comps = ("attention", "kv_cache", "ffn", "predictors", "lm_head", "embedding", "workspace", "reserve")
+    gpu = dict.fromkeys(comps, 0.0)
+    cpu = dict.fromkeys(comps, 0.0)
+    out = []
+    total = costs.fixed_s
+    for l, lc in enumerate(costs.layers):
+        on = np.asarray(p.on_gpu[l], bool)
+        a = bool(p.attn_gpu[l])
+        has_cpu = bool((~on).any())
+        has_gpu = bool(on.any())
+        g = {"attention": a * lc.attn_bytes, "kv_cache": a * lc.kv_bytes, "ffn": float(lc.unit_bytes[on].sum())}
+        h = {"attention": (not a) * lc.attn_bytes, "kv_cache": (not a) * lc.kv_bytes,
+             "ffn": float(lc.unit_bytes[~on].sum())}
+        sync = 0.0
+        attn_s = lc.attn_gpu_s if a else lc.attn_cpu_s
+        if not a and hybrid:
+            attn_s += lc.attn_sync_s
+            sync += lc.attn_sync_s
+        predictor = "none"
+        pred_s = 0.0
+        if has_cpu and lc.kind != "moe":
+            predictor = "gpu" if a else "cpu"
+            pred_s = lc.pred_gpu_s if a else lc.pred_cpu_s
+            (g if a else h)["predictors"] = lc.pred_bytes
+        ffn_gpu = float(lc.unit_gpu_s[on].sum()) + (lc.ffn_gpu_fixed_s if has_gpu else 0.0)
+        ffn_cpu = float(lc.unit_cpu_s[~on].sum()) + (lc.ffn_cpu_fixed_s if has_cpu else 0.0)
+        if has_cpu and hybrid:
+            ffn_gpu += lc.hybrid_gpu_s
+            ffn_cpu += lc.ffn_sync_s
+            sync += lc.ffn_sync_s
+        t = attn_s + pred_s + max(ffn_gpu, ffn_cpu)
+        total += t
+        for k, v in g.items():
+            gpu[k] += v
+        for k, v in h.items():
+            cpu[k] += v
+        out.append(LayerEval(t, attn_s, pred_s, ffn_gpu, ffn_cpu, sync, predictor, g, h))
+    if p.head_gpu:
+        head_s = costs.head_gpu_s
+        gpu["lm_head"] = costs.head_bytes
+    else:
+        head_s = costs.head_cpu_s + (costs.head_sync_s if hybrid else 0.0)
+        cpu["lm_head"] = 0.0 if costs.tied else costs.head_bytes
+    total += head_s
+    cpu["embedding"] = costs.embed_bytes
+    cpu["reserve"] = costs.host_reserve_bytes
+    if p.mode != "cpu":
+        gpu["workspace"] = costs.workspace_bytes
+    return Evaluation(total, out, head_s, costs.fixed_s, gpu, cpu)

@@ -1,0 +1,112 @@
+"""The plan artifact: `plan.json` (human-readable) + `plan.safetensors` (index lists), read and written.
+
+plan.safetensors (metadata {"fingerprint", "format": "1", "mode"}), L = num_layers:
+  attention_gpu              uint8 [L]   1: layer l's attention, KV cache, norms (+ router, shared expert) on the GPU
+  predictor_gpu              uint8 [L]   1: layer l's neuron predictor on the GPU (0: on the CPU, or none needed)
+  lm_head_gpu                uint8 [1]   1: lm_head (and final norm) on the GPU
+  gpu_count                  int32 [L]   GPU neurons (dense/gated layers) or GPU experts (MoE layers) of layer l
+  dense/gated layers
+    layers.{l}.neuron_order  int32 [I]   every neuron, hottest first (profile frequency, stable)
+    layers.{l}.gpu_neurons   int32 [n]   the GPU neurons = neuron_order[:n], hottest first
+  MoE layers
+    layers.{l}.expert_order  int32 [E]   every expert, most routed first
+    layers.{l}.gpu_experts   int32 [m]   the GPU experts, most routed first
+plan.json: see `plan_json` in make.py (budget, bytes per component per device, per-layer choices and
+predicted times, predicted tokens/s, solver status and gap, the cost constants).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hotcold.artifacts import ArtifactError, atomic_path, check_fingerprint, find_artifact_dir
+
+FORMAT = "1"
+PLAN_JSON = "plan.json"
+PLAN_TENSORS = "plan.safetensors"
+
+
+@dataclass
+class Plan:
+    """A plan read back, for the runtime."""
+
+    path: Path  # plan.safetensors
+    meta: dict  # plan.json
+    fingerprint: str
+    mode: str  # "hybrid" | "cpu" | "gpu"
+    attention_gpu: np.ndarray  # bool [L]
+    predictor_gpu: np.ndarray  # bool [L]
+    lm_head_gpu: bool
+    gpu_count: np.ndarray  # int [L]
+    neuron_order: dict[int, np.ndarray] = field(default_factory=dict)
+    gpu_neurons: dict[int, np.ndarray] = field(default_factory=dict)
+    expert_order: dict[int, np.ndarray] = field(default_factory=dict)
+    gpu_experts: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention_gpu)
+
+
+def write_plan(folder: Path, tensors: dict[str, np.ndarray], meta: dict) -> list[Path]:
+    """Write plan.safetensors then plan.json, each atomically."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    paths = [folder / PLAN_TENSORS, folder / PLAN_JSON]
+    with atomic_path(paths[0]) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+                  metadata={"fingerprint": meta["fingerprint"], "format": FORMAT, "mode": meta["mode"]})
+    with atomic_path(paths[1]) as tmp:
+        tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    return paths
+
+
+def find_plan(model_path: Path, fingerprint: str, given: Path | None = None) -> Path | None:
+    """plan.safetensors: the one given (a file or a folder), or the one in the model's artifact folder."""
+    if given is not None:
+        given = Path(given).expanduser()
+        return given / PLAN_TENSORS if given.is_dir() else given
+    folder = find_artifact_dir(model_path, fingerprint)
+    if folder is not None and (folder / PLAN_TENSORS).is_file():
+        return folder / PLAN_TENSORS
+    return None
+
+
+def load_plan(path: Path, fingerprint: str | None = None) -> Plan:
+    """Read plan.safetensors (+ plan.json beside it); refuse a plan made for another model."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / PLAN_TENSORS
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no plan here; run `hotcold plan MODEL --vram SIZE` first")
+    meta_path = path.with_name(PLAN_JSON)
+    try:
+        meta = json.loads(meta_path.read_text())
+        with safe_open(str(path), "np") as f:
+            header = f.metadata() or {}
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+    except FileNotFoundError:
+        raise ArtifactError(f"{meta_path}: missing beside {path.name}; re-run `hotcold plan`") from None
+    except Exception as e:
+        raise ArtifactError(f"{path}: unreadable plan ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                            "re-run `hotcold plan`") from None
+    if header.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: plan format {header.get('format')} is not {FORMAT}; re-run `hotcold plan`")
+    if fingerprint is not None:
+        check_fingerprint(header.get("fingerprint"), fingerprint, path)
+        check_fingerprint(meta.get("fingerprint"), fingerprint, meta_path)
+    plan = Plan(path=path, meta=meta, fingerprint=header.get("fingerprint", ""), mode=header.get("mode", meta.get("mode")),
+                attention_gpu=tensors["attention_gpu"].astype(bool), predictor_gpu=tensors["predictor_gpu"].astype(bool),
+                lm_head_gpu=bool(tensors["lm_head_gpu"][0]), gpu_count=tensors["gpu_count"].astype(np.int64))
+    for name, t in tensors.items():
+        if name.startswith("layers."):
+            _, layer, what = name.split(".", 2)
+            getattr(plan, what)[int(layer)] = t.astype(np.int64)
+    return plan

@@ -1,0 +1,408 @@
+"""The hardware probe: what this machine can do, measured once and cached per host.
+
+`probe()` measures, with the kernels the runtime uses:
+  CPU   threads, RAM total/available; with `hotcold.sparse_ops.cpu` (numba): rows gathered per second by
+        `gemv_rows` (1/8 of the rows selected), neurons per second by the fused gated `ffn_rows`
+        (1/8 selected, 3 rows per neuron) and the dense `gemv` read rate, each per storage kind
+        (f32, bf16, f16, i8); the cost of one kernel call; a Python thread hand-off round trip
+        (main thread -> CPU worker -> main thread, what every hybrid layer pays).
+  GPU   (CUDA only) name, total and free memory, device copy bandwidth (read + write bytes),
+        GEMV weight-stream bandwidth (bf16), host<->device copies pinned and pageable, a small
+        round trip (8 KiB there, one op, back, synchronise), launch + synchronise, and the
+        per-kernel launch cost when kernels are queued back to back.
+Without CUDA the GPU fields are null and plans are all-CPU. Bandwidths are bytes per second, times
+seconds. The result is JSON in `$HOTCOLD_HOME/hardware-<host>.json` (default `~/.cache/hotcold`).
+
+`PRESETS` holds profiles of other machines (the H200 host and a gaming PC, from DESIGN.md) so a
+plan can be made for a machine other than this one (`hotcold plan --hardware h200`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hotcold.errors import HotcoldError
+
+FORMAT = "1"
+KINDS = ("f32", "bf16", "f16", "i8")
+
+
+@dataclass
+class HardwareProfile:
+    """One machine's measured (or preset) capabilities. Bandwidths in bytes/s, times in seconds."""
+
+    hostname: str = ""
+    source: str = "measured"  # "measured" or "preset:<name>"
+    created: str = ""
+    format: str = FORMAT
+    probe_s: float = 0.0  # how long the probe took
+    # --- CPU
+    cpu_threads: int = 1  # numba threads the kernels ran with
+    ram_total_bytes: int = 0
+    ram_available_bytes: int = 0
+    cpu_kernel: str = "hotcold.sparse_ops.cpu"  # or "numpy-fallback" when the numba kernels are missing
+    cpu_row_len: int = 4096  # row length (elements) of the measurements below
+    cpu_gather_rows_per_s: dict[str, float] = field(default_factory=dict)  # gemv_rows, by kind
+    cpu_gather_Bps: dict[str, float] = field(default_factory=dict)  # the same as weight bytes read per s
+    cpu_ffn_neurons_per_s: dict[str, float] = field(default_factory=dict)  # fused gated ffn_rows, by kind
+    cpu_ffn_Bps: dict[str, float] = field(default_factory=dict)  # the same as weight bytes read per s
+    cpu_dense_Bps: dict[str, float] = field(default_factory=dict)  # gemv over all rows, by kind
+    cpu_call_s: float = 5e-6  # one small kernel call from Python
+    thread_handoff_s: float = 30e-6  # main -> worker thread -> main round trip
+    # --- GPU (None without CUDA)
+    cuda: bool = False
+    gpu_name: str | None = None
+    gpu_total_bytes: int | None = None
+    gpu_free_bytes: int | None = None
+    gpu_copy_Bps: float | None = None  # device-to-device copy, bytes read + written per s
+    gpu_gemv_Bps: float | None = None  # bf16 matrix-vector product, weight bytes read per s
+    h2d_pinned_Bps: float | None = None
+    d2h_pinned_Bps: float | None = None
+    h2d_pageable_Bps: float | None = None
+    d2h_pageable_Bps: float | None = None
+    roundtrip_s: float | None = None  # 8 KiB host->device, one op, device->host, synchronise
+    launch_sync_s: float | None = None  # one tiny kernel + synchronise
+    launch_s: float | None = None  # per kernel when queued back to back (asynchronous launch cost)
+
+    # --- accessors used by the cost model (fall back sensibly when a kind was not measured)
+    def _by_kind(self, table: dict[str, float], kind: str) -> float:
+        if kind in table:
+            return table[kind]
+        for k in ("bf16", "f16", "f32"):
+            if k in table:
+                return table[k]
+        raise HotcoldError(f"hardware profile {self.hostname}: no CPU measurement; run `hotcold probe --force`")
+
+    def cpu_ffn(self, kind: str) -> float:
+        """Bytes/s of weights the CPU FFN kernel reads (sparse rows)."""
+        return self._by_kind(self.cpu_ffn_Bps or self.cpu_gather_Bps, kind)
+
+    def cpu_dense(self, kind: str) -> float:
+        """Bytes/s of weights a dense CPU matrix-vector product reads."""
+        return self._by_kind(self.cpu_dense_Bps or self.cpu_gather_Bps, kind)
+
+    def pcie_Bps(self) -> float:
+        """Pinned host<->device copy bandwidth, the mean of both directions."""
+        return ((self.h2d_pinned_Bps or 0) + (self.d2h_pinned_Bps or 0)) / 2 or 1e9
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """(what, value) pairs for a table."""
+        from hotcold.planner.sizes import format_size
+
+        def bw(v):
+            return "-" if v is None else f"{v / 1e9:.1f} GB/s"
+
+        def us(v):
+            return "-" if v is None else f"{v * 1e6:.1f} µs"
+
+        rows = [("host", f"{self.hostname} ({self.source})"),
+                ("CPU threads", str(self.cpu_threads)),
+                ("RAM total / available", f"{format_size(self.ram_total_bytes)} / {format_size(self.ram_available_bytes)}"),
+                ("CPU kernel", self.cpu_kernel)]
+        for k in KINDS:
+            if k in self.cpu_gather_Bps:
+                rows.append((f"CPU {k}: gather / ffn / dense",
+                             f"{bw(self.cpu_gather_Bps[k])} ({self.cpu_gather_rows_per_s.get(k, 0) / 1e6:.2f} M rows/s)"
+                             f" / {bw(self.cpu_ffn_Bps.get(k))} / {bw(self.cpu_dense_Bps.get(k))}"))
+        rows += [("CPU call / thread hand-off", f"{us(self.cpu_call_s)} / {us(self.thread_handoff_s)}")]
+        if not self.cuda:
+            rows.append(("GPU", "none (CUDA not available): plans are all-CPU"))
+            return rows
+        rows += [("GPU", f"{self.gpu_name}"),
+                 ("GPU memory free / total", f"{format_size(self.gpu_free_bytes or 0)} / {format_size(self.gpu_total_bytes or 0)}"),
+                 ("GPU copy / GEMV", f"{bw(self.gpu_copy_Bps)} / {bw(self.gpu_gemv_Bps)}"),
+                 ("H2D / D2H pinned", f"{bw(self.h2d_pinned_Bps)} / {bw(self.d2h_pinned_Bps)}"),
+                 ("H2D / D2H pageable", f"{bw(self.h2d_pageable_Bps)} / {bw(self.d2h_pageable_Bps)}"),
+                 ("round trip / launch+sync / launch", f"{us(self.roundtrip_s)} / {us(self.launch_sync_s)} / {us(self.launch_s)}")]
+        return rows
+
+
+# ------------------------------------------------------------------------------------------- presets
+# The H200 host and the gaming PC of DESIGN.md ("Numbers to keep in mind"). Values marked ~ are
+# estimates, not measurements: i8 and ffn rates, call and hand-off costs.
+_GiB = 1 << 30
+PRESETS: dict[str, dict] = {
+    "h200": dict(
+        hostname="h200-host", cpu_threads=16, ram_total_bytes=128 * _GiB, ram_available_bytes=120 * _GiB,
+        cpu_row_len=4096,
+        cpu_gather_Bps={"f32": 82e9, "f16": 110e9, "bf16": 110e9, "i8": 90e9},  # i8 ~
+        cpu_ffn_Bps={"f32": 80e9, "f16": 100e9, "bf16": 100e9, "i8": 85e9},  # ~
+        cpu_dense_Bps={"f32": 73e9, "f16": 73e9, "bf16": 73e9, "i8": 70e9},
+        cpu_call_s=5e-6, thread_handoff_s=30e-6,  # ~
+        cuda=True, gpu_name="NVIDIA H200 (preset)", gpu_total_bytes=139 * _GiB, gpu_free_bytes=138 * _GiB,
+        gpu_copy_Bps=4.2e12, gpu_gemv_Bps=3.6e12, h2d_pinned_Bps=52e9, d2h_pinned_Bps=55e9,
+        h2d_pageable_Bps=15e9, d2h_pageable_Bps=15e9, roundtrip_s=38e-6, launch_sync_s=20e-6, launch_s=5e-6),
+    "rtx4090": dict(
+        hostname="gaming-pc", cpu_threads=16, ram_total_bytes=64 * _GiB, ram_available_bytes=60 * _GiB,
+        cpu_row_len=4096,
+        cpu_gather_Bps={"f32": 55e9, "f16": 60e9, "bf16": 60e9, "i8": 55e9},  # ~
+        cpu_ffn_Bps={"f32": 55e9, "f16": 60e9, "bf16": 60e9, "i8": 55e9},  # ~
+        cpu_dense_Bps={"f32": 65e9, "f16": 65e9, "bf16": 65e9, "i8": 60e9},
+        cpu_call_s=5e-6, thread_handoff_s=30e-6,  # ~
+        cuda=True, gpu_name="NVIDIA RTX 4090 (preset)", gpu_total_bytes=24 * _GiB, gpu_free_bytes=23 * _GiB,
+        gpu_copy_Bps=1.0e12, gpu_gemv_Bps=0.9e12, h2d_pinned_Bps=25e9, d2h_pinned_Bps=25e9,
+        h2d_pageable_Bps=10e9, d2h_pageable_Bps=10e9, roundtrip_s=30e-6, launch_sync_s=15e-6, launch_s=5e-6),
+}
+
+
+def preset(name: str) -> HardwareProfile:
+    d = dict(PRESETS[name])
+    d["cpu_gather_rows_per_s"] = {k: v / (d["cpu_row_len"] * _KIND_BYTES[k]) for k, v in d["cpu_gather_Bps"].items()}
+    d["cpu_ffn_neurons_per_s"] = {k: v / (3 * d["cpu_row_len"] * _KIND_BYTES[k]) for k, v in d["cpu_ffn_Bps"].items()}
+    return HardwareProfile(source=f"preset:{name}", created="", **d)
+
+
+_KIND_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i8": 1}
+
+
+# ------------------------------------------------------------------------------------------- cache
+def hardware_path(hostname: str | None = None) -> Path:
+    home = Path(os.environ.get("HOTCOLD_HOME", Path.home() / ".cache" / "hotcold")).expanduser()
+    return home / f"hardware-{hostname or socket.gethostname()}.json"
+
+
+def load_hardware(spec: str | Path | None = None, force: bool = False, quick: bool = False,
+                  log=None) -> tuple[HardwareProfile, Path | None, bool]:
+    """(profile, its file, measured now?). spec: None (this machine: cached, or probed and cached),
+    a preset name, or a JSON file written by `hotcold probe`."""
+    if spec is not None and str(spec) in PRESETS:
+        return preset(str(spec)), None, False
+    if spec is not None:
+        path = Path(spec).expanduser()
+        return read_hardware(path), path, False
+    path = hardware_path()
+    if path.is_file() and not force:
+        try:
+            return read_hardware(path), path, False
+        except HotcoldError:
+            if log:
+                log(f"{path}: unreadable, measuring again")
+    hw = probe(quick=quick, log=log)
+    write_hardware(hw, path)
+    return hw, path, True
+
+
+def read_hardware(path: Path) -> HardwareProfile:
+    if not path.is_file():
+        raise HotcoldError(f"{path}: no hardware profile here; run `hotcold probe` or pass --hardware "
+                           f"({', '.join(PRESETS)} or a JSON file)")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HotcoldError(f"{path}: unreadable hardware profile ({e}); run `hotcold probe --force`") from None
+    if d.get("format") != FORMAT:
+        raise HotcoldError(f"{path}: hardware profile format {d.get('format')} is not {FORMAT}; run `hotcold probe --force`")
+    return HardwareProfile.from_dict(d)
+
+
+def write_hardware(hw: HardwareProfile, path: Path) -> None:
+    from hotcold.artifacts import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(hw.to_json())
+
+
+# ------------------------------------------------------------------------------------------- measuring
+def _rate(fn, min_time: float, max_reps: int = 10_000) -> float:
+    """Seconds per call: the best of three batches of calls lasting at least min_time/3 each."""
+    fn()  # warm-up (and JIT compilation)
+    best = float("inf")
+    for _ in range(3):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_time / 3 or n >= max_reps:
+                break
+        best = min(best, dt / n)
+    return best
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
+    import numpy as np
+    import psutil
+    import torch
+
+    vm = psutil.virtual_memory()
+    hw.ram_total_bytes, hw.ram_available_bytes = int(vm.total), int(vm.available)
+    rows_n, d = (2048, 1024) if quick else (8192, 4096)
+    min_time = 0.03 if quick else 0.25
+    hw.cpu_row_len = d
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(rows_n, d, generator=gen)
+    rng = np.random.default_rng(0)
+    sel = np.sort(rng.choice(rows_n, rows_n // 8, replace=False)).astype(np.int64)
+    x = rng.standard_normal(d).astype(np.float32)
+    try:
+        from hotcold.sparse_ops import cpu
+    except ImportError:  # pragma: no cover - the kernels ship with hotcold
+        cpu = None
+    if cpu is None:
+        hw.cpu_kernel = "numpy-fallback"
+        hw.cpu_threads = os.cpu_count() or 1
+        for kind, dt in (("f32", np.float32), ("f16", np.float16)):
+            m = src.numpy().astype(dt)
+            t = _rate(lambda: m[sel] @ x, min_time)
+            hw.cpu_gather_rows_per_s[kind] = len(sel) / t
+            hw.cpu_gather_Bps[kind] = len(sel) * d * m.itemsize / t
+            t = _rate(lambda: m @ x, min_time)
+            hw.cpu_dense_Bps[kind] = m.nbytes / t
+        return
+    hw.cpu_kernel = "hotcold.sparse_ops.cpu"
+    hw.cpu_threads = cpu.get_threads()
+    out_rows = np.empty(len(sel), np.float32)
+    out_all = np.empty(rows_n, np.float32)
+    out_ffn = np.zeros(d, np.float32)
+    for kind in KINDS:
+        t0 = time.perf_counter()
+        m = cpu.HostMatrix.from_torch(src, kind)
+        rb = m.row_bytes()
+        t = _rate(lambda: cpu.gemv_rows(m, sel, x, out_rows), min_time)
+        hw.cpu_gather_rows_per_s[kind] = len(sel) / t
+        hw.cpu_gather_Bps[kind] = len(sel) * rb / t
+        t = _rate(lambda: cpu.ffn_rows(x, sel, m, m, "silu", gate=m, out=out_ffn), min_time)
+        hw.cpu_ffn_neurons_per_s[kind] = len(sel) / t
+        hw.cpu_ffn_Bps[kind] = 3 * len(sel) * rb / t
+        t = _rate(lambda: cpu.gemv(m, x, out_all), min_time)
+        hw.cpu_dense_Bps[kind] = rows_n * rb / t
+        if log:
+            log(f"CPU {kind}: gather {hw.cpu_gather_Bps[kind] / 1e9:.1f} GB/s, ffn {hw.cpu_ffn_Bps[kind] / 1e9:.1f} GB/s, "
+                f"dense {hw.cpu_dense_Bps[kind] / 1e9:.1f} GB/s ({time.perf_counter() - t0:.1f} s)")
+        if kind == "f32":
+            one = sel[:1].copy()
+            out1 = np.empty(1, np.float32)
+            hw.cpu_call_s = _rate(lambda: cpu.gemv_rows(m, one, x, out1), min_time / 4)
+        del m
+
+
+def _probe_handoff(hw: HardwareProfile, quick: bool) -> None:
+    """Round trip main thread -> worker -> main through two queues (the executors' hand-off)."""
+    to_w, to_m = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def worker():
+        while True:
+            item = to_w.get()
+            if item is None:
+                return
+            to_m.put(item)
+
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+
+    def trip():
+        to_w.put(1)
+        to_m.get()
+
+    hw.thread_handoff_s = _median_time(trip, 50 if quick else 400)
+    to_w.put(None)
+    th.join()
+
+
+def _probe_cuda(hw: HardwareProfile, quick: bool, log) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        hw.cuda = False
+        return
+    dev = torch.device("cuda")
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    hw.cuda, hw.gpu_name = True, torch.cuda.get_device_name()
+    hw.gpu_total_bytes, hw.gpu_free_bytes = int(total), int(free)
+    sync = torch.cuda.synchronize
+
+    def timed(fn, reps):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    nbytes = (64 if quick else 512) << 20
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    hw.gpu_copy_Bps = 2 * nbytes / timed(lambda: b.copy_(a), 20)
+    del a, b
+    cols = 8192
+    w = torch.randn(nbytes // 2 // cols, cols, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(cols, device=dev, dtype=torch.bfloat16)
+    hw.gpu_gemv_Bps = w.numel() * 2 / timed(lambda: torch.mv(w, v), 20)
+    del w, v
+    copy_bytes = (32 if quick else 256) << 20
+    dbuf = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+    pinned = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(copy_bytes, dtype=torch.uint8)
+    hw.h2d_pinned_Bps = copy_bytes / timed(lambda: dbuf.copy_(pinned, non_blocking=True), 5)
+    hw.d2h_pinned_Bps = copy_bytes / timed(lambda: pinned.copy_(dbuf, non_blocking=True), 5)
+    hw.h2d_pageable_Bps = copy_bytes / timed(lambda: dbuf.copy_(pageable), 3)
+    hw.d2h_pageable_Bps = copy_bytes / timed(lambda: pageable.copy_(dbuf), 3)
+    del dbuf, pinned, pageable
+    hx = torch.zeros(2048, pin_memory=True)  # 8 KiB of float32
+    hy = torch.empty_like(hx).pin_memory()
+    dx = torch.empty(2048, device=dev)
+
+    def roundtrip():
+        dx.copy_(hx, non_blocking=True)
+        dx.add_(1.0)
+        hy.copy_(dx, non_blocking=True)
+        sync()
+
+    def launch_sync():
+        dx.add_(1.0)
+        sync()
+
+    reps = 50 if quick else 300
+    hw.roundtrip_s = _median_time(roundtrip, reps)
+    hw.launch_sync_s = _median_time(launch_sync, reps)
+    hw.launch_s = timed(lambda: dx.add_(1.0), 2000)
+    torch.cuda.empty_cache()
+    if log:
+        log(f"GPU {hw.gpu_name}: GEMV {hw.gpu_gemv_Bps / 1e9:.0f} GB/s, H2D pinned {hw.h2d_pinned_Bps / 1e9:.1f} GB/s, "
+            f"round trip {hw.roundtrip_s * 1e6:.0f} µs")
+
+
+def probe(quick: bool = False, log=None) -> HardwareProfile:
+    """Measure this machine (about 10 s on 2 cores; `quick` uses small sizes, for tests)."""
+    t0 = time.perf_counter()
+    hw = HardwareProfile(hostname=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    _probe_cpu(hw, quick, log)
+    _probe_handoff(hw, quick)
+    try:
+        _probe_cuda(hw, quick, log)
+    except Exception as e:  # e.g. a GPU already full: say so rather than plan as if there were none
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise HotcoldError(f"measuring the GPU failed ({msg}); free some GPU memory and run `hotcold probe --force`, "
+                           "or plan with --hardware FILE|h200|rtx4090") from None
+    hw.probe_s = time.perf_counter() - t0
+    return hw

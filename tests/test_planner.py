@@ -1,0 +1,513 @@
+"""The planner: hardware probe, cost model, ILP (against brute force and greedy), plan artifacts, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hotcold.artifacts import ArtifactError
+from hotcold.errors import HotcoldError
+from hotcold.models.config import config_from_hf
+from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate, weight_format
+from hotcold.planner.greedy import greedy
+from hotcold.planner.ilp import solve
+from hotcold.planner.make import BudgetError, PlanRequest, make_plan, plan_json, plan_tensors
+from hotcold.planner.plan import load_plan, write_plan
+from hotcold.planner.probe import HardwareProfile, load_hardware, preset, probe, read_hardware
+from hotcold.planner.sizes import GiB, KiB, MiB, parse_size
+
+# ------------------------------------------------------------------------------------------- helpers
+TINY = {
+    "llama_relu": dict(model_type="llama", vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, hidden_act="relu"),
+    "opt": dict(model_type="opt", vocab_size=160, hidden_size=64, ffn_dim=32, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64),
+    "mixtral": dict(model_type="mixtral", vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                      mlp_only_layers=[1]),
+}
+TOY_CONSTANTS = Constants(workspace_bytes=4 * KiB, workspace_per_token_bytes_factor=0, host_reserve_bytes=0,
+                          step_overhead_s=0.0, layer_overhead_s=0.0)
+
+
+def tiny_cfg(name: str, **over):
+    return config_from_hf(dict(TINY[name], **over))
+
+
+def toy_hw(gpu_bw=20e9, cpu_bw=2e9, rt=4e-6, launch=0.2e-6, call=0.5e-6, handoff=1e-6, cuda=True) -> HardwareProfile:
+    """A machine scaled to tiny models: transfer and sync costs comparable to the compute of a block."""
+    kinds = ("f32", "bf16", "f16", "i8")
+    return HardwareProfile(
+        hostname="toy", source="preset:toy", cpu_threads=2, ram_total_bytes=8 * GiB, ram_available_bytes=8 * GiB,
+        cpu_gather_Bps={k: cpu_bw for k in kinds}, cpu_ffn_Bps={k: cpu_bw for k in kinds},
+        cpu_dense_Bps={k: cpu_bw * 1.5 for k in kinds}, cpu_call_s=call, thread_handoff_s=handoff, cuda=cuda,
+        gpu_name="toy" if cuda else None, gpu_total_bytes=GiB if cuda else None, gpu_free_bytes=GiB if cuda else None,
+        gpu_copy_Bps=gpu_bw * 1.2 if cuda else None, gpu_gemv_Bps=gpu_bw if cuda else None,
+        h2d_pinned_Bps=1e9 if cuda else None, d2h_pinned_Bps=1e9 if cuda else None,
+        h2d_pageable_Bps=0.5e9 if cuda else None, d2h_pageable_Bps=0.5e9 if cuda else None,
+        roundtrip_s=rt if cuda else None, launch_sync_s=2 * launch if cuda else None, launch_s=launch if cuda else None)
+
+
+def power_law_stats(cfg, rng, alphas=None, scale=0.9) -> list[LayerStats]:
+    """Per-layer power-law frequencies (neurons shuffled), expert frequencies summing to top_k."""
+    out = []
+    for l in range(cfg.num_layers):
+        a = alphas[l] if alphas is not None else rng.uniform(0.5, 2.0)
+        if cfg.ffn_kind(l) == "moe":
+            w = np.arange(1, cfg.num_experts + 1, dtype=float) ** (-a)
+            f = np.minimum(1.0, cfg.top_k * w / w.sum())
+        else:
+            f = np.minimum(1.0, scale * np.arange(1, cfg.intermediate_size + 1, dtype=float) ** (-a))
+        out.append(LayerStats(cfg.ffn_kind(l), rng.permutation(f)))
+    return out
+
+
+def write_profile(folder: Path, cfg, fingerprint: str, stats: list[LayerStats], predictors: bool = False) -> Path:
+    """What `hotcold profile` writes, as far as the planner reads it."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    t = {}
+    for l, st in enumerate(stats):
+        if st.kind == "moe":
+            t[f"layers.{l}.expert_freq"] = st.freq.astype(np.float32)
+            t[f"layers.{l}.expert_neuron_freq"] = np.full((cfg.num_experts, cfg.moe_intermediate_size), 0.3, np.float32)
+        else:
+            t[f"layers.{l}.neuron_freq"] = st.freq.astype(np.float32)
+        t[f"layers.{l}.threshold"] = np.zeros(1, np.float32)
+    save_file(t, str(folder / "profile.safetensors"), metadata={"fingerprint": fingerprint, "format": "1"})
+    meta = {"fingerprint": fingerprint, "tokens": 1000}
+    if predictors:
+        meta["predictors"] = {"layers": [{"layer": l, "params": 1000, "predicted_active_fraction": 0.5, "recall": 0.99}
+                                         for l, st in enumerate(stats) if st.kind != "moe"]}
+    (folder / "profile.json").write_text(json.dumps(meta))
+    return folder / "profile.safetensors"
+
+
+def make_model_folder(root: Path, name: str, cfg_dict: dict) -> Path:
+    """An HF folder with config.json and a small safetensors file: enough for describe_model."""
+    from safetensors.numpy import save_file
+
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg_dict))
+    h = cfg_dict["hidden_size"]
+    save_file({"model.embed_tokens.weight": np.zeros((cfg_dict["vocab_size"], h), np.float32),
+               "model.norm.weight": np.ones(h, np.float32)}, str(d / "model.safetensors"))
+    return d
+
+
+def model_bytes(costs) -> float:
+    return evaluate(costs, Placement.all_gpu(costs)).gpu_total
+
+
+# ------------------------------------------------------------------------------------------- sizes
+def test_parse_size():
+    assert parse_size("8GiB") == 8 * GiB
+    assert parse_size("512MiB") == 512 * MiB
+    assert parse_size("8G") == 8 * GiB
+    assert parse_size("1.5gb") == 1_500_000_000
+    assert parse_size("0") == 0
+    assert parse_size("4096") == 4096
+    with pytest.raises(HotcoldError, match="--vram: cannot read size"):
+        parse_size("eight", "--vram")
+    with pytest.raises(HotcoldError):
+        parse_size("8 parsecs")
+
+
+# ------------------------------------------------------------------------------------------- brute force
+def _brute_force(costs, vram, ram):
+    """The best hybrid placement by enumeration: prefixes of dense layers, all subsets of experts,
+    attention on/off, lm_head on/off."""
+    per_layer = []
+    for lc in costs.layers:
+        K = lc.n_units
+        if lc.kind == "moe":
+            subsets = [np.array(bits, bool) for bits in itertools.product([False, True], repeat=K)]
+        else:
+            subsets = [np.arange(K) < n for n in range(K + 1)]
+        per_layer.append([(a, s) for a in (False, True) for s in subsets])
+    best = None
+    for combo in itertools.product(*per_layer):
+        for head in (False, True):
+            p = Placement("hybrid", [c[0] for c in combo], [c[1] for c in combo], head)
+            ev = evaluate(costs, p)
+            if ev.gpu_total <= vram - 1024 and ev.cpu_total <= ram - 1024 and (best is None or ev.time_s < best):
+                best = ev.time_s
+    return best
+
+
+@pytest.mark.parametrize("name,block,layers,twins", [("llama_relu", 8, 2, False), ("opt", 8, 3, False),
+                                                     ("llama_relu", 8, 3, True), ("mixtral", 0, 2, False),
+                                                     ("qwen2_moe", 8, 3, False)])
+def test_ilp_matches_brute_force(name, block, layers, twins):
+    """twins: every layer has the same profile (the ILP then counts choices per group of identical layers)."""
+    rng = np.random.default_rng(len(name) + layers)
+    cfg = tiny_cfg(name, num_hidden_layers=layers, **({"intermediate_size": 16} if name == "qwen2_moe" else {}))
+    n_checked = 0
+    for trial in range(3):
+        hw = toy_hw(gpu_bw=rng.uniform(5e9, 40e9), cpu_bw=rng.uniform(1e9, 4e9), rt=rng.uniform(1e-6, 10e-6))
+        stats = power_law_stats(cfg, rng)
+        if twins:
+            stats = [stats[0]] * layers
+        costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=block, constants=TOY_CONSTANTS)
+        full = model_bytes(costs)
+        for frac in (0.25, 0.6):
+            vram = costs.workspace_bytes + frac * (full - costs.workspace_bytes)
+            ram = 8 * GiB if trial else full * 0.8  # also a binding RAM budget
+            best = _brute_force(costs, vram, ram)
+            res = solve(costs, vram, ram, solver="cbc", gap=0.0, time_limit=20)
+            if best is None:
+                assert res.status == "infeasible"
+                continue
+            ev = evaluate(costs, res.placement)
+            assert res.status == "optimal"
+            assert ev.time_s == pytest.approx(best, rel=1e-6)
+            assert res.objective == pytest.approx(ev.time_s, rel=1e-6)  # the ILP's model is the evaluator's
+            assert ev.gpu_total <= vram and ev.cpu_total <= ram
+            n_checked += 1
+    assert n_checked >= 4
+
+
+def test_highs_agrees_with_cbc():
+    rng = np.random.default_rng(7)
+    cfg = tiny_cfg("qwen2_moe")
+    costs = build_costs(cfg, power_law_stats(cfg, rng), toy_hw(), weight_format("bf16"), ctx=64, block_size=8,
+                        constants=TOY_CONSTANTS)
+    vram = costs.workspace_bytes + 0.4 * (model_bytes(costs) - costs.workspace_bytes)
+    a = solve(costs, vram, 8 * GiB, solver="cbc", gap=0.0)
+    b = solve(costs, vram, 8 * GiB, solver="highs", gap=0.0)
+    assert a.status == b.status == "optimal"
+    assert evaluate(costs, a.placement).time_s == pytest.approx(evaluate(costs, b.placement).time_s, rel=1e-6)
+    assert b.gap is not None and b.gap <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------- plans
+def _req(vram, ram=8 * GiB, **kw):
+    return PlanRequest(vram=int(vram), ram=int(ram), ctx=64, fmt=weight_format("bf16"), block_size=kw.pop("block", 8),
+                       gap=0.0, constants=kw.pop("constants", TOY_CONSTANTS), **kw)
+
+
+@pytest.mark.parametrize("name", ["llama_relu", "qwen2_moe"])
+def test_budget_respected_and_monotonic(name):
+    rng = np.random.default_rng(3)
+    cfg = tiny_cfg(name, num_hidden_layers=4)
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw()
+    costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    full = model_bytes(costs)
+    prev = None
+    modes = set()
+    for vram in [0] + list(np.linspace(costs.workspace_bytes, full * 1.05, 14)):
+        r = make_plan(cfg, stats, hw, _req(vram))
+        modes.add(r.mode)
+        assert r.evaluation.gpu_total <= max(vram, 0) or r.mode == "cpu"
+        assert r.evaluation.cpu_total <= 8 * GiB
+        if r.mode == "cpu":
+            assert r.evaluation.gpu_total == 0
+        if prev is not None:
+            assert r.evaluation.time_s <= prev * (1 + 1e-9), f"slower with more VRAM ({vram:.0f} B)"
+        prev = r.evaluation.time_s
+    assert modes == {"cpu", "hybrid", "gpu"}
+
+
+def test_extremes_all_gpu_and_all_cpu():
+    rng = np.random.default_rng(4)
+    cfg = tiny_cfg("llama_relu")
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw()
+    costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    r = make_plan(cfg, stats, hw, _req(model_bytes(costs)))
+    assert r.mode == "gpu" and all(r.placement.attn_gpu) and r.placement.head_gpu
+    assert all(on.all() for on in r.placement.on_gpu)
+    assert all(le.predictor == "none" for le in r.evaluation.layers)
+    r0 = make_plan(cfg, stats, hw, _req(0))
+    assert r0.mode == "cpu" and not any(r0.placement.attn_gpu) and not r0.placement.head_gpu
+    assert r0.evaluation.gpu_total == 0 and all(le.sync_s == 0 for le in r0.evaluation.layers)
+    # no CUDA in the hardware profile: all-CPU whatever --vram says, with a note
+    r1 = make_plan(cfg, stats, toy_hw(cuda=False), _req(GiB))
+    assert r1.mode == "cpu" and any("no CUDA" in n for n in r1.notes)
+
+
+def test_infeasible_budgets_say_the_minimum():
+    rng = np.random.default_rng(5)
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=3)
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw()
+    consts = dataclasses.replace(TOY_CONSTANTS, workspace_bytes=64 * KiB)
+    costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=consts)
+    full = model_bytes(costs)
+    with pytest.raises(BudgetError, match=r"cannot hold the GPU workspace.*--vram 64KiB or more.*--vram 0") as e:
+        make_plan(cfg, stats, hw, _req(8 * KiB, constants=consts))
+    assert "\n" not in str(e.value)
+    # RAM too small for an all-CPU plan
+    with pytest.raises(BudgetError, match=r"all-CPU plan: it needs --ram \d+KiB"):
+        make_plan(cfg, stats, hw, _req(0, ram=64 * KiB, constants=consts))
+    # RAM too small for what stays on the CPU at this VRAM; the message's minimums work
+    vram = costs.workspace_bytes + 0.3 * (full - costs.workspace_bytes)
+    ram = 0.3 * evaluate(costs, Placement.all_cpu(costs)).cpu_total
+    with pytest.raises(BudgetError, match=r"cannot hold what stays on the CPU: with --vram \S+ it needs --ram (\S+); "
+                                          r"with --ram \S+ it needs --vram (\S+)") as e:
+        make_plan(cfg, stats, hw, _req(vram, ram=ram, constants=consts))
+    import re
+
+    need_ram, need_vram = re.search(r"needs --ram (\S+);.*needs --vram (\S+)$", str(e.value)).groups()
+    make_plan(cfg, stats, hw, _req(vram, ram=parse_size(need_ram), constants=consts))  # no error
+    assert make_plan(cfg, stats, hw, _req(parse_size(need_vram), ram=ram, constants=consts)).mode in ("hybrid", "gpu")
+
+
+def test_beats_greedy_where_layers_differ():
+    """Two busy layers (neurons fire half the time) and two sparse ones (2%): greedy fills the GPU with the
+    sparse layers' blocks too, making every layer GPU-bound; the ILP balances each layer's GPU and CPU halves."""
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=4, intermediate_size=256)
+    rng = np.random.default_rng(6)
+    stats = [LayerStats("gated", np.full(256, f) * rng.uniform(0.9, 1.0, 256)) for f in (0.5, 0.02, 0.5, 0.02)]
+    hw = toy_hw(gpu_bw=8e9, cpu_bw=2e9, rt=1e-6, handoff=0.5e-6)
+    costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=32, constants=TOY_CONSTANTS)
+    vram = 0.95 * model_bytes(costs)
+    g = greedy(costs, vram)
+    g_ev = evaluate(costs, g)
+    r = make_plan(cfg, stats, hw, _req(vram, explain=True, block=32))
+    assert r.mode == "hybrid"
+    assert r.evaluation.time_s < 0.85 * g_ev.time_s
+    assert r.greedy[1].time_s == pytest.approx(g_ev.time_s)
+    assert g_ev.gpu_total <= vram and r.evaluation.gpu_total <= vram
+    # the sparse layers keep most of their neurons on the CPU in the plan, not in greedy's
+    assert r.placement.on_gpu[1].sum() < g.on_gpu[1].sum()
+
+
+def test_matches_greedy_where_costs_are_uniform():
+    """Identical layers whose neurons all fire equally often, on a machine without per-call latencies and
+    without predictors: every byte of a kind is worth the same, so hottest-first is already optimal."""
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=3)
+    stats = [LayerStats("gated", np.full(32, 0.3)) for _ in range(3)]
+    hw = toy_hw(rt=0.0, launch=0.0, call=0.0, handoff=0.0)
+    consts = dataclasses.replace(TOY_CONSTANTS, predictor_fraction=0.0, mask_bytes_per_neuron=0.0,
+                                 transfer_bytes_per_value=0)
+    costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=consts)
+    full = model_bytes(costs)
+    for frac in (0.3, 0.5, 0.8):
+        vram = costs.workspace_bytes + frac * (full - costs.workspace_bytes)
+        g_ev = evaluate(costs, greedy(costs, vram))
+        res = solve(costs, vram, 8 * GiB, gap=0.0)
+        assert evaluate(costs, res.placement).time_s == pytest.approx(g_ev.time_s, rel=1e-9)
+
+
+def test_cost_model_details():
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=1)
+    stats = [LayerStats("gated", np.linspace(1.0, 0.0, 32))]
+    hw = toy_hw()
+    c1 = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    lc = c1.layers[0]
+    assert list(lc.order[:3]) == [0, 1, 2] and lc.n_units == 4
+    assert np.all(np.diff(lc.unit_cpu_s) <= 0)  # hot blocks cost the CPU more
+    assert np.allclose(lc.unit_gpu_s, lc.unit_gpu_s[0])  # the GPU computes its rows densely
+    assert lc.unit_bytes[0] == 8 * 3 * 64 * 2  # 8 neurons x (gate, up, down) x hidden x bf16
+    c4 = build_costs(cfg, stats, hw, weight_format("f32"), ctx=64, batch=4, block_size=8, constants=TOY_CONSTANTS)
+    assert c4.layers[0].unit_bytes[0] == 2 * lc.unit_bytes[0]
+    assert c4.layers[0].kv_bytes == 4 * 2 * lc.kv_bytes  # batch 4, 4-byte KV
+    # predictor stats: params set the size, the predicted-active fraction inflates the CPU rows
+    st = [LayerStats("gated", np.full(32, 0.1), predictor_params=500, predicted_active_fraction=0.2)]
+    cp = build_costs(cfg, st, hw, weight_format("bf16"), ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    c0 = build_costs(cfg, [LayerStats("gated", np.full(32, 0.1))], hw, weight_format("bf16"), ctx=64, block_size=8,
+                     constants=TOY_CONSTANTS)
+    assert cp.layers[0].pred_bytes == 1000
+    assert cp.layers[0].unit_cpu_s[0] == pytest.approx(2 * c0.layers[0].unit_cpu_s[0])
+    # sliding-window layers keep only the window in their KV cache
+    g = config_from_hf(dict(model_type="mistral", vocab_size=160, hidden_size=64, intermediate_size=32,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=4096, sliding_window=16))
+    cs = build_costs(g, [LayerStats("gated", np.full(32, 0.1))], hw, weight_format("bf16"), ctx=64, block_size=8,
+                     constants=TOY_CONSTANTS)
+    assert cs.layers[0].kv_bytes == lc.kv_bytes * 16 / 64
+
+
+# ------------------------------------------------------------------------------------------- artifacts
+def test_plan_artifact_roundtrip(tmp_path):
+    rng = np.random.default_rng(8)
+    cfg = tiny_cfg("qwen2_moe")
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw()
+    costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    req = _req(costs.workspace_bytes + 0.5 * (model_bytes(costs) - costs.workspace_bytes), explain=True)
+    r = make_plan(cfg, stats, hw, req)
+    meta = plan_json(r, req, fingerprint="abc123", model=tmp_path / "m", model_type=cfg.model_type, hw=hw, hw_file=None,
+                     profile_source="test", sparsity=None)
+    write_plan(tmp_path, plan_tensors(r), meta)
+    p = load_plan(tmp_path, "abc123")
+    assert p.mode == r.mode and p.num_layers == 3
+    assert json.loads((tmp_path / "plan.json").read_text())["fingerprint"] == "abc123"
+    for l, lc in enumerate(r.costs.layers):
+        ids = r.placement.gpu_items(r.costs, l)
+        if lc.kind == "moe":
+            assert np.array_equal(p.gpu_experts[l], ids) and len(p.expert_order[l]) == 4
+            f = stats[l].freq[p.gpu_experts[l]]
+            assert np.all(np.diff(f) <= 0)  # hottest first
+        else:
+            assert np.array_equal(p.gpu_neurons[l], p.neuron_order[l][:len(ids)])
+            assert np.all(np.diff(stats[l].freq[p.neuron_order[l]]) <= 0)
+        assert p.gpu_count[l] == len(ids)
+        assert p.attention_gpu[l] == r.placement.attn_gpu[l]
+    assert meta["bytes"]["gpu"]["total"] <= req.vram
+    assert meta["predicted"]["tokens_per_s"] == pytest.approx(1 / r.evaluation.time_s)
+    assert meta["solver"]["status"] == "optimal" and meta["solver"]["gap"] is not None
+    assert "greedy" in meta["alternatives"]
+    with pytest.raises(ArtifactError, match="made for another model"):
+        load_plan(tmp_path, "someoneelse")
+
+
+def test_profile_reading_and_fingerprint(tmp_path):
+    from hotcold.planner.inputs import read_profile, uniform_stats
+
+    rng = np.random.default_rng(9)
+    cfg = tiny_cfg("qwen2_moe")
+    stats = power_law_stats(cfg, rng)
+    path = write_profile(tmp_path / "p", cfg, "fp-this", stats, predictors=True)
+    got, meta = read_profile(path, cfg, "fp-this")
+    assert [s.kind for s in got] == ["moe", "gated", "moe"]
+    assert np.allclose(got[0].freq, stats[0].freq, atol=1e-6)
+    assert got[1].predictor_params == 1000 and got[1].predicted_active_fraction == 0.5
+    with pytest.raises(ArtifactError, match="made for another model"):
+        read_profile(path, cfg, "fp-other")
+    u = uniform_stats(cfg, 0.9)
+    assert np.allclose(u[1].freq, 0.1) and np.allclose(u[0].freq.sum(), cfg.top_k)
+
+
+# ------------------------------------------------------------------------------------------- probe
+def test_probe_quick_and_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path))
+    hw = probe(quick=True)
+    assert hw.cpu_threads >= 1 and hw.ram_total_bytes > 0 and hw.thread_handoff_s > 0 and hw.cpu_call_s > 0
+    for kind in ("f32", "bf16", "f16", "i8"):
+        assert hw.cpu_gather_Bps[kind] > 0 and hw.cpu_ffn_Bps[kind] > 0 and hw.cpu_dense_Bps[kind] > 0
+        assert hw.cpu_gather_rows_per_s[kind] > 0
+    import torch
+
+    assert hw.cuda == torch.cuda.is_available()
+    if not hw.cuda:
+        assert hw.gpu_gemv_Bps is None and hw.roundtrip_s is None
+    calls = []
+    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: calls.append(1) or hw)
+    a, path, measured = load_hardware(None)
+    assert measured and path.is_file() and path.parent == tmp_path and path.name.startswith("hardware-")
+    b, _, measured2 = load_hardware(None)
+    assert not measured2 and b == a and len(calls) == 1
+    load_hardware(None, force=True)
+    assert len(calls) == 2
+    assert read_hardware(path) == a
+    assert preset("h200").gpu_gemv_Bps == 3.6e12
+
+
+@pytest.mark.cuda
+def test_probe_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    hw = probe(quick=True)
+    assert hw.cuda and hw.gpu_gemv_Bps > 0 and hw.h2d_pinned_Bps > 0 and hw.roundtrip_s > 0 and hw.launch_s > 0
+    assert hw.gpu_free_bytes > 0
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from hotcold.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=True)
+
+
+def test_cli_plan_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLUMNS", "160")
+    from hotcold.models.loader import describe_model
+
+    cfg_dict = dict(TINY["llama_relu"], num_hidden_layers=3, intermediate_size=96)
+    model = make_model_folder(tmp_path, "tiny", cfg_dict)
+    info = describe_model(model)
+    # no profile yet: one clear line
+    r = _cli("plan", model, "--vram", "300MiB", "--hardware", "h200")
+    assert isinstance(r.exception, HotcoldError) and "run `hotcold profile" in str(r.exception)
+    write_profile(tmp_path / "tiny.hotcold", info.config, info.fingerprint,
+                  power_law_stats(info.config, np.random.default_rng(1)))
+    hw_file = tmp_path / "toy.json"
+    hw_file.write_text(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6).to_json())
+    r = _cli("plan", model, "--vram", "120KiB", "--workspace", "16KiB", "--hardware", hw_file, "--ctx", "128",
+             "--explain")
+    assert r.exit_code == 0, r.output
+    assert "tok/s" in r.output and "greedy" in r.output
+    p = load_plan(tmp_path / "tiny.hotcold", info.fingerprint)
+    meta = p.meta
+    assert meta["mode"] == "hybrid" and meta["budget"]["ctx"] == 128 and p.mode == "hybrid"
+    assert 0 < meta["bytes"]["gpu"]["total"] <= parse_size("120KiB")
+    assert len(meta["layers"]) == 3 and meta["solver"]["name"] == "cbc" and meta["solver"]["status"] == "optimal"
+    assert meta["hardware"]["file"] == str(hw_file)
+    assert sum(p.gpu_count) > 0 and sum(p.gpu_count) < 3 * 96
+    # a budget for the whole model: all on the GPU; --vram 0: all on the CPU
+    r = _cli("plan", model, "--vram", "1GiB", "--hardware", "h200", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["mode"] == "gpu"
+    r = _cli("plan", model, "--vram", "0", "--hardware", "h200", "--solver", "highs")
+    assert r.exit_code == 0 and load_plan(tmp_path / "tiny.hotcold").mode == "cpu"
+    # --uniform needs no profile; --out chooses the folder
+    r = _cli("plan", model, "--vram", "300MiB", "--hardware", "rtx4090", "--uniform", "--out", tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "o" / "plan.json").read_text())["profile"]["source"] == "uniform"
+    # a profile of another model is refused
+    other = make_model_folder(tmp_path, "other", dict(cfg_dict, vocab_size=170))
+    r = _cli("plan", other, "--vram", "300MiB", "--hardware", "h200", "--profile", tmp_path / "tiny.hotcold")
+    assert isinstance(r.exception, ArtifactError) and "made for another model" in str(r.exception)
+    # infeasible: one line with the minimum
+    r = _cli("plan", model, "--vram", "10MiB", "--hardware", "h200")
+    assert isinstance(r.exception, BudgetError) and "--vram 257MiB or more" in str(r.exception)
+    # no hardware profile yet for this machine: plan probes once and caches it
+    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: toy_hw(cuda=False))
+    r = _cli("plan", model, "--vram", "1GiB", "--ram", "4GiB")
+    assert r.exit_code == 0, r.output
+    assert list((tmp_path / "home").glob("hardware-*.json"))
+    assert load_plan(tmp_path / "tiny.hotcold").mode == "cpu"  # this machine has no CUDA (toy profile)
+
+
+def test_cli_probe_and_error_line(tmp_path, monkeypatch):
+    from conftest import run_cli
+
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path))
+    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: toy_hw(cuda=False))
+    r = _cli("probe")
+    assert r.exit_code == 0, r.output
+    assert "hardware profile" in r.output and list(tmp_path.glob("hardware-*.json"))
+    r = _cli("probe", "--json")
+    assert json.loads(r.output)["hostname"] == "toy"
+    model = make_model_folder(tmp_path, "tiny", TINY["llama_relu"])
+    p = run_cli("plan", model, "--vram", "1MiB", "--hardware", "h200", "--uniform", timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "GPU workspace" in p.stderr and "--vram 0" in p.stderr
+
+
+# ------------------------------------------------------------------------------------------- scale
+@pytest.mark.slow
+def test_llama70b_shape_solves_quickly():
+    """80 layers x 28672 neurons, the default block size and time limit: a plan in well under 10 s
+    on a quiet machine (the bound here is loose: CI machines are shared)."""
+    cfg = config_from_hf(dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, hidden_act="relu",
+                              max_position_embeddings=8192))
+    rng = np.random.default_rng(0)
+    stats = power_law_stats(cfg, rng, alphas=rng.uniform(0.6, 1.1, 80), scale=100.0)
+    req = PlanRequest(vram=40 * GiB, ram=400 * GiB, ctx=4096, fmt=weight_format("bf16"))
+    t0 = time.perf_counter()
+    r = make_plan(cfg, stats, preset("h200"), req)
+    elapsed = time.perf_counter() - t0
+    assert r.mode == "hybrid" and r.solve.status in ("optimal", "feasible")
+    assert r.evaluation.gpu_total <= 40 * GiB
+    assert elapsed < 30
