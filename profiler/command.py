@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,11 @@ def profile(
                                                     "by at most this fraction (default 0.01)."),
     samples: int = typer.Option(4096, "--samples", min=0, help="Predictor-training samples kept per layer."),
     heldout: int = typer.Option(2048, "--heldout-tokens", min=0, help="Held-out tokens for perplexity."),
+    predictors: bool = typer.Option(True, "--predictors/--no-predictors",
+                                    help="Train the activation predictors (and MoE look-ahead) after profiling."),
+    recall: float = typer.Option(0.95, "--recall", min=0.5, max=1.0, help="Predictors: target recall per layer."),
+    predictor_budget: float = typer.Option(0.08, "--predictor-budget", min=0.001, max=1.0,
+                                           help="Predictors: total size as a fraction of the FFN parameters."),
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
@@ -70,10 +76,30 @@ def profile(
     paths = write_profile(folder, tensors, meta, lambda p: plot(
         {r["layer"]: tensors.get(f"layers.{r['layer']}.neuron_freq", tensors.get(f"layers.{r['layer']}.expert_freq"))
          for r in meta["layers"]}, meta, p))
+    if predictors and samples:
+        paths += _train_predictors(lm, paths, recall, predictor_budget, console)
+        meta = json.loads(paths[1].read_text())
     print_table(meta, console)
     for p in paths:
         print(p)
     sys.stdout.flush()
+
+
+def _train_predictors(lm, paths, recall: float, budget: float, console) -> list[Path]:
+    """Train predictors from the profile just written; save them and add their metrics to profile.json."""
+    from hotcold.artifacts import atomic_path
+    from hotcold.predictors.artifact import save_predictors
+    from hotcold.predictors.train import train_predictors
+    from hotcold.profiler.artifact import load_profile
+
+    profile = load_profile(paths[0], lm.fingerprint)
+    with _progress(console) as update:
+        preds, metrics = train_predictors(lm, profile, recall=recall, budget=budget, device=lm.device, progress=update)
+    out = save_predictors(paths[0].with_name("predictors.safetensors"), preds)
+    meta = dict(profile.meta, predictors=metrics)
+    with atomic_path(paths[1]) as tmp:
+        tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    return [out]
 
 
 class _progress:

@@ -67,10 +67,40 @@ def print_table(meta: dict, console=None) -> None:
             mark = " ←" if abs(p["sparsity"] - meta["sparsity_target"]) < 1e-9 else ""
             c.add_row(f"{p['sparsity']:.1%}", f"{p['ppl']:.4f}", f"{p['ppl'] / base - 1:+.2%}{mark}")
         console.print(c)
+    if meta.get("predictors", {}).get("layers"):
+        _predictor_table(meta["predictors"], console)
+    if meta.get("predictors", {}).get("lookahead"):
+        _lookahead_table(meta["predictors"], console)
     s = meta["summary"]
     console.print(f"mean sparsity {s['sparsity']:.1%}, neurons carrying 80% of activations {_pct(s['mass80'])}"
                   + (f", experts {_pct(s['experts_mass80'])}" if moe else "")
                   + f"; {meta['throughput_tok_s']:.0f} tok/s")
+
+
+def _predictor_table(pm: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"neuron predictors (target recall {pm['recall_target']:.0%}, "
+                    f"{pm['ffn_params_fraction']:.1%} of FFN parameters, {pm['cpu_ms_per_token']:.2f} ms/token on CPU)")
+    for col in ("layer", "rank", "recall", "precision", "predicted active", "true active"):
+        t.add_column(col, justify="right")
+    for m in pm["layers"]:
+        t.add_row(str(m["layer"]), str(m["rank"]), f"{m['recall']:.3f}", f"{m['precision']:.3f}",
+                  f"{m['predicted_active_fraction']:.1%}", f"{m['true_active_fraction']:.1%}")
+    t.add_row("mean", "", f"{pm['mean_recall']:.3f}", f"{pm['mean_precision']:.3f}",
+              f"{pm['mean_predicted_active_fraction']:.1%}", f"{pm['mean_true_active_fraction']:.1%}")
+    console.print(t)
+
+
+def _lookahead_table(pm: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title="MoE look-ahead: experts of layer l+1 guessed at layer l (held-out top-k recall)")
+    for col in ("layer", "router guess", "kept", "recall", "recall @2k"):
+        t.add_column(col, justify="right")
+    for m in pm["lookahead"]:
+        t.add_row(str(m["layer"]), f"{m['router_recall']:.3f}", m["mode"], f"{m['recall']:.3f}", f"{m['recall_at_2k']:.3f}")
+    console.print(t)
 
 
 def _pct(x: float | None) -> str:

@@ -1,0 +1,80 @@
+"""Train every predictor of a model from its profile: neuron predictors per dense/gated layer and
+the expert look-ahead per MoE layer, with the metrics that go into profile.json."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hotcold.models.loader import LoadedModel
+from hotcold.predictors.artifact import PredictorSet
+from hotcold.predictors.lookahead import fit_lookahead
+from hotcold.predictors.neurons import choose_ranks, cpu_time_per_token, train_layer
+from hotcold.profiler.artifact import Profile
+
+
+def ffn_params(config, layer: int) -> int:
+    """Weights of layer's FFN (biases ignored)."""
+    c = config
+    kind = c.ffn_kind(layer)
+    if kind == "moe":
+        return 3 * c.hidden_size * (c.num_experts * c.moe_intermediate_size + c.shared_expert_intermediate_size)
+    return (2 if kind == "dense" else 3) * c.hidden_size * c.intermediate_size
+
+
+def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, budget: float = 0.08,
+                     epochs: int = 40, device: str | torch.device = "cpu",
+                     progress: Callable[[str, int, int], None] | None = None) -> tuple[PredictorSet, dict]:
+    """Predictors for every layer with samples in the profile. `budget`: total neuron-predictor
+    parameters as a fraction of the dense/gated FFNs' parameters. Returns (predictors, metrics)."""
+    progress = progress or (lambda *a: None)
+    c = lm.config
+    dense_layers = [l for l in range(c.num_layers) if c.ffn_kind(l) != "moe" and l in profile.neuron_freq]
+    rows = {r["layer"]: r for r in profile.meta["layers"]}
+    budget_params = int(budget * sum(ffn_params(c, l) for l in dense_layers))
+    ranks = choose_ranks(c.hidden_size, [c.intermediate_size] * len(dense_layers),
+                         [1 - rows[l]["sparsity"] for l in dense_layers],
+                         [rows[l]["mass80"] or 1.0 for l in dense_layers], budget_params)
+    preds = PredictorSet(lm.fingerprint)
+    layer_metrics = []
+    for i, (l, r) in enumerate(zip(dense_layers, ranks)):
+        samples = profile.samples(l)
+        if samples is None or len(samples[0]) < 10:
+            continue
+        x, active = samples
+        p, m = train_layer(x.to(device), active.to(device), r, layer=l, recall=recall, epochs=epochs)
+        preds.neurons[l] = p.cpu()
+        layer_metrics.append(m.__dict__)
+        progress("predictors", i + 1, len(dense_layers))
+
+    lookahead = []
+    moe_layers = [l for l in range(c.num_layers - 1) if c.ffn_kind(l + 1) == "moe"]
+    for i, l in enumerate(moe_layers):
+        samples = profile.lookahead_samples(l)
+        if samples is None:
+            continue
+        nxt = lm.model.layers[l + 1]
+        w, m = fit_lookahead(samples[0].to(lm.device), samples[1].to(lm.device), nxt.ffn_norm, nxt.ffn.router,
+                             layer=l)
+        if w is not None:
+            preds.lookahead[l] = w.cpu()
+        lookahead.append(m.__dict__)
+        progress("look-ahead", i + 1, len(moe_layers))
+
+    total = sum(p.n_params() for p in preds.neurons.values())
+    metrics = {
+        "recall_target": recall,
+        "budget_fraction": budget,
+        "total_params": total,
+        "ffn_params_fraction": round(total / max(1, sum(ffn_params(c, l) for l in dense_layers)), 4),
+        "cpu_ms_per_token": round(1000 * cpu_time_per_token(preds.neurons, c.hidden_size), 3) if preds.neurons else 0,
+        "layers": layer_metrics,
+        "lookahead": lookahead,
+    }
+    if layer_metrics:
+        for key in ("recall", "precision", "predicted_active_fraction", "true_active_fraction"):
+            metrics[f"mean_{key}"] = round(sum(m[key] for m in layer_metrics) / len(layer_metrics), 4)
+    if lookahead:
+        metrics["mean_lookahead_recall"] = round(sum(m["recall"] for m in lookahead) / len(lookahead), 4)
+    return preds, metrics
