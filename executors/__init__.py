@@ -1,1 +1,22 @@
-"""hotcold.executors"""
+"""hotcold.executors: the hybrid FFN runtime (dense and gated layers; MoE layers are left as they are).
+
+engine         make_hybrid(lm, hot, predictors, device, ...) -> HybridEngine (stats(), close())
+hybrid         HybridFFN: a block's FFN split between the fast tier and the CPU worker
+gpu_executor   GPUExecutor: a layer's predictor and hot neurons on the fast tier; mask sources
+cpu_executor   CPUExecutor: the worker thread running the numba kernels over cold rows; host buffers
+weights        split_ffn: hot rows compacted on the fast tier, cold rows as HostMatrix in host memory
+prefill        prefill_regime (the cost rule), ColdStreamer (weights streamed layer by layer)
+tier           FastTier: device, streams, events, pinned buffers ("GPU" may be the CPU device)
+stats          StatsBook: time in GPU work, CPU work, transfers, waiting; rows on each side
+"""
+
+from hotcold.executors.cpu_executor import CPUExecutor, ColdJob
+from hotcold.executors.engine import HybridEngine, make_hybrid, random_hot
+from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask
+from hotcold.executors.hybrid import HybridFFN
+from hotcold.executors.prefill import ColdStreamer, PrefillCosts, prefill_regime
+from hotcold.executors.weights import ColdFFN, HotFFN, split_ffn
+
+__all__ = ["make_hybrid", "HybridEngine", "HybridFFN", "GPUExecutor", "CPUExecutor", "ColdJob", "LearnedMask",
+           "OracleMask", "prefill_regime", "PrefillCosts", "ColdStreamer", "split_ffn", "HotFFN", "ColdFFN",
+           "random_hot"]

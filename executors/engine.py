@@ -1,0 +1,173 @@
+"""Build the hybrid engine from a loaded model and a plan: `make_hybrid(...) -> HybridEngine`.
+
+Every dense/gated block's FFN becomes a HybridFFN (hot neurons on `device`, cold ones in host
+memory for the CPU worker); MoE layers are left as they are; everything else (attention, norms,
+embeddings, lm_head, MoE layers) moves to `device`. The original FFN parameters are dropped layer by
+layer as they are split, so host memory holds each weight once. `engine.lm` is the same
+LoadedModel, now on `device`: pass it to `hotcold.models.generate.Generator`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Literal
+
+import torch
+from torch import nn
+
+from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_threads
+from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask
+from hotcold.executors.hybrid import HybridFFN
+from hotcold.executors.prefill import REGIMES, ColdStreamer, PrefillCosts, pin_host, unpin_host
+from hotcold.executors.stats import StatsBook
+from hotcold.executors.tier import FastTier
+from hotcold.executors.weights import check_hot, split_ffn
+from hotcold.models.layers import DenseFFN, GatedFFN, Rotary
+from hotcold.models.loader import LoadedModel
+from hotcold.predictors.artifact import PredictorSet
+
+
+class HybridEngine:
+    """A model whose dense/gated FFNs run hybrid. Use `lm` with Generator; close() stops the worker."""
+
+    def __init__(self, lm: LoadedModel, layers: dict[int, HybridFFN], cpu: CPUExecutor, tier: FastTier,
+                 book: StatsBook, streamer: ColdStreamer | None, pinned: list[int]):
+        self.lm, self.layers, self.cpu, self.tier, self.book = lm, layers, cpu, tier, book
+        self.streamer = streamer
+        # pinned host memory must be unregistered before it is freed: at close() or when collected
+        self._unpin = weakref.finalize(self, unpin_host, pinned)
+
+    def stats(self) -> dict:
+        """Per phase ("decode", "prefill"): sums and per-token means of GPU/CPU/transfer/wait time
+        and of rows computed on each side (synchronises on CUDA)."""
+        return self.book.summary()
+
+    def reset_stats(self) -> None:
+        self.book.reset()
+
+    def set_stats(self, enabled: bool) -> None:
+        """Turn statistics on or off (off: no CUDA events, no device-side row counts)."""
+        self.book.resolve(block=True)
+        self.book.enabled = self.tier.timing = enabled
+
+    def memory(self) -> dict:
+        """Bytes held: fast tier (hot rows + predictors + biases), host (cold rows), host buffers."""
+        return {
+            "fast_ffn_bytes": sum(f.gpu.nbytes for f in self.layers.values()),
+            "host_ffn_bytes": sum(f.cold.nbytes for f in self.layers.values()),
+            "host_buffer_bytes": sum(f.decode_io.nbytes + f.cold.n for f in self.layers.values())
+            + (next(iter(self.layers.values())).prefill_io.nbytes if self.layers else 0),
+            "stream_workspace_bytes": self.streamer.workspace_bytes if self.streamer else 0,
+        }
+
+    def close(self) -> None:
+        """Stop the CPU worker and unpin host memory; the model cannot run hybrid layers after this."""
+        self.cpu.close()
+        self._unpin()
+
+    def __enter__(self) -> "HybridEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _move_rest(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Everything left in the model to device; floating parameters to dtype (rotary tables stay fp32)."""
+    model.to(device)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    for m in model.modules():
+        if isinstance(m, Rotary):
+            m.reset(device)
+
+
+@torch.no_grad()
+def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: PredictorSet | Literal["oracle"] | None,
+                device: str | torch.device | None = None, dtype: torch.dtype | None = None, cpu_dtype: str = "bf16",
+                threads: int | None = None, thresholds: dict[int, float] | None = None, prefill: str = "auto",
+                costs: PrefillCosts | None = None, stats: bool = True, pin_cold: bool | None = None) -> HybridEngine:
+    """Convert lm in place into a hybrid engine and return it.
+
+    hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
+    predictors: a PredictorSet (layers without a predictor compute every neuron), "oracle" (the true
+      active set |h| > thresholds[l], default 0; tests only), or None (every neuron, dense).
+    device / dtype: the fast tier (default: lm's). cpu_dtype: storage of cold rows, f32 | bf16 | f16 | i8.
+    threads: numba threads of the CPU worker. prefill: "auto" (prefill_regime decides per layer and
+      prompt length), "cpu" or "stream". costs: the rates prefill_regime weighs (default: H200 host).
+    stats: time GPU work and transfers with CUDA events (worker times and CPU rows are always kept).
+    pin_cold: page-lock cold weights for streaming (default: on CUDA unless prefill="cpu").
+    """
+    if prefill not in ("auto", *REGIMES):
+        raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
+    model = lm.model
+    device = torch.device(device) if device is not None else lm.device
+    dtype = dtype or lm.dtype
+    tier = FastTier(device, dtype, timing=stats)
+    if tier.cuda:  # as the loader does: cuDNN attention rebuilds its graph at every decode step
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    act = lm.config.activation
+    thresholds = thresholds or {}
+    layers = [i for i, b in enumerate(model.layers) if isinstance(b.ffn, (DenseFFN, GatedFFN))]
+    if predictors is not None and predictors != "oracle" and not isinstance(predictors, PredictorSet):
+        raise TypeError("predictors must be a PredictorSet, 'oracle' or None")
+    unknown = sorted(set(hot) - set(layers))
+    if unknown:
+        raise ValueError(f"hot neurons given for layer {unknown[0]}, which has no dense or gated FFN")
+
+    parts = {}
+    for l in layers:
+        ffn = model.layers[l].ffn
+        n = ffn.up.weight.shape[0]
+        hot_idx = check_hot(hot.get(l, torch.zeros(0, dtype=torch.int64)), n)
+        is_hot = torch.zeros(n, dtype=torch.bool)
+        is_hot[hot_idx] = True
+        perm = torch.cat([hot_idx, torch.nonzero(~is_hot).flatten()])  # hot-first order
+        if predictors == "oracle":
+            mask_fn = OracleMask(ffn, perm, act, float(thresholds.get(l, 0.0)), device, dtype)
+        elif predictors is not None and l in predictors.neurons:
+            mask_fn = LearnedMask(predictors.neurons[l], perm, device)
+        else:
+            mask_fn = None
+        hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype)
+        model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
+        del ffn
+        parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, lm.config.hidden_size), cold_part)
+    _move_rest(model, device, dtype)
+
+    cpu = CPUExecutor(threads or default_threads(tier.cuda))
+    book = StatsBook(enabled=stats)
+    colds = {l: c for l, (_, c) in parts.items() if c.n}
+    streamer = ColdStreamer(tier, colds, sorted(colds)) if colds and prefill != "cpu" else None
+    pinned: list[int] = []
+    if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
+        for c in colds.values():
+            pinned += pin_host(c)
+    prefill_io = HostRows(tier.host_empty, lm.config.hidden_size, 0)
+    hybrid: dict[int, HybridFFN] = {}
+    for l, (gpu, cold) in parts.items():
+        hybrid[l] = model.layers[l].ffn = HybridFFN(l, gpu, cold, cpu, tier, book, prefill_io, streamer, prefill, costs)
+    order = sorted(hybrid)
+    if order:
+        hybrid[order[0]].first = True
+    cold_order = sorted(colds)
+    for a, b in zip(cold_order, cold_order[1:]):
+        hybrid[a].next_layer = b
+    lm.device, lm.dtype = device, dtype
+    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned)
+
+
+def random_hot(lm_or_config, fraction: float, seed: int = 0) -> dict[int, torch.Tensor]:
+    """A random plan for tests and benchmarks: per dense/gated layer, round(fraction * I) neurons."""
+    config = getattr(lm_or_config, "config", lm_or_config)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for l in range(config.num_layers):
+        if config.ffn_kind(l) in ("dense", "gated"):
+            n = config.intermediate_size
+            out[l] = torch.randperm(n, generator=gen)[: int(round(fraction * n))]
+    return out
+
+
+__all__ = ["HybridEngine", "make_hybrid", "random_hot"]

@@ -1,0 +1,101 @@
+"""The GPU executor: one layer's fast-tier part, its predictor and its hot neurons.
+
+Masks are produced in *hot-first order*: column j < H is hot neuron j (the plan's order), column
+H + k is cold neuron k (ascending neuron index). The predictor's output rows are permuted once at
+build time, so splitting a mask into its hot and cold parts is two slices, not two gathers.
+
+Mask sources (x: [N, D] -> bool [N, I], or None for "all active"):
+  LearnedMask  the layer's NeuronPredictor: w2(relu(w1 x)) > threshold, in float32 as the reference
+  OracleMask   the true active set |h| > threshold from the full up/gate weights (tests only: it
+               keeps a second copy of W_up/W_gate on the fast tier)
+  None         no predictor for the layer: every neuron is computed
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hotcold.executors.weights import HotFFN
+from hotcold.models.layers import DenseFFN, GatedFFN
+from hotcold.predictors.neurons import NeuronPredictor
+from hotcold.sparse_ops.gpu import activation, hot_ffn
+
+
+def _plain(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
+    """A detached copy on device (not a Parameter, so module.to() and dtype casts leave it alone)."""
+    with torch.inference_mode(False):
+        return t.detach().to(device, dtype or t.dtype, copy=True)
+
+
+class LearnedMask:
+    """A NeuronPredictor with output rows permuted to hot-first order; float32 on the fast tier."""
+
+    def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device):
+        if pred.w2.out_features != len(perm):
+            raise ValueError(f"predictor predicts {pred.w2.out_features} neurons, the FFN has {len(perm)}")
+        p = perm.to(pred.w2.weight.device)
+        self.w1, self.b1 = _plain(pred.w1.weight, device), _plain(pred.w1.bias, device)
+        self.w2, self.b2 = _plain(pred.w2.weight[p], device), _plain(pred.w2.bias[p], device)
+        self.threshold = _plain(pred.threshold, device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, D] -> bool [N, I]
+        z = torch.relu(F.linear(x.float(), self.w1, self.b1))  # [N, r]
+        return F.linear(z, self.w2, self.b2) > self.threshold
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w1, self.b1, self.w2, self.b2))
+
+
+class OracleMask:
+    """The true active set, |h| > threshold, from full up/gate (+bias) weights permuted hot-first."""
+
+    def __init__(self, ffn: DenseFFN | GatedFFN, perm: torch.Tensor, act: str, threshold: float, device, dtype):
+        p = perm.to(ffn.up.weight.device)
+        self.up = _plain(ffn.up.weight[p], device, dtype)
+        self.gate = _plain(ffn.gate.weight[p], device, dtype) if isinstance(ffn, GatedFFN) else None
+        self.bias = None if self.gate is not None else _plain(ffn.up.bias[p], device, dtype)
+        self.act, self.threshold = activation(act), threshold
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, D] -> bool [N, I]
+        if self.gate is not None:
+            h = self.act(F.linear(x, self.gate)) * F.linear(x, self.up)
+        else:
+            h = self.act(F.linear(x, self.up, self.bias))
+        return h.abs() > self.threshold
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.up, self.gate, self.bias) if t is not None)
+
+
+class GPUExecutor:
+    """One layer on the fast tier: predict the active mask, compute the hot neurons."""
+
+    def __init__(self, hot: HotFFN, down_bias: torch.Tensor | None, mask_fn, act: str, dim: int):
+        self.hot, self.down_bias, self.mask_fn, self.act, self.dim = hot, down_bias, mask_fn, act, dim
+
+    @property
+    def n_hot(self) -> int:
+        return self.hot.n
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x: [N, D] -> bool [N, I] hot-first, or None (all active)."""
+        return None if self.mask_fn is None else self.mask_fn(x)
+
+    def compute(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Hot neurons' share of the FFN output (+ down bias). x: [N, D]; mask: bool [N, H] | [H] | None."""
+        h = self.hot
+        if h.n:
+            y = hot_ffn(x, h.up, h.down_t, self.act, h.gate, h.up_bias, mask)  # [N, D]
+        else:
+            y = x.new_zeros(x.shape[0], self.dim)
+        return y if self.down_bias is None else y + self.down_bias
+
+    @property
+    def nbytes(self) -> int:
+        pred = getattr(self.mask_fn, "nbytes", 0)
+        return self.hot.nbytes + pred + (0 if self.down_bias is None else self.down_bias.numel() * self.down_bias.element_size())

@@ -1,0 +1,141 @@
+"""HybridFFN: one dense/gated layer's FFN split between the fast tier and the CPU worker.
+
+Decode (one token), per layer:
+  compute stream   x ─ predictor ─ mask ──────── hot FFN (mask[:H]) ──────────── y_hot ─┐
+  copy stream                       └ D2H x, mask[H:] ─ event ┐                           + ─ y
+  CPU worker                                                   └ rows ─ ffn_rows ─ out ─ H2D ┘
+The D2H copies are queued before the hot FFN so they run beside it; the worker waits only for its
+copy event; the main thread blocks only when it needs the CPU result, then queues its H2D copy and
+the sum on the compute stream. Prefill (N > 1 tokens) uses the union of the tokens' masks on both
+sides (see prefill.py) so the result does not depend on which neurons are hot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotcold.executors.cpu_executor import ColdJob, CPUExecutor, HostRows
+from hotcold.executors.gpu_executor import GPUExecutor
+from hotcold.executors.prefill import ColdStreamer, PrefillCosts, cpu_tokens_per_pass, prefill_regime
+from hotcold.executors.stats import StatsBook, now
+from hotcold.executors.tier import FastTier
+from hotcold.executors.weights import ColdFFN
+from hotcold.models.layers import FFN
+from hotcold.sparse_ops.gpu import hot_ffn
+
+
+class HybridFFN(FFN):
+    """forward(x: [B, T, D]) -> [B, T, D], replacing a block's DenseFFN/GatedFFN."""
+
+    kind = "hybrid"
+
+    def __init__(self, layer: int, gpu: GPUExecutor, cold: ColdFFN, cpu: CPUExecutor, tier: FastTier,
+                 book: StatsBook, prefill_io: HostRows, streamer: ColdStreamer | None = None,
+                 prefill: str = "auto", costs: PrefillCosts | None = None):
+        super().__init__()
+        self.layer, self.gpu, self.cold, self.cpu, self.tier, self.book = layer, gpu, cold, cpu, tier, book
+        self.dim = gpu.dim
+        self.decode_io = HostRows(tier.host_empty, self.dim, 1)
+        self.prefill_io = prefill_io
+        self.mask_host = tier.host_empty((cold.n,), torch.bool)
+        self.mask_np = self.mask_host.numpy()
+        self.streamer, self.prefill, self.costs = streamer, prefill, costs or PrefillCosts()
+        self.first = False  # the engine's first hybrid layer counts tokens
+        self.next_layer: int | None = None  # the next hybrid layer (streaming prefetch)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, hot={self.gpu.n_hot}, cold={self.cold.n}, act={self.cold.act}"
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [N, D]
+        n = x2.shape[0]
+        phase = "decode" if n == 1 else "prefill"
+        book, tier, H = self.book, self.tier, self.gpu.n_hot
+        if self.first:
+            book.resolve()
+            book.add(phase, tokens=n, forwards=1)
+        g0 = tier.mark()
+        mask = self.gpu.predict(x2)  # bool [N, I] hot-first, or None
+        if mask is not None and n > 1:
+            mask = mask.any(0)  # [I]: the union over the chunk
+        hot_mask = None if mask is None else mask[..., :H]
+        cold_mask = None if mask is None else mask[..., H:].reshape(-1)  # [C]
+        regime = self.regime(n) if self.cold.n else None
+        job = self._send(x2, cold_mask, phase) if regime == "cpu" else None
+        y = self.gpu.compute(x2, hot_mask)  # [N, D]
+        if regime == "stream":
+            y = y + self._streamed(x2, cold_mask, phase)
+        book.span(phase, "gpu_s", g0, tier.mark())
+        if book.enabled:
+            book.add(phase, layer_calls=1, hot_rows=H, cold_rows=self.cold.n)
+            if hot_mask is not None and H:
+                book.count(phase, "rows_gpu", hot_mask.sum())
+            elif H:
+                book.add(phase, rows_gpu=H)
+            if regime:
+                book.phases[phase].regimes[regime] = book.phases[phase].regimes.get(regime, 0) + 1
+        if job is not None:
+            y = self._receive(job, y, phase)
+        return y.reshape(shape)
+
+    def regime(self, n: int) -> str:
+        """Where the cold part runs for n tokens: always "cpu" for one token."""
+        if n == 1 or self.streamer is None or self.prefill == "cpu":
+            return "cpu"
+        if self.prefill == "stream":
+            return "stream"
+        c = self.costs
+        return prefill_regime(n, self.cold.nbytes, c.cpu_bw, c.pcie_bw, c.gpu_flops,
+                              cold_params=self.cold.n * len(self.cold.mats) * self.dim,
+                              tokens_per_pass=cpu_tokens_per_pass(self.dim), cuda=self.tier.cuda)
+
+    # ------------------------------------------------------------------ CPU regime
+
+    def _send(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str) -> ColdJob:
+        """Queue the D2H copies of x and the cold mask, and hand the job to the worker."""
+        n, tier = x2.shape[0], self.tier
+        io = self.decode_io if n == 1 else self.prefill_io.ensure(n)
+        xf = x2.float()  # on the compute stream
+        with tier.on_copy_stream():
+            t0 = tier.mark(tier.copy)
+            io.x[:n].copy_(xf, non_blocking=True)
+            if cold_mask is not None:
+                self.mask_host.copy_(cold_mask, non_blocking=True)
+            self.book.span(phase, "transfer_s", t0, tier.mark(tier.copy))
+            ready = tier.event(tier.copy)
+        job = ColdJob(self.cold, io.x_np[:n], None if cold_mask is None else self.mask_np, io.out_np[:n],
+                      ready=ready, keep=(xf, cold_mask), io=io)
+        return self.cpu.submit(job)
+
+    def _receive(self, job: ColdJob, y: torch.Tensor, phase: str) -> torch.Tensor:
+        """Wait for the worker, copy its result to the fast tier (H2D on the compute stream), add."""
+        tier, book = self.tier, self.book
+        w0 = now()
+        job.wait()
+        book.add(phase, wait_s=now() - w0, cpu_s=job.cpu_s, cpu_wait_s=job.input_wait_s, rows_cpu=job.rows)
+        n = job.x.shape[0]
+        t0 = tier.mark()
+        y_cpu = job.io.out[:n].to(tier.device, non_blocking=True)  # [N, D] float32
+        book.span(phase, "transfer_s", t0, tier.mark())
+        return y.add_(y_cpu)  # y is this layer's own fresh tensor; the sum is computed in float32
+
+    # ------------------------------------------------------------------ streaming regime
+
+    def _streamed(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str) -> torch.Tensor:
+        """The cold part computed on the fast tier from streamed weights. x2: [N, D] -> [N, D]."""
+        s = self.streamer
+        w = s.acquire(self.layer)
+        s.prefetch(self.next_layer)
+        y = hot_ffn(x2, w.up, w.down_t, self.cold.act, w.gate, w.up_bias, cold_mask)
+        s.release(self.layer)
+        for a, b in s.take_spans():
+            self.book.span(phase, "transfer_s", a, b)
+        if self.book.enabled:
+            if cold_mask is None:
+                self.book.add(phase, rows_streamed=self.cold.n)
+            else:
+                self.book.count(phase, "rows_streamed", cold_mask.sum())
+        return y

@@ -1,0 +1,207 @@
+"""Prefill (many tokens at once): where a layer's cold neurons are computed, and the weight streamer.
+
+Over a prompt, the union of the tokens' active neurons is nearly dense, so the cold part is
+computed for the union of the predicted masks (every token the same rows), in one of two regimes:
+  "cpu"     the worker runs `ffn_rows_batch` over the union's cold rows for the whole chunk;
+  "stream"  the layer's cold weights are copied to the fast tier, layer l+1's copy overlapping
+            layer l's compute (two slots), and the fast tier computes them.
+`prefill_regime` is the one cost function that chooses; the planner's cost model replaces it later.
+On the CPU device streaming is meaningless: always "cpu" (a test may still force "stream").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hotcold.executors.tier import FastTier
+from hotcold.executors.weights import ColdFFN
+from hotcold.sparse_ops import cpu as cpu_ops
+
+REGIMES = ("cpu", "stream")
+
+
+@dataclass
+class PrefillCosts:
+    """Measured rates (bytes/s, FLOP/s). Defaults: the H200 host of DESIGN.md (16 threads)."""
+
+    cpu_bw: float = 73e9  # weight bytes/s the numba kernels read
+    pcie_bw: float = 52e9  # pinned host -> device bytes/s
+    gpu_flops: float = 400e12  # effective dense FLOP/s of the fast tier on these shapes
+
+    @classmethod
+    def from_hardware(cls, hw, kind: str = "bf16") -> "PrefillCosts":
+        """From a planner HardwareProfile (read by attribute name): the fused FFN kernel's rate for
+        the cold storage kind and the pinned H2D bandwidth; defaults where a field is missing."""
+        d = cls()
+        ffn = getattr(hw, "cpu_ffn_Bps", None) or {}
+        return cls(cpu_bw=ffn.get(kind) or d.cpu_bw, pcie_bw=getattr(hw, "h2d_pinned_Bps", None) or d.pcie_bw,
+                   gpu_flops=d.gpu_flops)
+
+
+def cpu_tokens_per_pass(dim: int) -> int:
+    """Tokens `ffn_rows_batch` computes per read of the weights (its token tile)."""
+    return max(1, getattr(cpu_ops, "_TILE_BYTES", 1 << 16) // (4 * dim))
+
+
+def prefill_regime(T: int, cold_bytes: int, cpu_bw: float, pcie_bw: float, gpu_flops: float, *,
+                   cold_params: int | None = None, tokens_per_pass: int = 4, cuda: bool = True) -> str:
+    """"cpu" or "stream" for a layer whose cold part is cold_bytes (cold_params weights) over T tokens.
+
+    cpu:    the kernel re-reads the cold weights once per token tile: ceil(T / tokens_per_pass) passes.
+    stream: copy once over PCIe, overlapped with the previous layer, so the slower of the copy and
+            the fast tier's 2·T·params FLOPs.
+    """
+    if not cuda or cold_bytes == 0:
+        return "cpu"
+    params = cold_params if cold_params is not None else cold_bytes // 2
+    t_cpu = math.ceil(T / max(1, tokens_per_pass)) * cold_bytes / cpu_bw
+    t_stream = max(cold_bytes / pcie_bw, 2.0 * T * params / gpu_flops)
+    return "stream" if t_stream < t_cpu else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming cold weights to the fast tier
+
+_STORAGE_TORCH = {"f32": torch.float32, "bf16": torch.int16, "f16": torch.int16, "i8": torch.int8}
+_BITS_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _host_tensor(m: cpu_ops.HostMatrix) -> torch.Tensor:
+    """The storage of a HostMatrix as a torch tensor sharing its memory (fp16/bf16 bits as int16)."""
+    data = m.data.view(np.int16) if m.data.dtype == np.uint16 else m.data
+    return torch.from_numpy(data)
+
+
+PIN_MIN_BYTES = 1 << 20  # smaller matrices may share pages with other allocations: not worth pinning
+
+
+def pin_host(cold: ColdFFN) -> list[int]:
+    """Page-lock the cold matrices in place (cudaHostRegister) so streaming copies run at pinned
+    speed; returns the registered pointers. Where registering is unavailable or fails, copies still
+    work (at pageable speed)."""
+    try:
+        cudart = torch.cuda.cudart()
+        register = cudart.cudaHostRegister
+    except (AttributeError, RuntimeError):
+        return []
+    done = []
+    for m in cold.mats:
+        ptr = m.data.ctypes.data
+        if m.data.nbytes >= PIN_MIN_BYTES and int(register(ptr, m.data.nbytes, 0)) == 0:
+            done.append(ptr)
+    return done
+
+
+def unpin_host(ptrs: list[int]) -> None:
+    if ptrs:
+        torch.cuda.synchronize()  # no copy may still read them
+        cudart = torch.cuda.cudart()
+        for ptr in ptrs:
+            cudart.cudaHostUnregister(ptr)
+        ptrs.clear()
+
+
+class StreamedFFN:
+    """A cold part on the fast tier in the compute dtype: up/gate/down_t [C, D], up_bias [C]."""
+
+    def __init__(self, up, gate, down_t, up_bias):
+        self.up, self.gate, self.down_t, self.up_bias = up, gate, down_t, up_bias
+
+
+class ColdStreamer:
+    """Two fast-tier slots of raw cold storage; layer l+1's copy runs on its own stream while
+    layer l computes. acquire(l) -> StreamedFFN; release(l) after use; prefetch(next)."""
+
+    def __init__(self, tier: FastTier, colds: dict[int, ColdFFN], order: list[int]):
+        self.tier, self.colds = tier, colds
+        self.slot_of = {l: i % 2 for i, l in enumerate(order)}
+        self.stream = torch.cuda.Stream(tier.device) if tier.cuda else None
+        self.loaded: list[int | None] = [None, None]
+        self.ready: list = [None, None]
+        self.free: list = [None, None]
+        self.spans: list = []  # (start, end) marks of copies, collected by the layers' stats
+        self.slots: list[dict | None] = [None, None]
+        self.bias = {l: torch.from_numpy(c.up_bias) for l, c in colds.items() if c.up_bias is not None}
+
+    def _alloc(self) -> dict:
+        cmax = max(c.n for c in self.colds.values())
+        ref = next(c for c in self.colds.values() if c.n == cmax)
+        d = ref.up.shape[1]
+        dev = self.tier.device
+        with torch.inference_mode(False):
+            slot = {name: torch.empty((cmax, d), dtype=_STORAGE_TORCH[m.kind], device=dev)
+                    for name, m in (("up", ref.up), ("gate", ref.gate), ("down_t", ref.down_t)) if m is not None}
+            slot["scale"] = torch.empty((3, cmax), dtype=torch.float32, device=dev)
+            slot["bias"] = torch.empty(cmax, dtype=torch.float32, device=dev)
+        return slot
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Fast-tier bytes of the two slots (raw storage), allocated at the first streamed layer."""
+        if not self.colds:
+            return 0
+        c = max(self.colds.values(), key=lambda c: c.n)
+        return 2 * (sum(m.nbytes for m in c.mats) + 4 * 4 * c.n)
+
+    def _fetch(self, layer: int) -> None:
+        i = self.slot_of[layer]
+        if self.slots[i] is None:
+            self.slots[i] = self._alloc()
+        slot, cold, tier = self.slots[i], self.colds[layer], self.tier
+        ctx = torch.cuda.stream(self.stream) if tier.cuda else contextlib.nullcontext()
+        with ctx:
+            if self.free[i] is not None:
+                self.stream.wait_event(self.free[i])  # the slot's previous layer is done with it
+            t0 = tier.mark(self.stream)
+            n = cold.n
+            for j, (name, m) in enumerate((("up", cold.up), ("gate", cold.gate), ("down_t", cold.down_t))):
+                if m is None:
+                    continue
+                slot[name][:n].copy_(_host_tensor(m), non_blocking=True)
+                if m.scale is not None:
+                    slot["scale"][j, :n].copy_(torch.from_numpy(m.scale), non_blocking=True)
+            if layer in self.bias:
+                slot["bias"][:n].copy_(self.bias[layer], non_blocking=True)
+            self.spans.append((t0, tier.mark(self.stream)))
+            self.ready[i] = tier.event(self.stream) if tier.cuda else None
+        self.loaded[i] = layer
+
+    def prefetch(self, layer: int | None) -> None:
+        """Start copying layer's cold weights (no-op for None or when already loaded)."""
+        if layer is not None and layer in self.colds and self.loaded[self.slot_of[layer]] != layer:
+            self._fetch(layer)
+
+    def acquire(self, layer: int) -> StreamedFFN:
+        """The layer's cold weights on the fast tier, in the compute dtype, ordered after their copy."""
+        i = self.slot_of[layer]
+        if self.loaded[i] != layer:
+            self._fetch(layer)
+        self.tier.wait(self.ready[i])
+        slot, cold, dtype = self.slots[i], self.colds[layer], self.tier.dtype
+        n = cold.n
+
+        def view(name: str, j: int, m):
+            if m is None:
+                return None
+            raw = slot[name][:n]
+            if m.kind == "i8":
+                return (raw.float() * slot["scale"][j, :n, None]).to(dtype)
+            if m.kind in _BITS_DTYPE:
+                raw = raw.view(_BITS_DTYPE[m.kind])
+            return raw.to(dtype)
+
+        bias = slot["bias"][:n].to(dtype) if layer in self.bias else None
+        return StreamedFFN(view("up", 0, cold.up), view("gate", 1, cold.gate), view("down_t", 2, cold.down_t), bias)
+
+    def release(self, layer: int) -> None:
+        """Mark the layer's slot reusable once the compute queued so far has finished."""
+        self.free[self.slot_of[layer]] = self.tier.event()
+
+    def take_spans(self) -> list:
+        spans, self.spans = self.spans, []
+        return spans

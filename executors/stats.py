@@ -1,0 +1,108 @@
+"""Where the time of a hybrid forward goes: per-phase sums of GPU work, CPU work, transfers and waiting.
+
+Every HybridFFN of an engine writes into one `StatsBook`. Times are seconds. On CUDA, GPU work and
+transfers are timed with CUDA events that are read lazily (when complete, never forcing a sync); on
+the CPU device they are wall-clock spans on the calling thread. CPU work is the worker's kernel
+time; `wait` is the main thread blocked on the worker's result; `cpu_wait` is the worker blocked on
+its input (the D2H copy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+PHASES = ("decode", "prefill")
+TIMES = ("gpu_s", "cpu_s", "transfer_s", "wait_s", "cpu_wait_s")
+
+
+@dataclass
+class PhaseStats:
+    """Sums over one phase. tokens: forward passes counted at the first hybrid layer (decode: one
+    token each; prefill: the tokens of the chunk)."""
+
+    tokens: int = 0
+    forwards: int = 0
+    layer_calls: int = 0
+    gpu_s: float = 0.0  # predictor + hot FFN (+ streamed cold FFN) on the fast tier
+    cpu_s: float = 0.0  # worker: mask -> rows and the numba kernel
+    transfer_s: float = 0.0  # D2H of input and mask, H2D of the CPU result, streamed weights
+    wait_s: float = 0.0  # main thread blocked on the worker
+    cpu_wait_s: float = 0.0  # worker blocked on its input copy
+    rows_gpu: int = 0  # hot neurons computed and kept (predicted active), summed over tokens and layers
+    rows_cpu: int = 0  # cold neurons computed by the CPU (decode: per token; prefill: per chunk)
+    rows_streamed: int = 0  # cold neurons computed on the fast tier from streamed weights (prefill)
+    hot_rows: int = 0  # hot neurons resident, summed over layer calls
+    cold_rows: int = 0  # cold neurons in host memory, summed over layer calls
+    regimes: dict = field(default_factory=dict)  # prefill: {"cpu": n, "stream": n} layer calls
+
+
+class StatsBook:
+    """Accumulates PhaseStats; `pending` holds (phase, field, start, end) CUDA event spans not yet read."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.phases = {p: PhaseStats() for p in PHASES}
+        self.pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.counters: dict[tuple[str, str], torch.Tensor] = {}  # on-device row counts, read lazily
+
+    def add(self, phase: str, **values) -> None:
+        st = self.phases[phase]
+        for k, v in values.items():
+            setattr(st, k, getattr(st, k) + v)
+
+    def span(self, phase: str, name: str, start, end) -> None:
+        """A timed span: two perf_counter floats, or two CUDA events (read later)."""
+        if start is None:
+            return
+        if isinstance(start, float):
+            self.add(phase, **{name: end - start})
+        else:
+            self.pending.append((phase, name, start, end))
+
+    def count(self, phase: str, name: str, n: torch.Tensor) -> None:
+        """Add a device-side count (a 0-d tensor) to field `name` without synchronising."""
+        acc = self.counters.get((phase, name))
+        if acc is None or acc.device != n.device:
+            with torch.inference_mode(False):
+                acc = self.counters[(phase, name)] = torch.zeros((), dtype=torch.int64, device=n.device)
+        acc.add_(n)
+
+    def resolve(self, block: bool = False) -> None:
+        """Read the CUDA event spans that have completed (all of them with block=True)."""
+        keep = []
+        for i, (phase, name, a, b) in enumerate(self.pending):
+            if not block and not b.query():
+                keep = self.pending[i:]
+                break
+            b.synchronize()
+            self.add(phase, **{name: a.elapsed_time(b) / 1e3})
+        self.pending = keep
+        if block:
+            for (phase, name), acc in self.counters.items():
+                self.add(phase, **{name: int(acc.item())})
+                acc.zero_()
+
+    def reset(self) -> None:
+        self.resolve(block=True)
+        self.phases = {p: PhaseStats() for p in PHASES}
+
+    def summary(self) -> dict:
+        """Per phase: the sums, and per token the means (milliseconds and rows)."""
+        self.resolve(block=True)
+        out = {}
+        for phase, st in self.phases.items():
+            d = asdict(st)
+            n = max(1, st.tokens if phase == "decode" else st.forwards)
+            d["per_token" if phase == "decode" else "per_forward"] = {
+                **{k.replace("_s", "_ms"): 1e3 * getattr(st, k) / n for k in TIMES},
+                **{k: getattr(st, k) / n for k in ("rows_gpu", "rows_cpu", "rows_streamed")},
+            }
+            out[phase] = d
+        return out
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,494 @@
+"""hotcold.executors: the hybrid engine against the dense, thresholded and predictor-sparse references.
+
+Every model is a tiny random one of a supported family (tests/tiny_models.py). On the CPU the fast
+tier is the CPU device and cold rows are float32 unless a test says otherwise, so results agree to
+float32 rounding; the `cuda` tests repeat the core checks on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hotcold.executors import ColdJob, CPUExecutor, HybridFFN, PrefillCosts, make_hybrid, prefill_regime, random_hot
+from hotcold.executors.weights import split_ffn
+from hotcold.models.generate import Generator
+from hotcold.models.layers import MoEFFN
+from hotcold.models.loader import LoadedModel, load_model
+from hotcold.models.sampling import SamplingParams
+from hotcold.models.transformer import KVCache
+from hotcold.predictors.artifact import PredictorSet
+from hotcold.predictors.neurons import NeuronPredictor, train_layer
+from hotcold.predictors.sparse import predicted_sparse
+from hotcold.profiler.probes import probed
+
+from tiny_models import make_tiny
+
+DENSE = ["llama", "llama_relu", "mistral", "qwen2", "qwen3", "opt", "gemma3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+RELU = {"llama_relu", "opt"}
+T = 10
+TOL = 2e-5  # float32 everywhere: relative to the largest |logit|
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+_REFS: dict = {}
+
+
+def reference(folder: Path, family: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """The dense model (loaded once per family/device/dtype; never converted)."""
+    key = (family, device, dtype)
+    if key not in _REFS:
+        _REFS[key] = load_model(make_tiny(family, folder), device=device, dtype=dtype)
+    return _REFS[key]
+
+
+def fresh(folder: Path, family: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """A private copy of the reference to convert."""
+    return copy.deepcopy(reference(folder, family, device, dtype))
+
+
+def tokens(n: int = T, seed: int = 0, device="cpu") -> torch.Tensor:
+    return torch.randint(3, 160, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def decode_logits(lm: LoadedModel, toks: torch.Tensor) -> torch.Tensor:
+    """Logits [1, T, V] computed one token at a time through the KV cache (the decode path)."""
+    cache = KVCache(lm.config, toks.shape[1] + 1, device=lm.device, dtype=lm.dtype)
+    with torch.inference_mode():
+        return torch.cat([lm.model(toks[:, i:i + 1], i, cache) for i in range(toks.shape[1])], dim=1)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = TOL) -> None:
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= tol * scale, f"max error {err:.3g} > {tol:g} * {scale:.3g}"
+
+
+def ffn_input_samples(lm: LoadedModel, n_seq: int = 24, seq: int = 24) -> dict[int, torch.Tensor]:
+    """Per layer, FFN inputs [S, D] on random token sequences (forward pre-hooks)."""
+    xs: dict[int, list] = {}
+    hooks = [b.ffn.register_forward_pre_hook(lambda m, a, i=i: xs.setdefault(i, []).append(a[0].reshape(-1, a[0].shape[-1])))
+             for i, b in enumerate(lm.model.layers)]
+    try:
+        with torch.inference_mode():
+            for s in range(n_seq):
+                lm.model(tokens(seq, 100 + s, lm.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: torch.cat(v) for i, v in xs.items()}
+
+
+def gap_thresholds(lm: LoadedModel, toks: torch.Tensor) -> dict[int, float]:
+    """Per gated layer, a threshold with about half the neurons active on toks, placed in the middle
+    of the widest gap between the |h| values seen there, so that float rounding flips no neuron
+    (layer by layer, under the thresholds of the layers before); {} for ReLU models (threshold 0)."""
+    if lm.config.activation == "relu":
+        return {}
+    thr: dict[int, float] = {}
+    for l in range(lm.config.num_layers):
+        if lm.config.ffn_kind(l) == "moe":
+            continue
+        seen = []
+        with probed(lm.model, thr), torch.inference_mode():
+            block = lm.model.layers[l]
+            hook = block.ffn.register_forward_pre_hook(lambda m, a: seen.append(m.inner.activations(a[0]).abs()))
+            lm.model(toks)
+            hook.remove()
+        v = seen[0].flatten().double().sort().values
+        lo, hi = int(0.4 * len(v)), int(0.6 * len(v))
+        j = lo + int(torch.argmax(v[lo + 1:hi + 1] - v[lo:hi]))
+        thr[l] = float((v[j] + v[j + 1]) / 2)
+    return thr
+
+
+def random_predictors(lm: LoadedModel, rank: int = 8, seed: int = 0) -> PredictorSet:
+    """Hand-built predictors: random low-rank MLPs with threshold 0 (about half predicted active)."""
+    torch.manual_seed(seed)
+    c = lm.config
+    preds = PredictorSet("test")
+    for i in range(c.num_layers):
+        if c.ffn_kind(i) != "moe":
+            preds.neurons[i] = NeuronPredictor(c.hidden_size, c.intermediate_size, rank).eval()
+    return preds
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracle predictors: the hybrid engine computes the reference model
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("family", DENSE)
+def test_oracle_prefill_matches_dense(folder, family, frac):
+    ref = reference(folder, family)
+    lm = fresh(folder, family)
+    with make_hybrid(lm, random_hot(lm, frac, seed=1), "oracle", cpu_dtype="f32", threads=2) as eng:
+        assert all(isinstance(b.ffn, HybridFFN) for b in lm.model.layers)
+        toks = tokens()
+        with torch.inference_mode():
+            assert_close(lm.model(toks), ref.model(toks))
+        st = eng.stats()["prefill"]
+        assert st["forwards"] == 1 and st["tokens"] == T
+        assert st["regimes"] == ({} if frac == 1.0 else {"cpu": 3})
+        I = lm.config.intermediate_size
+        assert st["hot_rows"] == 3 * round(frac * I) and st["cold_rows"] == 3 * (I - round(frac * I))
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_oracle_decode_matches_thresholded_reference(folder, family):
+    """Token by token with thresholds: equals the profiler's thresholded forward; the stats count
+    exactly the active neurons, split between the two sides."""
+    ref = reference(folder, family)
+    toks = tokens(seed=3)
+    thr = gap_thresholds(ref, toks)
+    from hotcold.profiler.probes import Recorder
+
+    rec = Recorder(ref.model, samples=0)
+    rec.start_batch(T)
+    with probed(ref.model, thr, rec), torch.inference_mode():
+        want = ref.model(toks)
+    active = sum(int(c.sum()) for c in rec.neuron_count.values())
+    lm = fresh(folder, family)
+    with make_hybrid(lm, random_hot(lm, 0.5, seed=2), "oracle", cpu_dtype="f32", thresholds=thr, threads=2) as eng:
+        got = decode_logits(lm, toks)
+        st = eng.stats()["decode"]
+    assert_close(got, want, 1e-4)
+    assert st["tokens"] == T and st["layer_calls"] == 3 * T
+    assert st["rows_gpu"] + st["rows_cpu"] == active
+    assert st["rows_gpu"] > 0 and st["rows_cpu"] > 0
+    if family not in RELU:
+        assert 0.3 < active / (3 * T * lm.config.intermediate_size) < 0.7  # the thresholds bite
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gemma3"])
+def test_generate_same_greedy_tokens(folder, family):
+    ref = reference(folder, family)
+    prompt = tokens(6, seed=5)[0].tolist()
+    greedy = SamplingParams(temperature=0.0)
+    want = [e.token_id for e in Generator(ref).generate(prompt, max_tokens=12, sampling=greedy, ignore_eos=True)]
+    lm = fresh(folder, family)
+    with make_hybrid(lm, random_hot(lm, 0.3, seed=4), "oracle", cpu_dtype="f32", threads=2) as eng:
+        gen = Generator(eng.lm)
+        got = [e.token_id for e in gen.generate(prompt, max_tokens=12, sampling=greedy, ignore_eos=True)]
+        st = eng.stats()
+    assert got == want
+    assert st["decode"]["tokens"] == 11 and st["prefill"]["tokens"] == 6
+    per = st["decode"]["per_token"]
+    assert set(per) >= {"gpu_ms", "cpu_ms", "transfer_ms", "wait_ms", "rows_gpu", "rows_cpu"}
+    assert per["cpu_ms"] > 0 and per["gpu_ms"] > 0
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_models_run_with_layers_untouched(folder, family):
+    ref = reference(folder, family)
+    lm = fresh(folder, family)
+    with make_hybrid(lm, random_hot(lm, 0.5), "oracle", cpu_dtype="f32", threads=2):
+        kinds = [lm.config.ffn_kind(i) for i in range(lm.config.num_layers)]
+        for k, b in zip(kinds, lm.model.layers):
+            assert isinstance(b.ffn, MoEFFN if k == "moe" else HybridFFN)
+        toks = tokens(seed=6)
+        with torch.inference_mode():
+            want = ref.model(toks)
+            assert_close(lm.model(toks), want)
+        assert_close(decode_logits(lm, toks), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learned predictors: hybrid = the reference predictor-sparse forward
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_hand_built_predictors_match_predicted_sparse(folder, family):
+    ref = reference(folder, family)
+    preds = random_predictors(ref)
+    toks = tokens(seed=7)
+    with predicted_sparse(ref.model, preds), torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, family)
+    with make_hybrid(lm, random_hot(lm, 0.6, seed=8), preds, cpu_dtype="f32", threads=2):
+        assert_close(decode_logits(lm, toks), want, 1e-4)
+
+
+class UnionFFN(nn.Module):
+    """Reference for prefill: every token of the chunk computes the union of the predicted masks."""
+
+    def __init__(self, inner, predictor):
+        super().__init__()
+        self.inner, self.predictor = inner, predictor
+
+    def forward(self, x):
+        mask = self.predictor.predict(x.float())  # [B, T, I]
+        union = mask.reshape(-1, mask.shape[-1]).any(0)  # [I]
+        return self.inner.down(self.inner.activations(x) * union.to(x.dtype))
+
+
+@contextlib.contextmanager
+def union_sparse(model, preds: PredictorSet):
+    originals = {l: model.layers[l].ffn for l in preds.neurons}
+    try:
+        for l, p in preds.neurons.items():
+            model.layers[l].ffn = UnionFFN(originals[l], p)
+        yield
+    finally:
+        for l, f in originals.items():
+            model.layers[l].ffn = f
+
+
+@pytest.fixture(scope="module")
+def trained(folder):
+    """llama_relu with quickly trained predictors (FFN inputs and true active masks as samples)."""
+    ref = reference(folder, "llama_relu")
+    xs = ffn_input_samples(ref)
+    preds = PredictorSet("test")
+    recalls = []
+    with torch.inference_mode():
+        actives = {l: ref.model.layers[l].ffn.activations(x) > 0 for l, x in xs.items()}
+    for l, x in xs.items():
+        with torch.inference_mode(False):
+            p, m = train_layer(x.clone(), actives[l].clone(), rank=16, layer=l, epochs=6, recall=0.9)
+        preds.neurons[l] = p
+        recalls.append(m.recall)
+    return ref, preds, recalls
+
+
+@pytest.mark.parametrize("regime", ["cpu", "stream"])
+def test_trained_predictors_match_references(folder, trained, regime):
+    ref, preds, recalls = trained
+    assert min(recalls) > 0.6  # they learned something
+    toks = tokens(seed=9)
+    with predicted_sparse(ref.model, preds), torch.inference_mode():
+        want_decode = ref.model(toks)
+    with union_sparse(ref.model, preds), torch.inference_mode():
+        want_prefill = ref.model(toks)
+    assert (want_prefill - want_decode).abs().max() > 1e-3  # the two references differ
+    lm = fresh(folder, "llama_relu")
+    with make_hybrid(lm, random_hot(lm, 0.3, seed=10), preds, cpu_dtype="f32", threads=2, prefill=regime) as eng:
+        assert_close(decode_logits(lm, toks), want_decode, 1e-4)
+        with torch.inference_mode():
+            assert_close(lm.model(toks), want_prefill, 1e-4)
+        st = eng.stats()
+    assert st["prefill"]["regimes"] == {regime: 3}
+    d = st["decode"]
+    assert 0 < d["rows_gpu"] + d["rows_cpu"] < 3 * T * lm.config.intermediate_size
+
+
+def test_no_predictors_is_dense(folder):
+    ref = reference(folder, "qwen2")
+    lm = fresh(folder, "qwen2")
+    toks = tokens(seed=11)
+    with make_hybrid(lm, random_hot(lm, 0.25), None, cpu_dtype="f32", threads=2), torch.inference_mode():
+        assert_close(lm.model(toks), ref.model(toks))
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage kinds, prefill regimes
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("kind", ["bf16", "f16", "i8"])
+def test_cpu_storage_kinds_and_streaming(folder, family, kind):
+    """Cold rows stored in bf16/f16/i8: close to dense; streaming them computes the same as the CPU."""
+    ref = reference(folder, family)
+    toks = tokens(seed=12)
+    with torch.inference_mode():
+        dense = ref.model(toks)
+    outs = {}
+    for regime in ("cpu", "stream"):
+        lm = fresh(folder, family)
+        with make_hybrid(lm, random_hot(lm, 0.3), "oracle", cpu_dtype=kind, threads=2, prefill=regime):
+            with torch.inference_mode():
+                outs[regime] = lm.model(toks)
+            if regime == "cpu":
+                assert_close(decode_logits(lm, toks), dense, {"bf16": 3e-2, "f16": 5e-3, "i8": 5e-2}[kind])
+    assert_close(outs["cpu"], dense, {"bf16": 3e-2, "f16": 5e-3, "i8": 5e-2}[kind])
+    assert_close(outs["stream"], outs["cpu"], 1e-4)
+
+
+def test_prefill_regime_rule():
+    gb = 1 << 30
+    kw = dict(cpu_bw=73e9, pcie_bw=52e9, gpu_flops=400e12)
+    assert prefill_regime(512, gb, **kw, cuda=False) == "cpu"  # no GPU: never stream
+    assert prefill_regime(512, gb, **kw) == "stream"  # long prompt: copy once beats 128 CPU passes
+    assert prefill_regime(2, gb, **kw) == "cpu"  # one CPU pass beats the slower PCIe copy
+    assert prefill_regime(512, 0, **kw) == "cpu"
+    assert prefill_regime(8, gb, **kw, tokens_per_pass=8) == "cpu"
+    assert prefill_regime(8, gb, **dict(kw, pcie_bw=200e9), tokens_per_pass=8) == "stream"
+    from types import SimpleNamespace
+
+    costs = PrefillCosts.from_hardware(SimpleNamespace(cpu_ffn_Bps={"bf16": 30e9}, h2d_pinned_Bps=None))
+    assert costs.cpu_bw == 30e9 and costs.pcie_bw == PrefillCosts().pcie_bw
+
+
+def test_auto_regime_is_cpu_without_cuda(folder):
+    lm = fresh(folder, "llama")
+    with make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=2) as eng:
+        with torch.inference_mode():
+            lm.model(tokens(40))
+        assert eng.stats()["prefill"]["regimes"] == {"cpu": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker thread and memory
+
+
+def test_worker_thread_lifecycle(folder):
+    lm = fresh(folder, "llama")
+    eng = make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=1)
+    cpu = eng.cpu
+    assert cpu.alive and cpu.thread_count == 1  # numba's threads were set inside the worker
+    cold = eng.layers[0].cold
+    bad = ColdJob(cold, np.zeros((1, 5), np.float32), None, np.zeros((1, 64), np.float32))
+    with pytest.raises(RuntimeError, match="CPU executor failed"):
+        cpu.submit(bad).wait()
+    assert cpu.alive  # an error fails the job, not the worker
+    with torch.inference_mode():
+        lm.model(tokens(3))
+    n_threads = threading.active_count()
+    eng.close()
+    assert not cpu.alive and threading.active_count() == n_threads - 1
+    eng.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        cpu.submit(bad)
+
+
+def test_worker_finishes_queued_jobs_before_stopping():
+    cpu = CPUExecutor(threads=1)
+    lm_ffn = nn.Linear(8, 8)  # any object: the jobs below fail, but each is answered
+    jobs = [cpu.submit(ColdJob(lm_ffn, np.zeros((1, 8), np.float32), None, np.zeros((1, 8), np.float32)))
+            for _ in range(5)]
+    cpu.close()
+    assert all(j.done.is_set() for j in jobs) and not cpu.alive
+
+
+def test_original_ffn_weights_released(folder):
+    lm = fresh(folder, "opt")
+    ffns = [b.ffn for b in lm.model.layers]
+    refs = [weakref.ref(p) for f in ffns for p in f.parameters()]
+    nbytes = sum(p.numel() * p.element_size() for f in ffns for p in f.parameters())
+    del ffns
+    eng = make_hybrid(lm, random_hot(lm, 0.4), None, cpu_dtype="f32", threads=1)
+    gc.collect()
+    assert all(r() is None for r in refs), "an original FFN parameter is still referenced"
+    mem = eng.memory()
+    assert mem["fast_ffn_bytes"] + mem["host_ffn_bytes"] == nbytes  # every weight once, nothing more
+    eng.close()
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_rss_not_duplicated(tmp_path):
+    """A 4-layer model with 64 MiB of FFN weights: converting it (f32 cold rows) adds < 1/4 of them."""
+    from hotcold.models.config import config_from_hf
+    from hotcold.models.transformer import Transformer
+
+    config = config_from_hf(dict(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=5504,
+                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                 max_position_embeddings=64), source="test")
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    lm = LoadedModel(model.eval(), None, config, tmp_path, "test", torch.device("cpu"), torch.float32)
+    ffn_bytes = 4 * 3 * 256 * 5504 * 4
+    gc.collect()
+    before = rss()
+    eng = make_hybrid(lm, random_hot(lm, 0.3), None, cpu_dtype="f32", threads=1)
+    gc.collect()
+    grown = rss() - before
+    eng.close()
+    assert grown < ffn_bytes / 4, f"RSS grew by {grown / 2**20:.1f} MiB for {ffn_bytes / 2**20:.0f} MiB of FFN weights"
+
+
+def test_split_rejects_bad_plans(folder):
+    lm = fresh(folder, "llama")
+    ffn = lm.model.layers[0].ffn
+    with pytest.raises(ValueError, match="out of range"):
+        split_ffn(ffn, [0, 96], "silu", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="repeat"):
+        split_ffn(ffn, [1, 1], "silu", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="cpu_dtype"):
+        split_ffn(ffn, [1], "silu", "cpu", torch.float32, cpu_kind="q4")
+    with pytest.raises(ValueError, match="no dense or gated FFN"):
+        make_hybrid(fresh(folder, "mixtral"), {0: torch.arange(3)}, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the same checks with the GPU as the fast tier
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family", ["llama", "opt", "gemma3", "qwen2_moe"])
+def test_cuda_oracle_matches_dense(folder, family):
+    ref = reference(folder, family, "cuda", "float32")
+    toks = tokens(seed=13, device="cuda")
+    thr = gap_thresholds(ref, toks)
+    with probed(ref.model, thr), torch.inference_mode():
+        want = ref.model(toks)
+    with torch.inference_mode():
+        dense = ref.model(toks)
+    for frac in (0.0, 0.5, 1.0):
+        lm = fresh(folder, family, "cuda", "float32")
+        with make_hybrid(lm, random_hot(lm, frac), "oracle", cpu_dtype="f32", thresholds=thr) as eng:
+            assert_close(decode_logits(lm, toks), want, 1e-4)
+            st = eng.stats()["decode"]
+            assert st["tokens"] == T and (frac == 1.0 or st["transfer_s"] > 0)
+        lm = fresh(folder, family, "cuda", "float32")
+        with make_hybrid(lm, random_hot(lm, frac), "oracle", cpu_dtype="f32") as eng, torch.inference_mode():
+            assert_close(lm.model(toks), dense, 1e-4)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("regime", ["cpu", "stream"])
+def test_cuda_predictors_and_regimes(folder, regime):
+    ref = reference(folder, "llama_relu", "cuda", "float32")
+    preds = random_predictors(ref)
+    toks = tokens(seed=14, device="cuda")
+    with predicted_sparse(ref.model, preds), torch.inference_mode():
+        want_decode = ref.model(toks)
+    with union_sparse(ref.model, preds), torch.inference_mode():
+        want_prefill = ref.model(toks)
+    lm = fresh(folder, "llama_relu", "cuda", "float32")
+    with make_hybrid(lm, random_hot(lm, 0.3), preds, cpu_dtype="f32", prefill=regime) as eng:
+        assert_close(decode_logits(lm, toks), want_decode, 1e-4)
+        with torch.inference_mode():
+            assert_close(lm.model(toks), want_prefill, 1e-4)
+        assert eng.stats()["prefill"]["regimes"] == {regime: 3}
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_bf16_generate(folder):
+    ref = reference(folder, "llama", "cpu", "float32")
+    lm = fresh(folder, "llama")  # loaded on the CPU, converted onto the GPU in bf16
+    toks = tokens(seed=15)
+    with torch.inference_mode():
+        dense = ref.model(toks)
+    with make_hybrid(lm, random_hot(lm, 0.5), "oracle", device="cuda", dtype=torch.bfloat16) as eng:
+        assert lm.device.type == "cuda" and lm.dtype == torch.bfloat16
+        assert_close(decode_logits(lm, toks.cuda()).cpu(), dense, 5e-2)
+        out = list(Generator(eng.lm).generate(tokens(4)[0].tolist(), max_tokens=8,
+                                             sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+        assert len(out) == 8
