@@ -64,6 +64,9 @@ def atomic_path(dest: Path) -> Iterator[Path]:
     dest = Path(dest)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; artifacts are ordinary files
     try:
         yield Path(tmp)
         os.replace(tmp, dest)

@@ -89,7 +89,7 @@ def threshold_for_recall(logits: torch.Tensor, target: torch.Tensor, recall: flo
 
 
 def train_layer(x: torch.Tensor, active: torch.Tensor, rank: int, layer: int = 0, recall: float = 0.95,
-                heldout: float = 0.2, epochs: int = 40, lr: float = 3e-3, batch: int = 256, seed: int = 0
+                heldout: float = 0.2, epochs: int = 20, lr: float = 5e-3, batch: int = 512, seed: int = 0
                 ) -> tuple[NeuronPredictor, LayerMetrics]:
     """Train one layer's predictor. x: [S, D] FFN inputs, active: [S, I] bool. Deterministic for a seed."""
     torch.manual_seed(seed + layer)

@@ -24,7 +24,7 @@ def ffn_params(config, layer: int) -> int:
 
 
 def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, budget: float = 0.08,
-                     epochs: int = 40, device: str | torch.device = "cpu",
+                     epochs: int = 20, device: str | torch.device = "cpu",
                      progress: Callable[[str, int, int], None] | None = None) -> tuple[PredictorSet, dict]:
     """Predictors for every layer with samples in the profile. `budget`: total neuron-predictor
     parameters as a fraction of the dense/gated FFNs' parameters. Returns (predictors, metrics)."""
