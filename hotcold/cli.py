@@ -105,6 +105,11 @@ def run(
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096 in chat)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence (benchmarks)."),
     sparse: bool = SparseOpt,
+    plan: Optional[Path] = typer.Option(None, "--plan", help="Plan to run by (plan.safetensors or its folder; "
+                                                              "default: the model's own, when `hotcold plan` made one)."),
+    no_plan: bool = typer.Option(False, "--no-plan", help="Ignore any plan: run the dense model."),
+    stats: bool = typer.Option(False, "--stats", help="Per-token time split into GPU, CPU, transfer and wait, "
+                                                      "beside the plan's prediction."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -114,19 +119,58 @@ def run(
     from hotcold.models.generate import Generator
     from hotcold.models.sampling import SamplingParams
 
-    lm = _load(model, device, dtype, threads)
-    if lm.tokenizer is None:
-        raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; hotcold run needs a tokenizer")
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            repetition_penalty=repeat_penalty)
-    gen = Generator(lm, max_context=ctx)
-    with _sparse(lm, sparse) as wrapped:
-        if prompt is None:
-            if as_json:
-                raise HotcoldError("--json needs --prompt")
-            _interactive(gen, params, max_tokens, seed, stop, system)
-            return
-        _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped)
+    setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats)
+    lm = setup.lm
+    try:
+        if lm.tokenizer is None:
+            raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; hotcold run needs a tokenizer")
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repetition_penalty=repeat_penalty)
+        gen = Generator(lm, max_context=ctx)
+        with _sparse(lm, sparse) as wrapped:
+            if prompt is None:
+                if as_json:
+                    raise HotcoldError("--json needs --prompt")
+                _interactive(gen, params, max_tokens, seed, stop, system)
+                return
+            _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped)
+        if stats:
+            _print_stats(setup, gen.stats)
+    finally:
+        setup.close()
+
+
+def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtype, threads, stats: bool):
+    """The model per its plan (or dense), with the notes saying which printed to stderr."""
+    import torch
+
+    from hotcold.executors.from_plan import open_for_run
+    from hotcold.models.loader import default_model_path
+
+    if threads:
+        torch.set_num_threads(threads)
+    if dense and plan is not None:
+        raise HotcoldError("--plan cannot be combined with --no-plan or --sparse")
+    setup = open_for_run(model if model is not None else default_model_path(), plan, not dense, device, dtype,
+                         threads, stats)
+    for note in setup.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return setup
+
+
+def _print_stats(setup, gen_stats) -> None:
+    """--stats: where a decoded token's time went, and the plan's prediction beside it."""
+    measured = 1000 / gen_stats.decode_tok_per_s if gen_stats.decode_tok_per_s else float("nan")
+    line = f"[stats] decode {measured:.2f} ms/token measured"
+    if setup.engine is not None:
+        t = setup.engine.stats()["decode"]["per_token"]
+        line += (f": GPU {t['gpu_ms']:.2f} ms, CPU {t['cpu_ms']:.2f} ms, transfer {t['transfer_ms']:.2f} ms, "
+                 f"wait {t['wait_ms']:.2f} ms; rows per token GPU {t['rows_gpu']:.0f}, CPU {t['rows_cpu']:.0f}")
+    else:
+        line += " (dense: no GPU/CPU split)"
+    if setup.predicted_ms_per_token is not None:
+        line += f"; plan predicted {setup.predicted_ms_per_token:.2f} ms/token"
+    print(line, file=sys.stderr)
 
 
 def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped) -> None:

@@ -49,7 +49,7 @@ def fit_lookahead(hidden: torch.Tensor, experts: torch.Tensor, norm: nn.Module, 
     if base < target and len(train) >= 8:
         w = nn.Parameter(w0.clone())
         opt = torch.optim.Adam([w], lr=lr)
-        target_mask = torch.zeros(len(z), n_experts).scatter_(1, experts.long(), 1.0)
+        target_mask = torch.zeros(len(z), n_experts, device=z.device).scatter_(1, experts.long(), 1.0)
         for _ in range(epochs):
             for idx in train[torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))].split(256):
                 opt.zero_grad()

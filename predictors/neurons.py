@@ -96,7 +96,7 @@ def train_layer(x: torch.Tensor, active: torch.Tensor, rank: int, layer: int = 0
     x = x.float()
     train_idx, test_idx = _split(len(x), heldout, seed + layer)
     xt, yt = x[train_idx], active[train_idx].float()
-    model = NeuronPredictor(x.shape[1], active.shape[1], rank)
+    model = NeuronPredictor(x.shape[1], active.shape[1], rank).to(x.device)
     # Class weights: a neuron that is rarely active gets its positives weighted up (capped).
     p = yt.mean(0).clamp(1e-3, 1 - 1e-3)
     loss_fn = nn.BCEWithLogitsLoss(pos_weight=((1 - p) / p).clamp(max=20.0))

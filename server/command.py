@@ -27,13 +27,15 @@ def serve(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on "
                                                              "CPU, bfloat16 on GPU)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096)."),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="Plan to run by (default: the model's own, if any)."),
+    no_plan: bool = typer.Option(False, "--no-plan", help="Ignore any plan: serve the dense model."),
     model_name: Optional[str] = typer.Option(None, "--model-name",
                                              help="Model id in /v1/models (default: the model file or folder name)."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn
 
-    from hotcold.models.loader import default_model_path, load_model, resolve_device, resolve_dtype
+    from hotcold.models.loader import default_model_path, resolve_device, resolve_dtype
     from hotcold.server.app import create_app
     from hotcold.server.engine import Engine
 
@@ -46,7 +48,7 @@ def serve(
 
     _log_to_console()
     log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
-    engine = Engine(lambda: load_model(path, device, dtype), max_concurrency, ctx)
+    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype), max_concurrency, ctx)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
                                            log_level="info", timeout_graceful_shutdown=5))
     engine.start(on_fatal=lambda: setattr(server, "should_exit", True))
@@ -56,6 +58,16 @@ def serve(
         engine.close()
     if engine.load_error:
         raise HotcoldError(engine.load_error)
+
+
+def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype):
+    """The model per its plan (hybrid) or dense, saying which in the log."""
+    from hotcold.executors.from_plan import open_for_run
+
+    setup = open_for_run(path, plan, not no_plan, device, dtype)
+    for note in setup.notes:
+        log.info("%s", note)
+    return setup.lm
 
 
 def _log_to_console() -> None:

@@ -1,0 +1,71 @@
+"""Open a model the way `hotcold run`/`serve` use it: per its plan and predictors when they exist,
+dense otherwise, saying which (never a silent fallback)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hotcold.models.loader import LoadedModel, describe_model, load_model, resolve_device, resolve_dtype
+
+
+@dataclass
+class RunSetup:
+    lm: LoadedModel
+    engine: object | None = None  # HybridEngine when the model runs split
+    plan: object | None = None  # planner.plan.Plan
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def predicted_ms_per_token(self) -> float | None:
+        if self.plan is None:
+            return None
+        return 1000 * self.plan.meta["predicted"]["time_per_token_s"]
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
+                 dtype: str | None = None, threads: int | None = None, stats: bool = False) -> RunSetup:
+    """Load `path` per its plan (`plan` names one; otherwise the model's own, if any)."""
+    from hotcold.planner.plan import find_plan, load_plan
+
+    info = describe_model(path)
+    plan_path = find_plan(info.path, info.fingerprint, plan) if use_plan else None
+    if plan_path is None:
+        note = ("no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
+                "split it between GPU and CPU)") if use_plan else "--no-plan: running dense"
+        return RunSetup(load_model(path, device, dtype), notes=[note])
+    p = load_plan(plan_path, info.fingerprint)
+    dev = resolve_device(device)
+    if p.mode == "gpu":
+        setup = RunSetup(load_model(path, device, dtype), plan=p, notes=[f"plan {plan_path}: the whole model on the GPU"])
+        return setup
+    notes = [f"plan {plan_path}: {p.mode}, predicted {p.meta['predicted']['tokens_per_s']:.1f} tok/s"]
+    if dev.type == "cuda" and p.mode == "cpu":
+        notes.append("the plan is all-CPU; running it on the CPU")
+        dev = torch.device("cpu")
+    if p.mode == "hybrid" and dev.type != "cuda":
+        notes.append("the plan splits between GPU and CPU but no CUDA GPU is in use: the CPU is the fast tier")
+    dt = resolve_dtype(dtype, dev)
+    # Load on the host in the compute dtype; make_hybrid moves the fast tier's part to the device.
+    lm = load_model(path, "cpu", str(dt).removeprefix("torch."))
+    from hotcold.executors.engine import make_hybrid
+    from hotcold.models.layers import DenseFFN, GatedFFN
+    from hotcold.predictors.artifact import find_predictors, load_predictors
+
+    split_layers = [l for l, b in enumerate(lm.model.layers) if isinstance(b.ffn, (DenseFFN, GatedFFN))]
+    hot = {l: torch.from_numpy(p.gpu_neurons[l]) for l in split_layers if p.mode == "hybrid" and l in p.gpu_neurons}
+    pred_path = find_predictors(lm.path, lm.fingerprint)
+    preds = load_predictors(pred_path, lm.fingerprint) if pred_path is not None else None
+    if preds is None:
+        notes.append("no predictors for this model: every cold neuron is computed (run `hotcold profile MODEL`)")
+    if not all(p.attention_gpu) and p.mode == "hybrid":
+        notes.append("attention placement from the plan is not applied yet: attention runs on the fast tier")
+    cpu_dtype = {torch.float16: "f16", torch.float32: "bf16"}.get(dt, "bf16")
+    engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats)
+    return RunSetup(lm, engine, p, notes)
