@@ -37,9 +37,9 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     info = describe_model(path)
     plan_path = find_plan(info.path, info.fingerprint, plan) if use_plan else None
     if plan_path is None:
-        note = ("no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
-                "split it between GPU and CPU)") if use_plan else "--no-plan: running dense"
-        return RunSetup(load_model(path, device, dtype), notes=[note])
+        notes = ["no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
+                 "split it between GPU and CPU)"] if use_plan else []
+        return RunSetup(load_model(path, device, dtype), notes=notes)
     p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
     if p.mode == "gpu":

@@ -131,9 +131,11 @@ def run(
             if prompt is None:
                 if as_json:
                     raise HotcoldError("--json needs --prompt")
+                _announce(setup)
                 _interactive(gen, params, max_tokens, seed, stop, system)
                 return
-            _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped)
+            _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped,
+                      lambda: _announce(setup))
         if stats:
             _print_stats(setup, gen.stats)
     finally:
@@ -153,9 +155,13 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
         raise HotcoldError("--plan cannot be combined with --no-plan or --sparse")
     setup = open_for_run(model if model is not None else default_model_path(), plan, not dense, device, dtype,
                          threads, stats)
+    return setup
+
+
+def _announce(setup) -> None:
+    """How the model runs (plan or dense), on stderr, once the request is known to be valid."""
     for note in setup.notes:
         print(f"note: {note}", file=sys.stderr)
-    return setup
 
 
 def _print_stats(setup, gen_stats) -> None:
@@ -173,7 +179,8 @@ def _print_stats(setup, gen_stats) -> None:
     print(line, file=sys.stderr)
 
 
-def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped) -> None:
+def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped,
+              announce=lambda: None) -> None:
     """One completion of --prompt, streamed (or as one JSON object)."""
     lm = gen.lm
     tok = lm.tokenizer
@@ -183,7 +190,9 @@ def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_
     else:
         ids = tok.encode(prompt)
     text = []
-    for event in gen.generate(ids, max_tokens, params, stop=stop, seed=seed, ignore_eos=ignore_eos):
+    for i, event in enumerate(gen.generate(ids, max_tokens, params, stop=stop, seed=seed, ignore_eos=ignore_eos)):
+        if i == 0:
+            announce()
         text.append(event.text)
         if not as_json:
             print(event.text, end="", flush=True)
