@@ -66,9 +66,9 @@ def atomic_path(dest: Path) -> Iterator[Path]:
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; artifacts are ordinary files
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp (and some writers) make 0600; artifacts are ordinary files
         os.replace(tmp, dest)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -102,7 +102,9 @@ def shard_files(folder: Path) -> list[Path]:
             if not f.is_file():
                 raise ModelFileError(f"{f}: shard named in {index.name} is missing; re-download the model")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    # hotcold's own artifacts are not weights, should someone write them into the model folder
+    ours = {"profile.safetensors", "predictors.safetensors", "plan.safetensors"}
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name not in ours)
     if not files:
         raise ModelFileError(f"{folder}: no *.safetensors files (pytorch .bin checkpoints are not supported)")
     return files

@@ -111,7 +111,7 @@ def main() -> None:
     models = args.models or default_models(args.work)
     rows = []
     for m in models:
-        art = args.work / (m.stem if m.is_file() else m.name)
+        art = args.work / f"{m.stem if m.is_file() else m.name}.artifacts"
         ensure_profile(m, art, args.tokens, args.threads)
         rows.append(evaluate(m, art, args.eval_tokens, args.ctx))
     head = (f"{'model':<32} {'mode':<9} {'sparsity':>8} {'ppl dense':>10} {'oracle':>14} {'predictor':>14} "
