@@ -124,8 +124,10 @@ class Attention(nn.Module):
             self.k_norm = make_norm(c, c.head_dim)
         self.rotary = None if c.model_type == "opt" else Rotary(c.head_dim, *c.rope_for_layer(layer))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple | None) -> torch.Tensor:
-        # x: [B, T, D]; positions: [T] absolute; cache_kv: (k_buf, v_buf) each [B, Hkv, S_max, Dh] or None
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple | None,
+                start: int | None = None) -> torch.Tensor:
+        # x: [B, T, D]; positions: [T] absolute, starting at `start` (given as an int, it saves a
+        # device sync per layer); cache_kv: (k_buf, v_buf) each [B, Hkv, S_max, Dh] or None
         B, T, _ = x.shape
         q = self.q(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k(x).view(B, T, self.n_kv, self.head_dim)
@@ -138,7 +140,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, Dh]
         if cache_kv is not None:
             k_buf, v_buf = cache_kv
-            start = int(positions[0])
+            start = int(positions[0]) if start is None else start
             k_buf[:, :, start : start + T] = k
             v_buf[:, :, start : start + T] = v
             k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]

@@ -39,12 +39,12 @@ class Block(nn.Module):
             self.post_ffn_norm = make_norm(config)
         self.pre_norm = getattr(config, "pre_norm", True)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D]
         if not self.pre_norm:  # OPT-350m style: norm after the residual add
-            x = self.attn_norm(x + self.attn(x, positions, cache_kv))
+            x = self.attn_norm(x + self.attn(x, positions, cache_kv, start))
             return self.ffn_norm(x + self.ffn(x))
-        h = self.attn(self.attn_norm(x), positions, cache_kv)
+        h = self.attn(self.attn_norm(x), positions, cache_kv, start)
         if self.sandwich:
             h = self.post_attn_norm(h)
         x = x + h
@@ -106,7 +106,7 @@ class Transformer(nn.Module):
         positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
         x = self.embed_tokens(tokens, positions)
         for i, block in enumerate(self.layers):
-            x = block(x, positions, cache.layers[i] if cache is not None else None)
+            x = block(x, positions, cache.layers[i] if cache is not None else None, start_pos)
         if last_only:
             x = x[:, -1:]
         return self.head(x)
