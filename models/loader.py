@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from hotcold.errors import HotcoldError, ModelFileError
 from hotcold.models.config import ModelConfig, config_from_hf
 from hotcold.models.layers import Rotary
 from hotcold.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from hotcold.models.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
