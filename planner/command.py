@@ -84,7 +84,8 @@ def plan(
     from hotcold.artifacts import artifact_dir
     from hotcold.models.loader import default_model_path, describe_model
     from hotcold.planner.costs import Constants, weight_format
-    from hotcold.planner.inputs import find_profile, read_profile, uniform_stats
+    from hotcold.planner.inputs import read_profile, uniform_stats
+    from hotcold.profiler.artifact import find_profile
     from hotcold.planner.make import PlanRequest, make_plan, plan_json, plan_tensors
     from hotcold.planner.plan import write_plan
     from hotcold.planner.probe import load_hardware

@@ -56,8 +56,9 @@ def load_predictors(path: Path, fingerprint: str | None = None) -> PredictorSet:
         with safe_open(path, "pt") as f:
             header = f.metadata() or {}
             tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{path}: unreadable predictors file ({e}); re-run `hotcold profile`") from None
+    except Exception as e:  # OSError and safetensors' own error type for truncated files
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArtifactError(f"{path}: unreadable predictors file ({reason}); re-run `hotcold profile`") from None
     if header.get("format") != FORMAT:
         raise ArtifactError(f"{path}: predictors format {header.get('format')} is not {FORMAT}; re-run `hotcold profile`")
     if fingerprint is not None:

@@ -104,8 +104,9 @@ def load_profile(path: Path, fingerprint: str | None = None) -> Profile:
             tensors = {n: f.get_tensor(n) for n in names if "sample" not in n and "lookahead" not in n}
     except FileNotFoundError:
         raise ArtifactError(f"{meta_path}: missing beside {path.name}; re-run `hotcold profile`") from None
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{path}: unreadable profile ({e}); re-run `hotcold profile`") from None
+    except Exception as e:  # OSError, JSON errors, and safetensors' own error type for truncated files
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArtifactError(f"{path}: unreadable profile ({reason}); re-run `hotcold profile`") from None
     if header.get("format") != FORMAT:
         raise ArtifactError(f"{path}: profile format {header.get('format')} is not {FORMAT}; re-run `hotcold profile`")
     if fingerprint is not None:

@@ -248,3 +248,12 @@ def test_jsonl_data(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "alpha"}\n\n{"text": "beta", "id": 2}\n')
     assert read_source(path).text == "alpha\n\nbeta"
+
+
+def test_truncated_profile_is_a_clear_error(tiny, tmp_path):
+    lm, cal, tensors, meta = _profile(tiny("llama_relu"))
+    write_profile(tmp_path, tensors, meta)
+    path = tmp_path / "profile.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ArtifactError, match="unreadable profile"):
+        load_profile(path, lm.fingerprint)
