@@ -320,14 +320,14 @@ def hotcold_options(args: list[str], device: str, dtype: str | None) -> argparse
     p = argparse.ArgumentParser(prog="hotcold variant", add_help=False, exit_on_error=False)
     p.add_argument("--device", default=device)
     p.add_argument("--dtype", default=dtype)
-    # RUNTIME HOOK: e.g. p.add_argument("--plan"), p.add_argument("--dense", action="store_true"),
-    # then read them in run_hotcold().
+    p.add_argument("--plan", default=None)  # plan.safetensors or its folder (default: the model's own)
+    p.add_argument("--no-plan", action="store_true")  # the dense reference engine
     try:
         ns, extra = p.parse_known_args(args)
     except argparse.ArgumentError as e:
         raise BenchError(f"hotcold options {shlex.join(args)!r}: {e}") from None
     if extra:
-        raise BenchError(f"hotcold options: unknown {shlex.join(extra)!r} (known: --device, --dtype)")
+        raise BenchError(f"hotcold options: unknown {shlex.join(extra)!r} (known: --device, --dtype, --plan, --no-plan)")
     return ns
 
 
@@ -417,25 +417,24 @@ def _torch_vram(torch, device) -> int | None:
 
 def run_hotcold(spec: dict) -> dict:
     torch = _torch_setup(spec)
+    from hotcold.executors.from_plan import open_for_run
     from hotcold.models.generate import Generator
-    from hotcold.models.loader import load_model
     from hotcold.models.sampling import SamplingParams
 
     opts = hotcold_options(spec["args"], spec["device"], spec["dtype"])
     ids, n = spec["prompt_ids"], spec["tokens"]
     notes = []
     t = time.perf_counter()
-    lm = load_model(spec["model"]["hotcold"], opts.device, opts.dtype)
+    # As `hotcold run` does: by the model's plan (hybrid engine) when there is one, else dense.
+    setup = open_for_run(Path(spec["model"]["hotcold"]), opts.plan, not opts.no_plan, opts.device, opts.dtype,
+                         threads=spec["threads"])
+    lm = setup.lm
     if lm.device.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t
-    # RUNTIME HOOK: once hotcold's runtime places a model by its plan (hot rows on the GPU, cold on
-    # the CPU), build that engine here instead of the dense reference, per the options above.
-    plan = _find_plan(lm)
-    if plan is not None:
-        notes.append(f"a plan exists ({plan}) but this bench runs hotcold's dense reference on {lm.device}")
-    elif spec.get("vram_bytes"):
-        notes.append(f"hotcold has no VRAM budget path yet: loaded dense on {lm.device}")
+    notes += setup.notes
+    if setup.plan is None and spec.get("vram_bytes"):
+        notes.append(f"no plan: hotcold ran dense on {lm.device}, not within --vram")
     greedy = SamplingParams(temperature=0)
     ctx = len(ids) + n + 8
     t = time.perf_counter()
@@ -450,6 +449,7 @@ def run_hotcold(spec: dict) -> dict:
     s = gen.stats
     assert s.cached_prompt_tokens == 0, "prefill reused a cache"
     ttft = s.ttft_s
+    setup.close()
     return {
         "load_s": load_s, "warmup_s": warmup_s, "ttft_s": ttft,
         "prefill_tok_per_s": s.prompt_tokens / ttft if ttft > 0 else None,
@@ -459,16 +459,6 @@ def run_hotcold(spec: dict) -> dict:
         "torch_vram_bytes": _torch_vram(torch, lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
         "device": str(lm.device), "notes": notes,
     }
-
-
-def _find_plan(lm) -> Path | None:
-    try:
-        from hotcold.artifacts import find_artifact_dir
-
-        d = find_artifact_dir(lm.path, lm.fingerprint)
-    except Exception:  # the artifact API moved: no note rather than no benchmark
-        return None
-    return d / "plan.json" if d is not None and (d / "plan.json").is_file() else None
 
 
 def run_llama_cpp(spec: dict) -> dict:
