@@ -1,6 +1,6 @@
 """The whole user workflow on a small random ReLU llama, through the CLI: profile -> probe -> plan -> run.
 
-    python tools/workflow_smoke.py [--device cuda] [--vram 64MiB] [--work DIR]
+    python tools/workflow_smoke.py [--device cuda] [--vram 64MiB] [--hidden 256 --ffn 1024 --layers 4] [--work DIR]
 
 For checking a machine (e.g. the GPU host) end to end without any model download: the model is
 made with transformers and a tokenizer trained on Python's documentation. Exits non-zero at the
@@ -19,15 +19,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
-def make(folder: Path) -> Path:
+def make(folder: Path, hidden: int, ffn: int, layers: int) -> Path:
     import torch
     import transformers as T
     from tiny_models import add_tiny_tokenizer
 
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
-        cfg = T.LlamaConfig(vocab_size=160, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, hidden_act="relu",
+        cfg = T.LlamaConfig(vocab_size=160, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                            num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                            hidden_act="relu",
                             max_position_embeddings=1024, initializer_range=0.05)
         T.LlamaForCausalLM(cfg).save_pretrained(folder)
     return add_tiny_tokenizer(folder)
@@ -47,9 +48,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--vram", default="64MiB")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--work", type=Path, default=Path(tempfile.mkdtemp(prefix="hotcold-smoke-")))
     args = ap.parse_args()
-    model = make(args.work / "relu-llama")
+    model = make(args.work / "relu-llama", args.hidden, args.ffn, args.layers)
     step("profile", str(model), "--tokens", "8192", "--seq-len", "256", "--samples", "1024", "--device", args.device)
     step("probe", "--quick")
     step("plan", str(model), "--vram", args.vram, "--workspace", "1MiB", "--explain")
