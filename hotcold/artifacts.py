@@ -76,6 +76,36 @@ def atomic_path(dest: Path) -> Iterator[Path]:
         raise
 
 
+def read_artifact(path: Path, name: str, fmt: str, fingerprint: str | None, remedy: str,
+                  meta_path: Path | None = None, framework: str = "pt", keep=None) -> tuple[dict, dict, dict | None]:
+    """Read a safetensors artifact (and the JSON beside it, when `meta_path` is given):
+    (header metadata, tensors, JSON or None). Unreadable files, another format version, or another
+    model's fingerprint (when `fingerprint` is given) are one-line ArtifactErrors ending in `remedy`."""
+    import json
+
+    from safetensors import safe_open
+
+    meta = None
+    try:
+        if meta_path is not None:
+            meta = json.loads(Path(meta_path).read_text())
+        with safe_open(str(path), framework) as f:
+            header = f.metadata() or {}
+            tensors = {n: f.get_tensor(n) for n in f.keys() if keep is None or keep(n)}
+    except FileNotFoundError:
+        raise ArtifactError(f"{meta_path}: missing beside {Path(path).name}; {remedy}") from None
+    except Exception as e:  # OSError, JSON errors, and safetensors' own error type for truncated files
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArtifactError(f"{path}: unreadable {name} file ({reason}); {remedy}") from None
+    if header.get("format") != fmt:
+        raise ArtifactError(f"{path}: {name} format {header.get('format')} is not {fmt}; {remedy}")
+    if fingerprint is not None:
+        check_fingerprint(header.get("fingerprint"), fingerprint, Path(path))
+        if meta is not None:
+            check_fingerprint(meta.get("fingerprint"), fingerprint, Path(meta_path))
+    return header, tensors, meta
+
+
 def check_fingerprint(found: str | None, expected: str, what: Path) -> None:
     """Refuse an artifact whose recorded fingerprint is not this model's."""
     if found != expected:

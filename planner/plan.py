@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hotcold.artifacts import ArtifactError, atomic_path, check_fingerprint, find_artifact_dir
+from hotcold.artifacts import ArtifactError, atomic_path, find_artifact_dir, read_artifact
 
 FORMAT = "1"
 PLAN_JSON = "plan.json"
@@ -79,29 +79,13 @@ def find_plan(model_path: Path, fingerprint: str, given: Path | None = None) -> 
 
 def load_plan(path: Path, fingerprint: str | None = None) -> Plan:
     """Read plan.safetensors (+ plan.json beside it); refuse a plan made for another model."""
-    from safetensors import safe_open
-
     path = Path(path)
     if path.is_dir():
         path = path / PLAN_TENSORS
     if not path.is_file():
         raise ArtifactError(f"{path}: no plan here; run `hotcold plan MODEL --vram SIZE` first")
-    meta_path = path.with_name(PLAN_JSON)
-    try:
-        meta = json.loads(meta_path.read_text())
-        with safe_open(str(path), "np") as f:
-            header = f.metadata() or {}
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except FileNotFoundError:
-        raise ArtifactError(f"{meta_path}: missing beside {path.name}; re-run `hotcold plan`") from None
-    except Exception as e:
-        raise ArtifactError(f"{path}: unreadable plan ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                            "re-run `hotcold plan`") from None
-    if header.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: plan format {header.get('format')} is not {FORMAT}; re-run `hotcold plan`")
-    if fingerprint is not None:
-        check_fingerprint(header.get("fingerprint"), fingerprint, path)
-        check_fingerprint(meta.get("fingerprint"), fingerprint, meta_path)
+    header, tensors, meta = read_artifact(path, "plan", FORMAT, fingerprint, "re-run `hotcold plan`",
+                                          meta_path=path.with_name(PLAN_JSON), framework="np")
     plan = Plan(path=path, meta=meta, fingerprint=header.get("fingerprint", ""), mode=header.get("mode", meta.get("mode")),
                 attention_gpu=tensors["attention_gpu"].astype(bool), predictor_gpu=tensors["predictor_gpu"].astype(bool),
                 lm_head_gpu=bool(tensors["lm_head_gpu"][0]), gpu_count=tensors["gpu_count"].astype(np.int64))

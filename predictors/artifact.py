@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hotcold.artifacts import ArtifactError, atomic_path, check_fingerprint, find_artifact_dir
+from hotcold.artifacts import ArtifactError, atomic_path, find_artifact_dir, read_artifact
 from hotcold.predictors.neurons import NeuronPredictor
 
 FORMAT = "1"
@@ -52,17 +51,7 @@ def load_predictors(path: Path, fingerprint: str | None = None) -> PredictorSet:
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: no predictors here; run `hotcold profile MODEL` (without --no-predictors)")
-    try:
-        with safe_open(path, "pt") as f:
-            header = f.metadata() or {}
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except Exception as e:  # OSError and safetensors' own error type for truncated files
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ArtifactError(f"{path}: unreadable predictors file ({reason}); re-run `hotcold profile`") from None
-    if header.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: predictors format {header.get('format')} is not {FORMAT}; re-run `hotcold profile`")
-    if fingerprint is not None:
-        check_fingerprint(header.get("fingerprint"), fingerprint, path)
+    header, tensors, _ = read_artifact(path, "predictors", FORMAT, fingerprint, "re-run `hotcold profile`")
     preds = PredictorSet(header["fingerprint"])
     layers = sorted({int(n.split(".")[1]) for n in tensors if n.startswith("layers.")})
     for l in layers:

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hotcold.artifacts import ArtifactError, atomic_path, check_fingerprint, find_artifact_dir
+from hotcold.artifacts import ArtifactError, atomic_path, find_artifact_dir, read_artifact
 
 FORMAT = "1"
 
@@ -95,22 +95,9 @@ def load_profile(path: Path, fingerprint: str | None = None) -> Profile:
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: no profile here; run `hotcold profile MODEL` first")
-    meta_path = path.with_suffix(".json")
-    try:
-        meta = json.loads(meta_path.read_text())
-        with safe_open(path, "pt") as f:
-            header = f.metadata() or {}
-            names = list(f.keys())
-            tensors = {n: f.get_tensor(n) for n in names if "sample" not in n and "lookahead" not in n}
-    except FileNotFoundError:
-        raise ArtifactError(f"{meta_path}: missing beside {path.name}; re-run `hotcold profile`") from None
-    except Exception as e:  # OSError, JSON errors, and safetensors' own error type for truncated files
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ArtifactError(f"{path}: unreadable profile ({reason}); re-run `hotcold profile`") from None
-    if header.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: profile format {header.get('format')} is not {FORMAT}; re-run `hotcold profile`")
-    if fingerprint is not None:
-        check_fingerprint(header.get("fingerprint"), fingerprint, path)
+    header, tensors, meta = read_artifact(path, "profile", FORMAT, fingerprint, "re-run `hotcold profile`",
+                                          meta_path=path.with_suffix(".json"),
+                                          keep=lambda n: "sample" not in n and "lookahead" not in n)
     prof = Profile(path, meta)
     for name, t in tensors.items():
         _, layer, what = name.split(".", 2)
