@@ -32,7 +32,8 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
     c = lm.config
     dense_layers = [l for l in range(c.num_layers) if c.ffn_kind(l) != "moe" and l in profile.neuron_freq]
     rows = {r["layer"]: r for r in profile.meta["layers"]}
-    budget_params = int(budget * sum(ffn_params(c, l) for l in dense_layers))
+    dense_ffn_params = sum(ffn_params(c, l) for l in dense_layers)
+    budget_params = int(budget * dense_ffn_params)
     ranks = choose_ranks(c.hidden_size, [c.intermediate_size] * len(dense_layers),
                          [1 - rows[l]["sparsity"] for l in dense_layers],
                          [rows[l]["mass80"] or 1.0 for l in dense_layers], budget_params)
@@ -67,7 +68,7 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
         "recall_target": recall,
         "budget_fraction": budget,
         "total_params": total,
-        "ffn_params_fraction": round(total / max(1, sum(ffn_params(c, l) for l in dense_layers)), 4),
+        "ffn_params_fraction": round(total / max(1, dense_ffn_params), 4),
         "cpu_ms_per_token": round(1000 * cpu_time_per_token(preds.neurons, c.hidden_size), 3) if preds.neurons else 0,
         "layers": layer_metrics,
         "lookahead": lookahead,
