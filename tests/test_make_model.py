@@ -229,6 +229,35 @@ def test_planted_target_changes_the_model(planted):
         assert rb["mass80"] > ra["mass80"] + 0.12
 
 
+def _top_energy(folder: Path, k: int) -> float:
+    """Share of layer 0's W_gate energy (constant channel left out) in its top k singular directions."""
+    from safetensors import safe_open
+
+    with safe_open(str(next((folder / "hf").glob("*.safetensors"))), "pt") as f:
+        w = f.get_tensor("model.layers.0.mlp.gate_proj.weight").float()
+    w[:, json.loads((folder / "make_model.json").read_text())["constant_channel"]] = 0
+    s2 = torch.linalg.svdvals(w).pow(2)
+    return float(s2[:k].sum() / s2.sum())
+
+
+def test_gate_rows_share_a_low_rank_subspace(tmp_path):
+    """--gate-rank k (default hidden/16): the gate rows' top k directions carry 1 - gate_noise of their
+    energy, which is what lets a low-rank predictor anticipate firing; --gate-rank 0 spreads it."""
+    kw = dict(hidden=256, ffn=2048, heads=8, kv_heads=4, formats=("hf",))
+    low = make(tmp_path, "tiny-llama", "low", **kw)
+    iso = make(tmp_path, "tiny-llama", "iso", gate_rank=0, **kw)
+    noisy = make(tmp_path, "tiny-llama", "noisy", gate_noise=0.3, **kw)
+    assert json.loads((low / "make_model.json").read_text())["gate_rank"] == 16
+    assert _top_energy(low, 16) > 0.95
+    assert 0.6 < _top_energy(noisy, 16) < 0.8
+    assert _top_energy(iso, 16) < 0.2
+    rows = mm.check(low / "hf", layers=2, quiet=True, targets={"sparsity": 0.89, "mass80": 0.2})
+    for r in rows:  # the planted statistics do not depend on the construction
+        assert abs(r["sparsity"] - 0.89) < 0.03 and abs(r["mass80"] - r["target_mass80"]) < 0.07, r
+    with pytest.raises(mm.MakeModelError, match="gate-rank"):
+        make(tmp_path, "tiny-llama", "bad", gate_rank=1000, **kw)
+
+
 def test_planted_opt_biases(models):
     rows = mm.check(models["tiny-opt"] / "hf", quiet=True, targets={"sparsity": 0.89, "mass80": 0.2})
     for r in rows:
