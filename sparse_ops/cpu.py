@@ -122,30 +122,135 @@ def _rows_in_range(rows, n):
     return True
 
 
+_BLOCK = 8  # rows read side by side by one thread: 8 memory streams in flight instead of 1
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _dot_block(w, s, rows, j0, x, out):
+    # out[j0 + i] = w[rows[j0 + i]] · x * s[...] for i < 8 (8 rows streamed together)
+    w0, w1, w2, w3 = w[rows[j0]], w[rows[j0 + 1]], w[rows[j0 + 2]], w[rows[j0 + 3]]
+    w4, w5, w6, w7 = w[rows[j0 + 4]], w[rows[j0 + 5]], w[rows[j0 + 6]], w[rows[j0 + 7]]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    for d in range(x.shape[0]):
+        xd = x[d]
+        a0 += _widen(w0[d]) * xd
+        a1 += _widen(w1[d]) * xd
+        a2 += _widen(w2[d]) * xd
+        a3 += _widen(w3[d]) * xd
+        a4 += _widen(w4[d]) * xd
+        a5 += _widen(w5[d]) * xd
+        a6 += _widen(w6[d]) * xd
+        a7 += _widen(w7[d]) * xd
+    out[j0] = a0 * s[rows[j0]]
+    out[j0 + 1] = a1 * s[rows[j0 + 1]]
+    out[j0 + 2] = a2 * s[rows[j0 + 2]]
+    out[j0 + 3] = a3 * s[rows[j0 + 3]]
+    out[j0 + 4] = a4 * s[rows[j0 + 4]]
+    out[j0 + 5] = a5 * s[rows[j0 + 5]]
+    out[j0 + 6] = a6 * s[rows[j0 + 6]]
+    out[j0 + 7] = a7 * s[rows[j0 + 7]]
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _axpy_block(w, rows, j0, a, p):
+    # p[D] += sum_i a[j0 + i] * w[rows[j0 + i]] for i < 8 (a already holds the row scales)
+    w0, w1, w2, w3 = w[rows[j0]], w[rows[j0 + 1]], w[rows[j0 + 2]], w[rows[j0 + 3]]
+    w4, w5, w6, w7 = w[rows[j0 + 4]], w[rows[j0 + 5]], w[rows[j0 + 6]], w[rows[j0 + 7]]
+    c0, c1, c2, c3 = a[j0], a[j0 + 1], a[j0 + 2], a[j0 + 3]
+    c4, c5, c6, c7 = a[j0 + 4], a[j0 + 5], a[j0 + 6], a[j0 + 7]
+    for d in range(p.shape[0]):
+        p[d] += (c0 * _widen(w0[d]) + c1 * _widen(w1[d]) + c2 * _widen(w2[d]) + c3 * _widen(w3[d])
+                 + c4 * _widen(w4[d]) + c5 * _widen(w5[d]) + c6 * _widen(w6[d]) + c7 * _widen(w7[d]))
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _gemv_span(w, s, rows, lo, hi, x, out):
+    # out[j] = w[rows[j]] · x * s[rows[j]] for j in [lo, hi): blocks of 8, then the rest one by one
+    j = lo
+    while j + _BLOCK <= hi:
+        _dot_block(w, s, rows, j, x, out)
+        j += _BLOCK
+    while j < hi:
+        out[j] = _dot(w[rows[j]], x) * s[rows[j]]
+        j += 1
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _axpy_span(w, rows, lo, hi, a, p):
+    # p += sum_{j in [lo, hi)} a[j] * w[rows[j]]
+    j = lo
+    while j + _BLOCK <= hi:
+        _axpy_block(w, rows, j, a, p)
+        j += _BLOCK
+    while j < hi:
+        c = a[j]
+        if c != 0.0:
+            wr = w[rows[j]]
+            for d in range(p.shape[0]):
+                p[d] += c * _widen(wr[d])
+        j += 1
+
+
 @njit(**_JIT)
 def _gemv_rows_kernel(w, s, rows, x, out):
-    # w: [N, D], rows: [K], x: [D], out: [K] (overwritten)
-    for j in prange(rows.shape[0]):
-        r = rows[j]
-        out[j] = _dot(w[r], x) * s[r]
+    # w: [N, D], rows: [K], x: [D], out: [K] (overwritten); each thread takes whole blocks of 8
+    K = rows.shape[0]
+    nb = (K + _BLOCK - 1) // _BLOCK
+    for b in prange(nb):
+        _gemv_span(w, s, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, out)
 
 
 @njit(**_JIT)
 def _axpy_rows_kernel(w, s, rows, coeff, nt, out):
     # out[D] += sum_j coeff[j] * w[rows[j]]: nt chunks of rows, per-chunk partial sums, then a reduction
     K, D = rows.shape[0], w.shape[1]
-    part = np.empty((nt, D), np.float32)
+    a = np.empty(K, np.float32)
+    for j in range(K):
+        a[j] = coeff[j] * s[rows[j]]
+    part = np.zeros((nt, D), np.float32)
     for c in prange(nt):
-        p = part[c]
-        for d in range(D):
-            p[d] = 0.0
-        for j in range(c * K // nt, (c + 1) * K // nt):
-            r = rows[j]
-            a = coeff[j] * s[r]
-            if a != 0.0:
-                wr = w[r]
-                for d in range(D):
-                    p[d] += a * _widen(wr[d])
+        _axpy_span(w, rows, c * K // nt, (c + 1) * K // nt, a, part[c])
+    for d in prange(D):
+        acc = np.float32(0.0)
+        for c in range(nt):
+            acc += part[c, d]
+        out[d] += acc
+
+
+@njit(**_JIT)
+def _ffn_one_kernel(x, rows, up, us, gate, gs, bias, down, ds, act, gated, use_bias, nt, out):
+    # One token, in phases that each stream blocks of 8 rows: (1) the gate (or up + bias) of every
+    # selected row, (2) keep the rows whose activation is not exactly 0, (3) gated: their up rows,
+    # (4) the down rows of those, weighted, summed per thread and reduced into out [D] (+=).
+    K, D = rows.shape[0], x.shape[0]
+    nb = (K + _BLOCK - 1) // _BLOCK
+    z = np.empty(K, np.float32)
+    f, fs = (gate, gs) if gated else (up, us)
+    for b in prange(nb):
+        _gemv_span(f, fs, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, z)
+    keep = np.empty(K, np.int64)
+    h = np.empty(K, np.float32)
+    n = 0
+    for j in range(K):
+        v = z[j] + bias[rows[j]] if use_bias else z[j]
+        a = _act(v, act)
+        if a != 0.0:
+            keep[n] = rows[j]
+            h[n] = a
+            n += 1
+    keep, h = keep[:n], h[:n]
+    if gated:
+        u = np.empty(n, np.float32)
+        nb2 = (n + _BLOCK - 1) // _BLOCK
+        for b in prange(nb2):
+            _gemv_span(up, us, keep, b * _BLOCK, min(n, (b + 1) * _BLOCK), x, u)
+        for j in range(n):
+            h[j] *= u[j]
+    for j in range(n):
+        h[j] *= ds[keep[j]]
+    part = np.zeros((nt, D), np.float32)
+    for c in prange(nt):
+        _axpy_span(down, keep, c * n // nt, (c + 1) * n // nt, h, part[c])
     for d in prange(D):
         acc = np.float32(0.0)
         for c in range(nt):
@@ -381,6 +486,11 @@ def ffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: Host
         return out
     bias = _NO_BIAS if (up_bias is None or gate is not None) else _as_f32(up_bias, (n,), "up_bias")
     g = gate if gate is not None else up  # same storage type: gated and ungated share one compilation
+    if T == 1:
+        _ffn_one_kernel(X[0], rows, up._w, up._s, g._w, g._s, bias,
+                        down_t._w, down_t._s, ACTS[act], gate is not None, bias is not _NO_BIAS,
+                        min(get_threads(), k), out[0])
+        return out
     tile = max(1, min(T, _TILE_BYTES // (4 * d)))
     _ffn_rows_kernel(X, rows, up._w, up._s, g._w, g._s, bias, down_t._w, down_t._s, ACTS[act],
                      gate is not None, bias is not _NO_BIAS, min(get_threads(), k), tile, out)
