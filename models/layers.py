@@ -144,11 +144,12 @@ class Attention(nn.Module):
             k_buf[:, :, start : start + T] = k
             v_buf[:, :, start : start + T] = v
             k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
+            q = q.to(k.dtype)  # a float32 cache for a half-precision model on the CPU (see kv_dtype)
         mask = attention_mask(positions, k.shape[2], self.window)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
         )  # [B, H, T, Dh]
-        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(x.dtype))
 
 
 # ----------------------------------------------------------------------------- FFNs

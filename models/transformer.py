@@ -9,6 +9,13 @@ from hotcold.models.config import Gemma3Config, ModelConfig, OPTConfig
 from hotcold.models.layers import FFN, Attention, make_ffn, make_norm
 
 
+def kv_dtype(device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model computing in `dtype` on `device`: float32 on the CPU, where
+    half-precision attention kernels are ~10x slower than float32 ones (1.2 ms against 0.12 ms per
+    layer for 32 heads over 200 positions, 2 threads), else the model's."""
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
 class KVCache:
     """Preallocated keys and values per layer: each [B, Hkv, max_len, Dh]."""
 
