@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_threads
-from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask
+from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.prefill import REGIMES, ColdStreamer, PrefillCosts, pin_host, unpin_host
 from hotcold.executors.stats import StatsBook
@@ -127,7 +127,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         if predictors == "oracle":
             mask_fn = OracleMask(ffn, perm, act, float(thresholds.get(l, 0.0)), device, dtype)
         elif predictors is not None and l in predictors.neurons:
-            mask_fn = LearnedMask(predictors.neurons[l], perm, device)
+            mask_fn = LearnedMask(predictors.neurons[l], perm, device, predictor_dtype(dtype))
         else:
             mask_fn = None
         hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype)

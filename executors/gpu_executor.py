@@ -5,7 +5,8 @@ H + k is cold neuron k (ascending neuron index). The predictor's output rows are
 build time, so splitting a mask into its hot and cold parts is two slices, not two gathers.
 
 Mask sources (x: [N, D] -> bool [N, I], or None for "all active"):
-  LearnedMask  the layer's NeuronPredictor: w2(relu(w1 x)) > threshold, in float32 as the reference
+  LearnedMask  the layer's NeuronPredictor: w2(relu(w1 x)) > threshold, in float32 as the reference,
+               or in float16 when the fast tier computes in float16 (half the bytes per token)
   OracleMask   the true active set |h| > threshold from the full up/gate weights (tests only: it
                keeps a second copy of W_up/W_gate on the fast tier)
   None         no predictor for the layer: every neuron is computed
@@ -28,21 +29,30 @@ def _plain(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
         return t.detach().to(device, dtype or t.dtype, copy=True)
 
 
-class LearnedMask:
-    """A NeuronPredictor with output rows permuted to hot-first order; float32 on the fast tier."""
+def predictor_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a predictor runs in on a tier computing in `dtype`: float16 stays (10-bit mantissa,
+    logits within ~0.01 of float32), anything else is float32 (bfloat16's 7 bits would flip too many
+    decisions at the threshold)."""
+    return torch.float16 if dtype == torch.float16 else torch.float32
 
-    def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device):
+
+class LearnedMask:
+    """A NeuronPredictor with output rows permuted to hot-first order, on the fast tier in `dtype`
+    (see predictor_dtype; the threshold comparison is in float32)."""
+
+    def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device, dtype: torch.dtype = torch.float32):
         if pred.w2.out_features != len(perm):
             raise ValueError(f"predictor predicts {pred.w2.out_features} neurons, the FFN has {len(perm)}")
         p = perm.to(pred.w2.weight.device)
-        self.w1, self.b1 = _plain(pred.w1.weight, device), _plain(pred.w1.bias, device)
-        self.w2, self.b2 = _plain(pred.w2.weight[p], device), _plain(pred.w2.bias[p], device)
-        self.threshold = _plain(pred.threshold, device)
+        self.dtype = dtype
+        self.w1, self.b1 = _plain(pred.w1.weight, device, dtype), _plain(pred.w1.bias, device, dtype)
+        self.w2, self.b2 = _plain(pred.w2.weight[p], device, dtype), _plain(pred.w2.bias[p], device, dtype)
+        self.threshold = _plain(pred.threshold, device, torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, D] -> bool [N, I]
-        z = torch.relu(F.linear(x.float(), self.w1, self.b1))  # [N, r]
-        return F.linear(z, self.w2, self.b2) > self.threshold
+        z = torch.relu(F.linear(x.to(self.dtype), self.w1, self.b1))  # [N, r]
+        return F.linear(z, self.w2, self.b2).float() > self.threshold
 
     @property
     def nbytes(self) -> int:

@@ -23,7 +23,7 @@ def ffn_params(config, layer: int) -> int:
     return (2 if kind == "dense" else 3) * c.hidden_size * c.intermediate_size
 
 
-def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, budget: float = 0.08,
+def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, budget: float = 0.04,
                      epochs: int = 20, device: str | torch.device = "cpu",
                      progress: Callable[[str, int, int], None] | None = None) -> tuple[PredictorSet, dict]:
     """Predictors for every layer with samples in the profile. `budget`: total neuron-predictor

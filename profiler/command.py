@@ -23,13 +23,16 @@ def profile(
     ppl_budget: Optional[float] = typer.Option(None, "--ppl-budget", min=0.0001, max=1.0,
                                                help="Gated FFNs: largest sparsity whose held-out perplexity rises "
                                                     "by at most this fraction (default 0.01)."),
-    samples: int = typer.Option(4096, "--samples", min=0, help="Predictor-training samples kept per layer."),
+    samples: int = typer.Option(16384, "--samples", min=0,
+                                help="Predictor-training samples kept per layer (fewer if all layers' samples "
+                                     "would take over a quarter of the free RAM)."),
     heldout: int = typer.Option(2048, "--heldout-tokens", min=0, help="Held-out tokens for perplexity."),
     predictors: bool = typer.Option(True, "--predictors/--no-predictors",
                                     help="Train the activation predictors (and MoE look-ahead) after profiling."),
     recall: float = typer.Option(0.95, "--recall", min=0.5, max=1.0, help="Predictors: target recall per layer."),
-    predictor_budget: float = typer.Option(0.08, "--predictor-budget", min=0.001, max=1.0,
-                                           help="Predictors: total size as a fraction of the FFN parameters."),
+    predictor_budget: float = typer.Option(0.04, "--predictor-budget", min=0.001, max=1.0,
+                                           help="Predictors: total size as a fraction of the FFN parameters "
+                                                "(every byte of it is read per token)."),
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
@@ -60,6 +63,7 @@ def profile(
     gated = thresholded_kinds(lm)
     if not gated and (sparsity is not None or ppl_budget is not None):
         console.print("note: ReLU model: neurons are active when they fire; --sparsity/--ppl-budget do not apply")
+    samples = _sample_cap(lm, samples, console)
     opts = ProfileOptions(tokens=tokens, seq_len=seq_len, sparsity=sparsity if gated else None,
                           ppl_budget=ppl_budget if ppl_budget is not None else 0.01, samples=samples,
                           heldout_tokens=heldout if gated else 0, seed=seed)
@@ -83,6 +87,33 @@ def profile(
     for p in paths:
         print(p)
     sys.stdout.flush()
+
+
+def sample_row_bytes(config) -> int:
+    """Host bytes one reservoir row takes in every layer together (FFN input in float16 plus the packed
+    mask, or for MoE the look-ahead residual plus the next layer's experts), doubled for the copy made
+    while a reservoir is updated."""
+    total = 0
+    for l in range(config.num_layers):
+        if config.ffn_kind(l) == "moe":
+            total += 2 * config.hidden_size + 4 * config.top_k
+        else:
+            total += 2 * config.hidden_size + -(-config.intermediate_size // 8)
+    return 2 * total
+
+
+def _sample_cap(lm, samples: int, console) -> int:
+    """`samples`, lowered so that the reservoirs of all layers fit in a quarter of the free RAM."""
+    import psutil
+
+    per_row = sample_row_bytes(lm.config)
+    cap = int(psutil.virtual_memory().available // 4 // max(per_row, 1))
+    if samples > cap:
+        console.print(f"note: keeping {cap} predictor-training samples per layer instead of {samples}: "
+                      f"{samples} would take {samples * per_row / 2**30:.1f} GiB of RAM "
+                      f"(fewer samples give less precise predictors)")
+        return cap
+    return samples
 
 
 def _train_predictors(lm, paths, recall: float, budget: float, console) -> list[Path]:

@@ -26,7 +26,7 @@ class ProfileOptions:
     seq_len: int = 512
     sparsity: float | None = None  # fixed target for gated FFNs (else chosen by ppl_budget)
     ppl_budget: float = 0.01  # allowed relative perplexity rise on held-out text
-    samples: int = 4096  # reservoir size per layer for predictor training (0: none)
+    samples: int = 16384  # reservoir size per layer for predictor training (0: none)
     heldout_tokens: int = 2048  # held-out text for perplexity (gated models)
     calib_tokens: int = 8192  # tokens whose activation magnitudes set the thresholds
     magnitudes_per_layer: int = 1 << 20
