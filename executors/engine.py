@@ -17,6 +17,7 @@ from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_threads
 from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask, predictor_dtype
+from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.prefill import REGIMES, ColdStreamer, PrefillCosts, pin_host, unpin_host
 from hotcold.executors.stats import StatsBook
@@ -87,7 +88,9 @@ def _move_rest(model: nn.Module, device: torch.device, dtype: torch.dtype) -> No
 def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: PredictorSet | Literal["oracle"] | None,
                 device: str | torch.device | None = None, dtype: torch.dtype | None = None, cpu_dtype: str = "bf16",
                 threads: int | None = None, thresholds: dict[int, float] | None = None, prefill: str = "auto",
-                costs: PrefillCosts | None = None, stats: bool = True, pin_cold: bool | None = None) -> HybridEngine:
+                costs: PrefillCosts | None = None, stats: bool = True, pin_cold: bool | None = None,
+                attention_cpu: set[int] | frozenset = frozenset(),
+                predictor_cpu: set[int] | frozenset = frozenset()) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -98,6 +101,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       prompt length), "cpu" or "stream". costs: the rates prefill_regime weighs (default: H200 host).
     stats: time GPU work and transfers with CUDA events (worker times and CPU rows are always kept).
     pin_cold: page-lock cold weights for streaming (default: on CUDA unless prefill="cpu").
+    attention_cpu: layers whose attention (weights and KV cache) stays in host memory and runs on the CPU.
+    predictor_cpu: layers whose predictor runs on the CPU (float32; the mask crosses to the fast tier).
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -112,6 +117,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     layers = [i for i, b in enumerate(model.layers) if isinstance(b.ffn, (DenseFFN, GatedFFN))]
     if predictors is not None and predictors != "oracle" and not isinstance(predictors, PredictorSet):
         raise TypeError("predictors must be a PredictorSet, 'oracle' or None")
+    if any(not 0 <= l < len(model.layers) for l in attention_cpu):
+        raise ValueError(f"attention_cpu names a layer outside 0..{len(model.layers) - 1}")
     unknown = sorted(set(hot) - set(layers))
     if unknown:
         raise ValueError(f"hot neurons given for layer {unknown[0]}, which has no dense or gated FFN")
@@ -126,17 +133,28 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         perm = torch.cat([hot_idx, torch.nonzero(~is_hot).flatten()])  # hot-first order
         if predictors == "oracle":
             mask_fn = OracleMask(ffn, perm, act, float(thresholds.get(l, 0.0)), device, dtype)
-        elif predictors is not None and l in predictors.neurons:
-            mask_fn = LearnedMask(predictors.neurons[l], perm, device, predictor_dtype(dtype))
+        elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
+            on_cpu = l in predictor_cpu
+            mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device,
+                                  torch.float32 if on_cpu else predictor_dtype(dtype),
+                                  host_threads=(threads or default_threads(tier.cuda)) if on_cpu else None)
         else:
             mask_fn = None
         hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype)
         model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
         del ffn
         parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, lm.config.hidden_size), cold_part)
+    cpu_threads = threads or default_threads(tier.cuda)
+    host_attn = {l: HostAttention(model.layers[l].attn, dtype, cpu_threads) for l in sorted(attention_cpu)}
+    for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
+        model.layers[l].attn = nn.Identity()
     _move_rest(model, device, dtype)
+    for l, a in host_attn.items():
+        model.layers[l].attn = a
+    if host_attn:
+        lm.layer_devices = [torch.device("cpu") if l in host_attn else device for l in range(len(model.layers))]
 
-    cpu = CPUExecutor(threads or default_threads(tier.cuda))
+    cpu = CPUExecutor(cpu_threads)
     book = StatsBook(enabled=stats)
     colds = {l: c for l, (_, c) in parts.items() if c.n}
     streamer = ColdStreamer(tier, colds, sorted(colds)) if colds and prefill != "cpu" else None

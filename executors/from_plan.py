@@ -64,8 +64,10 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     preds = load_predictors(pred_path, lm.fingerprint) if pred_path is not None else None
     if preds is None:
         notes.append("no predictors for this model: every cold neuron is computed (run `hotcold profile MODEL`)")
-    if not all(p.attention_gpu) and p.mode == "hybrid":
-        notes.append("attention placement from the plan is not applied yet: attention runs on the fast tier")
+    # the plan's placement of attention and predictors (on a CPU tier everything is on the CPU anyway)
+    attention_cpu = {l for l, on_gpu in enumerate(p.attention_gpu) if not on_gpu} if dev.type == "cuda" else set()
+    predictor_cpu = {l for l, on_gpu in enumerate(p.predictor_gpu) if not on_gpu} if dev.type == "cuda" else set()
     cpu_dtype = {torch.float16: "f16", torch.float32: "bf16"}.get(dt, "bf16")
-    engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats)
+    engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
+                         attention_cpu=attention_cpu, predictor_cpu=predictor_cpu)
     return RunSetup(lm, engine, p, notes)

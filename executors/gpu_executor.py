@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hotcold.executors.weights import HotFFN
 from hotcold.models.layers import DenseFFN, GatedFFN
@@ -40,19 +41,28 @@ class LearnedMask:
     """A NeuronPredictor with output rows permuted to hot-first order, on the fast tier in `dtype`
     (see predictor_dtype; the threshold comparison is in float32)."""
 
-    def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device, dtype: torch.dtype = torch.float32):
+    def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device, dtype: torch.dtype = torch.float32,
+                 host_threads: int | None = None):
         if pred.w2.out_features != len(perm):
             raise ValueError(f"predictor predicts {pred.w2.out_features} neurons, the FFN has {len(perm)}")
         p = perm.to(pred.w2.weight.device)
         self.dtype = dtype
-        self.w1, self.b1 = _plain(pred.w1.weight, device, dtype), _plain(pred.w1.bias, device, dtype)
-        self.w2, self.b2 = _plain(pred.w2.weight[p], device, dtype), _plain(pred.w2.bias[p], device, dtype)
+        l1, l2 = nn.Linear(1, 1), nn.Linear(1, 1)
+        l1.weight, l1.bias = (nn.Parameter(_plain(t, device, dtype), requires_grad=False) for t in (pred.w1.weight, pred.w1.bias))
+        l2.weight, l2.bias = (nn.Parameter(_plain(t, device, dtype), requires_grad=False)
+                              for t in (pred.w2.weight[p], pred.w2.bias[p]))
+        if host_threads:  # a predictor the plan put on the CPU beside a GPU: numba's gemv, as the planner assumes
+            from hotcold.executors.host_attention import HostLinear
+
+            l1, l2 = HostLinear(l1, host_threads), HostLinear(l2, host_threads)
+        self.l1, self.l2 = l1, l2
+        self.w1, self.b1, self.w2, self.b2 = l1.weight, l1.bias, l2.weight, l2.bias
         self.threshold = _plain(pred.threshold, device, torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [N, D] -> bool [N, I]
-        z = torch.relu(F.linear(x.to(self.dtype), self.w1, self.b1))  # [N, r]
-        return F.linear(z, self.w2, self.b2).float() > self.threshold
+        # x: [N, D] -> bool [N, I], on x's device (the predictor may live on the CPU, per the plan)
+        z = torch.relu(self.l1(x.to(self.w1.device, self.dtype)))  # [N, r]
+        return (self.l2(z).float() > self.threshold).to(x.device)
 
     @property
     def nbytes(self) -> int:

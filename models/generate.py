@@ -16,7 +16,7 @@ import torch
 from hotcold.errors import ContextLengthError
 from hotcold.models.loader import LoadedModel
 from hotcold.models.sampling import SamplingParams, penalise, sample
-from hotcold.models.transformer import KVCache, kv_dtype
+from hotcold.models.transformer import KVCache
 
 PREFILL_CHUNK = 512
 
@@ -76,8 +76,8 @@ class Generator:
     def _ensure_cache(self, needed: int) -> None:
         if self.cache is None or self.cache.max_len < needed:
             size = min(self.max_context, max(needed, 256))
-            self.cache = KVCache(self.lm.config, size, device=self.lm.device,
-                                 dtype=kv_dtype(self.lm.device, self.lm.dtype))
+            self.cache = KVCache(self.lm.config, size, device=self.lm.device, dtype=self.lm.dtype,
+                                 layer_devices=self.lm.layer_devices)
             self.cached_ids = []
 
     @torch.inference_mode()

@@ -33,6 +33,7 @@ class LoadedModel:
     fingerprint: str
     device: torch.device
     dtype: torch.dtype
+    layer_devices: list | None = None  # where each layer's attention and KV cache live, if not all on device
 
     @property
     def name(self) -> str:

@@ -17,15 +17,18 @@ def kv_dtype(device, dtype: torch.dtype) -> torch.dtype:
 
 
 class KVCache:
-    """Preallocated keys and values per layer: each [B, Hkv, max_len, Dh]."""
+    """Preallocated keys and values per layer: each [B, Hkv, max_len, Dh], on `device` or, for layer l,
+    on layer_devices[l] (where that layer's attention runs); dtype per kv_dtype."""
 
-    def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32):
+    def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32,
+                 layer_devices: list | None = None):
         shape = (batch, config.num_kv_heads, max_len, config.head_dim)
         self.max_len = max_len
-        self.layers = [
-            (torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
-            for _ in range(config.num_layers)
-        ]
+        self.layers = []
+        for l in range(config.num_layers):
+            dev = layer_devices[l] if layer_devices is not None else device
+            dt = kv_dtype(dev, dtype)
+            self.layers.append((torch.empty(shape, device=dev, dtype=dt), torch.empty(shape, device=dev, dtype=dt)))
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

@@ -69,7 +69,7 @@ def tokens(n: int = T, seed: int = 0, device="cpu") -> torch.Tensor:
 
 def decode_logits(lm: LoadedModel, toks: torch.Tensor) -> torch.Tensor:
     """Logits [1, T, V] computed one token at a time through the KV cache (the decode path)."""
-    cache = KVCache(lm.config, toks.shape[1] + 1, device=lm.device, dtype=lm.dtype)
+    cache = KVCache(lm.config, toks.shape[1] + 1, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
     with torch.inference_mode():
         return torch.cat([lm.model(toks[:, i:i + 1], i, cache) for i in range(toks.shape[1])], dim=1)
 
@@ -288,6 +288,33 @@ def test_trained_predictors_match_references(folder, trained, regime):
     assert 0 < d["rows_gpu"] + d["rows_cpu"] < 3 * T * lm.config.intermediate_size
 
 
+def _placed_on_cpu(folder, family: str, device: str, dtype: str, tol: float) -> None:
+    """Attention of layer 0 and the predictor of the last layer placed on the CPU (as a plan may put
+    them) give the logits of the predictor-sparse reference; that layer's KV cache is in host memory."""
+    ref = reference(folder, family, device, dtype)
+    preds = random_predictors(ref)
+    toks = tokens(seed=16, device=device)
+    with predicted_sparse(ref.model, preds), torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, family, device, dtype)
+    last = lm.config.num_layers - 1
+    with make_hybrid(lm, random_hot(lm, 0.4, seed=17), preds, cpu_dtype="f32", threads=2,
+                     attention_cpu={0}, predictor_cpu={last}) as eng:
+        assert [d.type for d in lm.layer_devices] == ["cpu"] + [device] * last
+        assert next(lm.model.layers[0].attn.parameters()).device.type == "cpu"
+        assert eng.layers[last].gpu.mask_fn.w1.device.type == "cpu"
+        cache = KVCache(lm.config, 4, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
+        assert cache.layers[0][0].device.type == "cpu" and cache.layers[0][0].dtype == torch.float32
+        assert_close(decode_logits(lm, toks), want, tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gemma3"])
+def test_attention_and_predictor_placed_on_the_cpu(folder, family):
+    _placed_on_cpu(folder, family, "cpu", "float32", 1e-4)
+    with pytest.raises(ValueError, match="attention_cpu"):
+        make_hybrid(fresh(folder, family), {}, None, attention_cpu={99})
+
+
 def test_no_predictors_is_dense(folder):
     ref = reference(folder, "qwen2")
     lm = fresh(folder, "qwen2")
@@ -476,6 +503,13 @@ def test_cuda_predictors_and_regimes(folder, regime):
         with torch.inference_mode():
             assert_close(lm.model(toks), want_prefill, 1e-4)
         assert eng.stats()["prefill"]["regimes"] == {regime: 3}
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family", ["llama", "opt", "gemma3"])
+def test_cuda_attention_and_predictor_placed_on_the_cpu(folder, family):
+    _placed_on_cpu(folder, family, "cuda", "float32", 1e-4)
 
 
 @pytest.mark.cuda

@@ -1,0 +1,60 @@
+"""Work the plan puts on the CPU beside a GPU: a block's attention (HostAttention) and the dense
+single-token matrix-vector products it needs (HostLinear, numba's `gemv`, the kernel the planner's
+cost model assumes for CPU attention and predictors).
+
+The block's norms, residual and FFN stay where they are; only the normed input [B, T, D] crosses to
+the host and the attention output comes back (2 x D values per token, one synchronising copy each
+way). The weights and this layer's KV cache live in host memory (the cache in float32, per
+`kv_dtype`), so they take no GPU memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotcold.models.layers import Attention, Rotary
+from hotcold.sparse_ops.cpu import HostMatrix, gemv, set_threads
+
+
+class HostLinear(nn.Module):
+    """A CPU nn.Linear whose one-token products run in numba's `gemv` over the same memory (float32,
+    fp16 or bf16 weights); several tokens go through torch."""
+
+    def __init__(self, linear: nn.Linear, threads: int):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias  # [N, D], [N] or None
+        self.host = HostMatrix.from_torch(self.weight.data)  # shares the weight's memory
+        self.threads = threads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., D] -> [..., N]
+        if x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        set_threads(self.threads)  # numba's count is per calling thread
+        y = torch.from_numpy(gemv(self.host, x.reshape(-1).float().numpy()))  # [N] float32
+        if self.bias is not None:
+            y += self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class HostAttention(nn.Module):
+    """forward(x, positions, cache_kv, start) like Attention, with the work done on the CPU."""
+
+    def __init__(self, attn: Attention, dtype: torch.dtype, threads: int):
+        super().__init__()
+        self.attn = attn.to("cpu", dtype)
+        for name in ("q", "k", "v", "o"):
+            setattr(self.attn, name, HostLinear(getattr(self.attn, name), threads))
+        for m in self.attn.modules():
+            if isinstance(m, Rotary):  # its tables are recomputed on the host
+                m.reset("cpu")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
+        # x: [B, T, D] on the fast tier -> [B, T, D] there; cache_kv: host buffers
+        y = self.attn(x.to("cpu", self.attn.q.weight.dtype), positions.to("cpu"), cache_kv, start)
+        return y.to(x.device, x.dtype)
+
+
+__all__ = ["HostAttention", "HostLinear"]
