@@ -130,13 +130,20 @@ def tensor_inventory(folder: Path) -> list[tuple[str, list[int], str]]:
 
 
 def iter_tensors(folder: Path, sandwich_norms: bool) -> Iterator[tuple[str, int | None, torch.Tensor]]:
-    """Yield (canonical name, expert index or None, tensor) for every tensor of the folder."""
+    """Yield (canonical name, expert index or None, tensor) for every tensor of the folder; the
+    tensor is valid until the next one is yielded (the caller copies it into the model).
+
+    The file is mapped anew for each tensor: pages of a mapping stay in the process's resident set
+    until it is closed, so one mapping per shard held the whole shard in RAM beside the model's copy
+    (peak RSS 7.8 GiB for a 3.8 GiB model; 4.1 GiB mapped per tensor)."""
     for path in shard_files(folder):
         with _open(path) as f:
-            for name in f.keys():
-                mapped = canonical_name(name, sandwich_norms)
-                if mapped is None:
-                    continue
+            names = list(f.keys())
+        for name in names:
+            mapped = canonical_name(name, sandwich_norms)
+            if mapped is None:
+                continue
+            with _open(path) as f:
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:

@@ -145,3 +145,34 @@ def test_sharded_checkpoint_loads_like_single(tiny_dir, tmp_path):
     ids = _prompt()
     assert torch.equal(single.model(ids), sharded.model(ids))
     assert single.fingerprint != load_model(make_tiny("qwen2", tiny_dir), "cpu").fingerprint
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of `path` (Linux /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_safetensors_pages_do_not_stay_resident(tmp_path):
+    """Loading must not keep a shard's pages mapped beside the model's own copy (that doubled peak RAM):
+    while the last of 8 tensors is read, at most about one tensor of the file is resident in our maps."""
+    from safetensors.torch import save_file
+
+    from hotcold.models.hf_loader import iter_tensors
+
+    mib4 = 1 << 20  # float32 elements in 4 MiB
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.ones(mib4) for i in range(8)},
+              str(tmp_path / "model.safetensors"))
+    seen = 0
+    for _, _, t in iter_tensors(tmp_path, sandwich_norms=False):
+        assert float(t.sum()) == mib4  # touches every page of the tensor
+        seen += 1
+        resident = _mapped_rss((tmp_path / "model.safetensors").resolve())
+    assert seen == 8 and resident <= 2 * 4 * mib4, f"{resident / 2**20:.1f} MiB of the file resident"
