@@ -18,6 +18,7 @@ dequantised and with llama.cpp's storage conventions undone (`tensors()`):
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
 from typing import Any, Iterator
@@ -542,6 +543,22 @@ class GGUFFile:
                 continue
             w = self._convert(t, heads)
             yield name, torch.from_numpy(w).to(dtype)
+            self._release(t)
+
+    def _release(self, t: Any) -> None:
+        """Drop tensor t's file pages from this process's resident set once it has been converted: the
+        whole file is mapped, and pages read through a mapping stay resident until it is closed (a
+        3.8 GiB f16 file loaded to a peak RSS of 8.6 GiB, the file beside the model's copy)."""
+        base = self._reader.data
+        while base is not None and not hasattr(base, "_mmap"):
+            base = getattr(base, "base", None)
+        mm = getattr(base, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = t.data_offset // page * page
+        end = -(-(t.data_offset + int(t.n_bytes)) // page) * page
+        mm.madvise(mmap.MADV_DONTNEED, start, min(end, len(mm)) - start)
 
     # -- helpers --------------------------------------------------------------------
 

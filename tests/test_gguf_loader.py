@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 
 from hotcold.errors import HotcoldError, ModelFileError, UnsupportedModelError
 from hotcold.models.gguf_loader import GGUFFile, llama3_rope_scaling, permute_rotary, unpermute_rotary
+from memory import HAVE_SMAPS, mapped_rss
 
 # ----------------------------------------------------------------------------------
 # helpers
@@ -633,3 +634,26 @@ def test_missing_metadata_key(tmp_path):
 
 def test_errors_are_hotcold_errors():
     assert issubclass(ModelFileError, HotcoldError) and issubclass(UnsupportedModelError, HotcoldError)
+
+
+
+@pytest.mark.skipif(not HAVE_SMAPS, reason="needs Linux /proc")
+def test_converted_tensors_leave_the_resident_set(tmp_path):
+    """The file stays mapped while tensors are converted; each tensor's pages must leave our resident
+    set once converted, or a model's load peaks at the file plus the model (8.6 GiB for 3.8)."""
+    Dm, Im, V2 = 512, 2048, 2048  # every matrix 4 MiB in F32
+    tensors = {"token_embd.weight": rnd(V2, Dm), "output.weight": rnd(V2, Dm, seed=1),
+               "output_norm.weight": rnd(Dm, seed=2)}
+    for l in range(2):
+        tensors.update({f"blk.{l}.attn_norm.weight": rnd(Dm, seed=3), f"blk.{l}.ffn_norm.weight": rnd(Dm, seed=4),
+                        f"blk.{l}.attn_q.weight": rnd(Dm, Dm), f"blk.{l}.attn_k.weight": rnd(Dm, Dm),
+                        f"blk.{l}.attn_v.weight": rnd(Dm, Dm), f"blk.{l}.attn_output.weight": rnd(Dm, Dm),
+                        f"blk.{l}.ffn_gate.weight": rnd(Im, Dm), f"blk.{l}.ffn_up.weight": rnd(Im, Dm),
+                        f"blk.{l}.ffn_down.weight": rnd(Dm, Im)})
+    path = write_gguf(tmp_path / "m.gguf", "llama", base_kv("llama", D=Dm, L=2, H=8, Hkv=8, I=Im, vocab_size=V2),
+                      tensors)
+    f = GGUFFile(path)
+    worst = 0
+    for _, t in f.tensors():
+        worst = max(worst, mapped_rss(path))
+    assert worst <= 3 * (4 << 20), f"{worst / 2**20:.1f} MiB of the {os.path.getsize(path) / 2**20:.0f} MiB file resident"

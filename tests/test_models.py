@@ -9,6 +9,7 @@ from hotcold.models.generate import Generator
 from hotcold.models.loader import load_model
 from hotcold.models.sampling import SamplingParams
 from hotcold.models.transformer import KVCache
+from memory import HAVE_SMAPS, mapped_rss
 from tiny_models import FAMILIES, make_tiny
 
 transformers = pytest.importorskip("transformers")
@@ -147,19 +148,8 @@ def test_sharded_checkpoint_loads_like_single(tiny_dir, tmp_path):
     assert single.fingerprint != load_model(make_tiny("qwen2", tiny_dir), "cpu").fingerprint
 
 
-def _mapped_rss(path) -> int:
-    """Resident bytes of this process's mappings of `path` (Linux /proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
-                inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
 
-
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+@pytest.mark.skipif(not HAVE_SMAPS, reason="needs Linux /proc")
 def test_safetensors_pages_do_not_stay_resident(tmp_path):
     """Loading must not keep a shard's pages mapped beside the model's own copy (that doubled peak RAM):
     while the last of 8 tensors is read, at most about one tensor of the file is resident in our maps."""
@@ -174,5 +164,5 @@ def test_safetensors_pages_do_not_stay_resident(tmp_path):
     for _, _, t in iter_tensors(tmp_path, sandwich_norms=False):
         assert float(t.sum()) == mib4  # touches every page of the tensor
         seen += 1
-        resident = _mapped_rss((tmp_path / "model.safetensors").resolve())
+        resident = mapped_rss(tmp_path / "model.safetensors")
     assert seen == 8 and resident <= 2 * 4 * mib4, f"{resident / 2**20:.1f} MiB of the file resident"
