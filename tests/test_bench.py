@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -329,6 +330,48 @@ def test_e2e_makes_the_model_with_pass_through_args_and_skips_missing_commands(t
     (out / "hf" / "config.json").write_text("{}")  # a second run reuses the model
     _, notes, settings = bench.e2e(args)
     assert any("reused the model" in n for n in notes) and "make_model_s" not in settings
+
+
+def test_e2e_builds_llama_cpp_in_the_background_and_puts_it_on_the_path(tmp_path, monkeypatch):
+    """--llama-cpp-src: the source package is built with pip while the model is made, installed into
+    DIR/llama-cpp/site before `plan` (which probes the machine), and importable by this process and
+    its children. A stand-in package replaces llama.cpp's (the mechanism, not CUDA, is tested here)."""
+    src = tmp_path / "llama_cpp_python-0.0.1"
+    (src / "llama_cpp_standin").mkdir(parents=True)
+    (src / "llama_cpp_standin" / "__init__.py").write_text("BUILT = True\n")
+    (src / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "llama_cpp_python"\nversion = "0.0.1"\n'
+        '[tool.setuptools]\npackages = ["llama_cpp_standin"]\n')
+    fake = tmp_path / "repo"
+    (fake / "tools").mkdir(parents=True)
+    (fake / "tools" / "make_model.py").write_text(
+        "import sys, pathlib\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "(out / 'hf').mkdir(parents=True)\n"
+        "(out / 'hf' / 'config.json').write_text('{}')\n"
+        "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
+    monkeypatch.setattr(bench, "REPO", fake)
+    order = []
+    monkeypatch.setattr(bench, "hotcold_has", lambda command: order.append(
+        (command, (tmp_path / "model" / "llama-cpp" / "site" / "llama_cpp_standin").is_dir())) and False)
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    args = argparse.Namespace(e2e="tiny-llama", out=str(tmp_path / "model"), make_args="", regenerate=False, threads=1,
+                              vram="8GiB", profile_args="", plan_args="", llama_cpp_src=str(src))
+    _, _, settings = bench.e2e(args)
+    assert order == [("profile", False), ("plan", True)]  # built and installed before plan, not before profile
+    assert settings["llama_cpp_build_s"] > 0
+    child = subprocess.run([sys.executable, "-c", "import llama_cpp_standin; print(llama_cpp_standin.BUILT)"],
+                           capture_output=True, text=True, env=dict(os.environ))
+    assert child.stdout.strip() == "True", child.stderr
+    with pytest.raises(bench.BenchError, match="no such file"):
+        bench.e2e(argparse.Namespace(**{**vars(args), "llama_cpp_src": str(tmp_path / "missing.tar.gz")}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "pyproject.toml").write_text("this is not toml [")
+    with pytest.raises(bench.BenchError, match="building llama-cpp-python failed"):
+        bench.e2e(argparse.Namespace(**{**vars(args), "llama_cpp_src": str(broken), "out": str(tmp_path / "m2")}))
 
 
 # -- real engines ----------------------------------------------------------------------------
