@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotcold.executors.weights import HotFFN
-from hotcold.models.layers import DenseFFN, GatedFFN
+from hotcold.models.layers import DenseFFN, GatedFFN, project
 from hotcold.predictors.neurons import NeuronPredictor
 from hotcold.sparse_ops.gpu import activation, hot_ffn
 
@@ -61,8 +61,8 @@ class LearnedMask:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, D] -> bool [N, I], on x's device (the predictor may live on the CPU, per the plan)
-        z = torch.relu(self.l1(x.to(self.w1.device, self.dtype)))  # [N, r]
-        return (self.l2(z).float() > self.threshold).to(x.device)
+        z = torch.relu(project(self.l1, x.to(self.w1.device, self.dtype)))  # [N, r]
+        return (project(self.l2, z).float() > self.threshold).to(x.device)
 
     @property
     def nbytes(self) -> int:
