@@ -87,11 +87,21 @@ class Rotary(nn.Module):
         """Recompute the table (after the module was allocated without initialisation)."""
         self.inv_freq = rope_inv_freq(*self.params).to(device)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, Dh]
+    _latest: dict = {}  # (params, device, start, T) -> (cos, sin): one forward's tables, shared by layers
+
+    def forward(self, positions: torch.Tensor, start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] (= start .. start + T - 1 when start is given) -> cos, sin: [T, Dh]
+        key = (repr(self.params), str(self.inv_freq.device), start, len(positions)) if start is not None else None
+        if key is not None and key in Rotary._latest:
+            return Rotary._latest[key]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        out = emb.cos(), emb.sin()
+        if key is not None:
+            if len(Rotary._latest) >= 8:  # a new step: the previous ones are not needed again
+                Rotary._latest.clear()
+            Rotary._latest[key] = out
+        return out
 
 
 # ----------------------------------------------------------------------------- attention
@@ -145,7 +155,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            cos, sin = self.rotary(positions)
+            cos, sin = self.rotary(positions, start)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, Dh]
         if cache_kv is not None:
