@@ -102,7 +102,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     stats: time GPU work and transfers with CUDA events (worker times and CPU rows are always kept).
     pin_cold: page-lock cold weights for streaming (default: on CUDA unless prefill="cpu").
     attention_cpu: layers whose attention (weights and KV cache) stays in host memory and runs on the CPU.
-    predictor_cpu: layers whose predictor runs on the CPU (float32; the mask crosses to the fast tier).
+    predictor_cpu: layers whose predictor runs on the CPU (numba gemv; the mask crosses to the fast tier).
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -135,8 +135,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
             mask_fn = OracleMask(ffn, perm, act, float(thresholds.get(l, 0.0)), device, dtype)
         elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
             on_cpu = l in predictor_cpu
-            mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device,
-                                  torch.float32 if on_cpu else predictor_dtype(dtype),
+            mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device, predictor_dtype(dtype),
                                   host_threads=(threads or default_threads(tier.cuda)) if on_cpu else None)
         else:
             mask_fn = None

@@ -315,6 +315,26 @@ def test_attention_and_predictor_placed_on_the_cpu(folder, family):
         make_hybrid(fresh(folder, family), {}, None, attention_cpu={99})
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("host", [False, True])
+def test_half_precision_predictor_agrees_with_float32(dtype, host):
+    """A predictor in the model's half precision (torch, or numba gemv when the plan puts it on the CPU)
+    takes the float32 predictor's decisions, bar a few at the threshold."""
+    from hotcold.executors.gpu_executor import LearnedMask, predictor_dtype
+
+    torch.manual_seed(0)
+    pred = NeuronPredictor(256, 1024, 32).eval()
+    perm = torch.randperm(1024)
+    x = torch.randn(64, 256)
+    want = LearnedMask(pred, perm, "cpu")(x)
+    mask = LearnedMask(pred, perm, "cpu", predictor_dtype(dtype), host_threads=2 if host else None)
+    got = mask(x.to(dtype))  # several tokens: torch
+    one = torch.cat([mask(x[i:i + 1].to(dtype)) for i in range(8)])  # one token: numba gemv when host
+    assert got.dtype == torch.bool and got.shape == want.shape
+    assert (got != want).float().mean() < 2e-3 and (one != want[:8]).float().mean() < 2e-3
+    assert predictor_dtype(torch.float32) == torch.float32 and predictor_dtype(dtype) == dtype
+
+
 def test_no_predictors_is_dense(folder):
     ref = reference(folder, "qwen2")
     lm = fresh(folder, "qwen2")
