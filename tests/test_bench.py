@@ -307,7 +307,9 @@ def test_vram_poller_peaks_by_pid_else_device_delta(monkeypatch):
     assert p.stop() == (900, "device in use minus baseline")
 
 
-def test_e2e_makes_the_model_with_pass_through_args_and_skips_missing_commands(tmp_path, monkeypatch):
+def fake_make_model(tmp_path: Path, monkeypatch) -> None:
+    """bench.REPO pointed at a repo whose tools/make_model.py writes an empty model pair and records
+    its arguments in hf/config.json."""
     fake = tmp_path / "repo"
     (fake / "tools").mkdir(parents=True)
     (fake / "tools" / "make_model.py").write_text(
@@ -317,6 +319,10 @@ def test_e2e_makes_the_model_with_pass_through_args_and_skips_missing_commands(t
         "(out / 'hf' / 'config.json').write_text(json.dumps(sys.argv[1:]))\n"
         "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
     monkeypatch.setattr(bench, "REPO", fake)
+
+
+def test_e2e_makes_the_model_with_pass_through_args_and_skips_missing_commands(tmp_path, monkeypatch):
+    fake_make_model(tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "hotcold_has", lambda command: False)
     out = tmp_path / "model"
     args = argparse.Namespace(e2e="tiny-llama", out=str(out), make_args="--layers 2 --seed 7", regenerate=False,
@@ -343,15 +349,7 @@ def test_e2e_builds_llama_cpp_in_the_background_and_puts_it_on_the_path(tmp_path
         '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
         '[project]\nname = "llama_cpp_python"\nversion = "0.0.1"\n'
         '[tool.setuptools]\npackages = ["llama_cpp_standin"]\n')
-    fake = tmp_path / "repo"
-    (fake / "tools").mkdir(parents=True)
-    (fake / "tools" / "make_model.py").write_text(
-        "import sys, pathlib\n"
-        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
-        "(out / 'hf').mkdir(parents=True)\n"
-        "(out / 'hf' / 'config.json').write_text('{}')\n"
-        "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
-    monkeypatch.setattr(bench, "REPO", fake)
+    fake_make_model(tmp_path, monkeypatch)
     order = []
     monkeypatch.setattr(bench, "hotcold_has", lambda command: order.append(
         (command, (tmp_path / "model" / "llama-cpp" / "site" / "llama_cpp_standin").is_dir())) and False)
