@@ -222,6 +222,8 @@ def _ffn_one_kernel(x, rows, up, us, gate, gs, bias, down, ds, act, gated, use_b
     # One token, in phases that each stream blocks of 8 rows: (1) the gate (or up + bias) of every
     # selected row, (2) keep the rows whose activation is not exactly 0, (3) gated: their up rows,
     # (4) the down rows of those, weighted, summed per thread and reduced into out [D] (+=).
+    # The prange loops repeat _gemv_rows_kernel's and _axpy_rows_kernel's on purpose: calling those
+    # parallel kernels from here measured 15-25% slower (3,428 of 11,008 f16 rows, 2 threads).
     K, D = rows.shape[0], x.shape[0]
     nb = (K + _BLOCK - 1) // _BLOCK
     z = np.empty(K, np.float32)
