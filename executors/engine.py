@@ -123,6 +123,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if unknown:
         raise ValueError(f"hot neurons given for layer {unknown[0]}, which has no dense or gated FFN")
 
+    cpu_threads = threads or default_threads(tier.cuda)  # the worker's, CPU attention's and CPU predictors'
     parts = {}
     for l in layers:
         ffn = model.layers[l].ffn
@@ -136,14 +137,13 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
             on_cpu = l in predictor_cpu
             mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device, predictor_dtype(dtype),
-                                  host_threads=(threads or default_threads(tier.cuda)) if on_cpu else None)
+                                  host_threads=cpu_threads if on_cpu else None)
         else:
             mask_fn = None
         hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype)
         model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
         del ffn
         parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, lm.config.hidden_size), cold_part)
-    cpu_threads = threads or default_threads(tier.cuda)
     host_attn = {l: HostAttention(model.layers[l].attn, dtype, cpu_threads) for l in sorted(attention_cpu)}
     for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
         model.layers[l].attn = nn.Identity()

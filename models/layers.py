@@ -81,6 +81,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
         super().__init__()
         self.params = (head_dim, theta, scaling)
+        self._key = repr(self.params)  # identifies the tables in _latest
         self.register_buffer("inv_freq", rope_inv_freq(*self.params), persistent=False)
 
     def reset(self, device) -> None:
@@ -91,7 +92,7 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] (= start .. start + T - 1 when start is given) -> cos, sin: [T, Dh]
-        key = (repr(self.params), str(self.inv_freq.device), start, len(positions)) if start is not None else None
+        key = (self._key, str(self.inv_freq.device), start, len(positions)) if start is not None else None
         if key is not None and key in Rotary._latest:
             return Rotary._latest[key]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
