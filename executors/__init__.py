@@ -1,7 +1,8 @@
-"""hotcold.executors: the hybrid FFN runtime (dense and gated layers; MoE layers are left as they are).
+"""hotcold.executors: the hybrid FFN runtime (dense, gated and MoE layers).
 
 engine         make_hybrid(lm, hot, predictors, device, ...) -> HybridEngine (stats(), close())
 hybrid         HybridFFN: a block's FFN split between the fast tier and the CPU worker
+moe            HybridMoE: a block's MoE split: router, shared and GPU experts on the fast tier, the rest on the CPU
 gpu_executor   GPUExecutor: a layer's predictor and hot neurons on the fast tier; mask sources
 cpu_executor   CPUExecutor: the worker thread running the numba kernels over cold rows; host buffers
 weights        split_ffn: hot rows compacted on the fast tier, cold rows as HostMatrix in host memory
@@ -14,9 +15,10 @@ from hotcold.executors.cpu_executor import CPUExecutor, ColdJob
 from hotcold.executors.engine import HybridEngine, make_hybrid, random_hot
 from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask
 from hotcold.executors.hybrid import HybridFFN
+from hotcold.executors.moe import HybridMoE, random_experts
 from hotcold.executors.prefill import ColdStreamer, PrefillCosts, prefill_regime
 from hotcold.executors.weights import ColdFFN, HotFFN, split_ffn
 
 __all__ = ["make_hybrid", "HybridEngine", "HybridFFN", "GPUExecutor", "CPUExecutor", "ColdJob", "LearnedMask",
            "OracleMask", "prefill_regime", "PrefillCosts", "ColdStreamer", "split_ffn", "HotFFN", "ColdFFN",
-           "random_hot"]
+           "random_hot", "HybridMoE", "random_experts"]

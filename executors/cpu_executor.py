@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 import psutil
+import torch
 
 from hotcold.executors.stats import now
 from hotcold.executors.weights import ColdFFN
@@ -72,6 +73,31 @@ class ColdJob:
             raise RuntimeError(f"CPU executor failed: {self.error!r}") from self.error
 
 
+@dataclass
+class CallJob:
+    """fn(*args) run on the worker (CPU attention, CPU predictors): work that must not start a
+    second numba/OpenMP thread team beside the worker's, which then spin against each other."""
+
+    fn: object
+    args: tuple
+    inference: bool = False  # the caller's torch.inference_mode (grad modes are per thread)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    result: object = None
+    cpu_s: float = 0.0
+
+    def run(self) -> None:
+        t0 = now()
+        with torch.inference_mode() if self.inference else torch.no_grad():
+            self.result = self.fn(*self.args)
+        self.cpu_s = now() - t0
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"CPU executor failed: {self.error!r}") from self.error
+
+
 def _all_rows(cold: ColdFFN) -> np.ndarray:
     rows = getattr(cold, "_all_rows", None)
     if rows is None or len(rows) != cold.n:
@@ -112,6 +138,14 @@ class CPUExecutor:
             raise RuntimeError("CPU executor is closed")
         self._jobs.put(job)
         return job
+
+    def call(self, fn, *args):
+        """fn(*args) on the worker thread, after the jobs already queued; returns its result."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        job = CallJob(fn, args, torch.is_inference_mode_enabled())
+        self.submit(job).wait()
+        return job.result
 
     @property
     def alive(self) -> bool:

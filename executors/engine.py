@@ -1,9 +1,10 @@
 """Build the hybrid engine from a loaded model and a plan: `make_hybrid(...) -> HybridEngine`.
 
 Every dense/gated block's FFN becomes a HybridFFN (hot neurons on `device`, cold ones in host
-memory for the CPU worker); MoE layers are left as they are; everything else (attention, norms,
-embeddings, lm_head, MoE layers) moves to `device`. The original FFN parameters are dropped layer by
-layer as they are split, so host memory holds each weight once. `engine.lm` is the same
+memory for the CPU worker); every MoE block's FFN a HybridMoE (router, shared expert and the plan's
+GPU experts on `device`, the other experts in host memory for the CPU worker); everything else
+(attention, norms, embeddings, lm_head) moves to `device`. The original FFN parameters are dropped
+layer by layer as they are split, so host memory holds each weight once. `engine.lm` is the same
 LoadedModel, now on `device`: pass it to `hotcold.models.generate.Generator`.
 """
 
@@ -19,28 +20,32 @@ from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_thread
 from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.hybrid import HybridFFN
-from hotcold.executors.prefill import REGIMES, ColdStreamer, PrefillCosts, pin_host, unpin_host
+from hotcold.executors.moe import HostRouting, HybridMoE, check_experts, split_moe
+from hotcold.executors.prefill import REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, pin_host, unpin_host
 from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn
-from hotcold.models.layers import DenseFFN, GatedFFN, Rotary
+from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
 from hotcold.predictors.artifact import PredictorSet
 
 
 class HybridEngine:
-    """A model whose dense/gated FFNs run hybrid. Use `lm` with Generator; close() stops the worker."""
+    """A model whose FFNs run hybrid (`layers`: dense/gated, `moe`: MoE). Use `lm` with Generator;
+    close() stops the worker."""
 
     def __init__(self, lm: LoadedModel, layers: dict[int, HybridFFN], cpu: CPUExecutor, tier: FastTier,
-                 book: StatsBook, streamer: ColdStreamer | None, pinned: list[int]):
+                 book: StatsBook, streamer: ColdStreamer | None, pinned: list[int],
+                 moe: dict[int, HybridMoE] | None = None):
         self.lm, self.layers, self.cpu, self.tier, self.book = lm, layers, cpu, tier, book
+        self.moe = moe or {}
         self.streamer = streamer
         # pinned host memory must be unregistered before it is freed: at close() or when collected
         self._unpin = weakref.finalize(self, unpin_host, pinned)
 
     def stats(self) -> dict:
         """Per phase ("decode", "prefill"): sums and per-token means of GPU/CPU/transfer/wait time
-        and of rows computed on each side (synchronises on CUDA)."""
+        and of rows (MoE: routed experts) computed on each side (synchronises on CUDA)."""
         return self.book.summary()
 
     def reset_stats(self) -> None:
@@ -52,12 +57,19 @@ class HybridEngine:
         self.book.enabled = self.tier.timing = enabled
 
     def memory(self) -> dict:
-        """Bytes held: fast tier (hot rows + predictors + biases), host (cold rows), host buffers."""
+        """Bytes held: fast tier (hot rows + predictors + biases; MoE: router, shared expert, GPU
+        experts), host (cold rows; MoE: CPU experts), host buffers; the MoE share of each side apart."""
+        ffns, moes = self.layers.values(), self.moe.values()
+        first = next(iter([*ffns, *moes]), None)
+        fast_moe, host_moe = sum(m.fast_bytes for m in moes), sum(m.host_bytes for m in moes)
         return {
-            "fast_ffn_bytes": sum(f.gpu.nbytes for f in self.layers.values()),
-            "host_ffn_bytes": sum(f.cold.nbytes for f in self.layers.values()),
-            "host_buffer_bytes": sum(f.decode_io.nbytes + f.cold.n for f in self.layers.values())
-            + (next(iter(self.layers.values())).prefill_io.nbytes if self.layers else 0),
+            "fast_ffn_bytes": sum(f.gpu.nbytes for f in ffns) + fast_moe,
+            "host_ffn_bytes": sum(f.cold.nbytes for f in ffns) + host_moe,
+            "fast_moe_bytes": fast_moe,
+            "host_moe_bytes": host_moe,
+            "host_buffer_bytes": sum(f.decode_io.nbytes + f.cold.n for f in ffns) + sum(m.buffer_bytes for m in moes)
+            + (first.prefill_io.nbytes if first is not None else 0)
+            + (next(iter(moes)).prefill_routing.nbytes if moes else 0),
             "stream_workspace_bytes": self.streamer.workspace_bytes if self.streamer else 0,
         }
 
@@ -90,7 +102,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 threads: int | None = None, thresholds: dict[int, float] | None = None, prefill: str = "auto",
                 costs: PrefillCosts | None = None, stats: bool = True, pin_cold: bool | None = None,
                 attention_cpu: set[int] | frozenset = frozenset(),
-                predictor_cpu: set[int] | frozenset = frozenset()) -> HybridEngine:
+                predictor_cpu: set[int] | frozenset = frozenset(),
+                gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
+                stream_slots_bytes: int = STREAM_SLOTS_BYTES) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -103,6 +117,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     pin_cold: page-lock cold weights for streaming (default: on CUDA unless prefill="cpu").
     attention_cpu: layers whose attention (weights and KV cache) stays in host memory and runs on the CPU.
     predictor_cpu: layers whose predictor runs on the CPU (numba gemv; the mask crosses to the fast tier).
+    gpu_experts: per MoE layer, the experts placed on the fast tier; a missing layer has none (all on the CPU).
+    stream_slots_bytes: fast-tier bytes of the two slots prefill streams cold rows through (the
+      planner reserves the default, planner.costs.Constants.stream_slots_bytes).
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -122,8 +139,16 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     unknown = sorted(set(hot) - set(layers))
     if unknown:
         raise ValueError(f"hot neurons given for layer {unknown[0]}, which has no dense or gated FFN")
+    gpu_experts = gpu_experts or {}
+    moe_layers = [i for i, b in enumerate(model.layers) if isinstance(b.ffn, MoEFFN)]
+    unknown = sorted(set(gpu_experts) - set(moe_layers))
+    if unknown:
+        raise ValueError(f"GPU experts given for layer {unknown[0]}, which has no MoE FFN")
+    gpu_experts = {l: check_experts(e, lm.config.num_experts) for l, e in gpu_experts.items()}  # before the worker
 
     cpu_threads = threads or default_threads(tier.cuda)  # the worker's, CPU attention's and CPU predictors'
+    cpu = CPUExecutor(cpu_threads)  # every CPU part of the plan runs on this one thread (see HostAttention)
+    book = StatsBook(enabled=stats)
     parts = {}
     for l in layers:
         ffn = model.layers[l].ffn
@@ -137,14 +162,22 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
             on_cpu = l in predictor_cpu
             mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device, predictor_dtype(dtype),
-                                  host_threads=cpu_threads if on_cpu else None)
+                                  host_threads=cpu_threads if on_cpu else None,
+                                  worker=cpu if on_cpu else None, book=book)
         else:
             mask_fn = None
         hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype)
         model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
         del ffn
         parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, lm.config.hidden_size), cold_part)
-    host_attn = {l: HostAttention(model.layers[l].attn, dtype, cpu_threads) for l in sorted(attention_cpu)}
+    moe_parts = {}
+    for l in moe_layers:
+        moe_ffn = model.layers[l].ffn
+        moe_parts[l] = split_moe(moe_ffn, gpu_experts.get(l, ()), act, device, dtype, cpu_dtype)
+        model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
+        del moe_ffn
+    host_attn = {l: HostAttention(model.layers[l].attn, dtype, cpu_threads, worker=cpu, book=book)
+                 for l in sorted(attention_cpu)}
     for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
         model.layers[l].attn = nn.Identity()
     _move_rest(model, device, dtype)
@@ -153,10 +186,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if host_attn:
         lm.layer_devices = [torch.device("cpu") if l in host_attn else device for l in range(len(model.layers))]
 
-    cpu = CPUExecutor(cpu_threads)
-    book = StatsBook(enabled=stats)
     colds = {l: c for l, (_, c) in parts.items() if c.n}
-    streamer = ColdStreamer(tier, colds, sorted(colds)) if colds and prefill != "cpu" else None
+    streamer = ColdStreamer(tier, colds, sorted(colds), stream_slots_bytes) if colds and prefill != "cpu" else None
     pinned: list[int] = []
     if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
         for c in colds.values():
@@ -165,14 +196,15 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     hybrid: dict[int, HybridFFN] = {}
     for l, (gpu, cold) in parts.items():
         hybrid[l] = model.layers[l].ffn = HybridFFN(l, gpu, cold, cpu, tier, book, prefill_io, streamer, prefill, costs)
-    order = sorted(hybrid)
-    if order:
-        hybrid[order[0]].first = True
-    cold_order = sorted(colds)
-    for a, b in zip(cold_order, cold_order[1:]):
-        hybrid[a].next_layer = b
+    moe: dict[int, HybridMoE] = {}
+    prefill_routing = HostRouting(tier.host_empty, lm.config.top_k, 0) if moe_parts else None
+    for l, mp in moe_parts.items():
+        moe[l] = model.layers[l].ffn = HybridMoE(l, mp, cpu, tier, book, prefill_io, prefill_routing)
+    every = {**hybrid, **moe}
+    if every:
+        every[min(every)].first = True
     lm.device, lm.dtype = device, dtype
-    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned)
+    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe)
 
 
 def random_hot(lm_or_config, fraction: float, seed: int = 0) -> dict[int, torch.Tensor]:

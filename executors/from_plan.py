@@ -55,11 +55,13 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     # Load on the host in the compute dtype; make_hybrid moves the fast tier's part to the device.
     lm = load_model(path, "cpu", str(dt).removeprefix("torch."))
     from hotcold.executors.engine import make_hybrid
-    from hotcold.models.layers import DenseFFN, GatedFFN
+    from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN
     from hotcold.predictors.artifact import find_predictors, load_predictors
 
     split_layers = [l for l, b in enumerate(lm.model.layers) if isinstance(b.ffn, (DenseFFN, GatedFFN))]
     hot = {l: torch.from_numpy(p.gpu_neurons[l]) for l in split_layers if p.mode == "hybrid" and l in p.gpu_neurons}
+    moe_layers = [l for l, b in enumerate(lm.model.layers) if isinstance(b.ffn, MoEFFN)]
+    experts = {l: p.gpu_experts[l].tolist() for l in moe_layers if p.mode == "hybrid" and l in p.gpu_experts}
     pred_path = find_predictors(lm.path, lm.fingerprint)
     preds = load_predictors(pred_path, lm.fingerprint) if pred_path is not None else None
     if preds is None:
@@ -69,5 +71,5 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     predictor_cpu = {l for l, on_gpu in enumerate(p.predictor_gpu) if not on_gpu} if dev.type == "cuda" else set()
     cpu_dtype = {torch.float16: "f16", torch.float32: "bf16"}.get(dt, "bf16")
     engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
-                         attention_cpu=attention_cpu, predictor_cpu=predictor_cpu)
+                         attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts)
     return RunSetup(lm, engine, p, notes)

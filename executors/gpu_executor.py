@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotcold.executors.stats import now
 from hotcold.executors.weights import HotFFN
 from hotcold.models.layers import DenseFFN, GatedFFN, project
 from hotcold.predictors.neurons import NeuronPredictor
@@ -43,7 +44,7 @@ class LearnedMask:
     (see predictor_dtype; the threshold comparison is in float32)."""
 
     def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device, dtype: torch.dtype = torch.float32,
-                 host_threads: int | None = None):
+                 host_threads: int | None = None, worker=None, book=None):
         if pred.w2.out_features != len(perm):
             raise ValueError(f"predictor predicts {pred.w2.out_features} neurons, the FFN has {len(perm)}")
         p = perm.to(pred.w2.weight.device)
@@ -59,11 +60,22 @@ class LearnedMask:
         self.l1, self.l2 = l1, l2
         self.w1, self.b1, self.w2, self.b2 = l1.weight, l1.bias, l2.weight, l2.bias
         self.threshold = _plain(pred.threshold, device, torch.float32)
+        self.worker, self.book = worker, book  # a CPU predictor runs on the worker thread (see HostAttention)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, D] -> bool [N, I], on x's device (the predictor may live on the CPU, per the plan)
-        z = torch.relu(project(self.l1, x.to(self.w1.device, self.dtype)))  # [N, r]
-        return (project(self.l2, z).float() > self.threshold).to(x.device)
+        t0 = now()
+        xs = x.to(self.w1.device, self.dtype)
+        mask = self.worker.call(self._predict, xs) if self.worker is not None else self._predict(xs)
+        mask = mask.to(x.device)
+        if self.worker is not None and self.book is not None and self.book.enabled:
+            self.book.add("decode" if x.shape[0] == 1 else "prefill", host_s=now() - t0)
+        return mask
+
+    def _predict(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, D] on the predictor's device -> bool [N, I] there
+        z = torch.relu(project(self.l1, x))  # [N, r]
+        return project(self.l2, z).float() > self.threshold
 
     @property
     def nbytes(self) -> int:

@@ -41,7 +41,6 @@ class HybridFFN(FFN):
         self.mask_np = self.mask_host.numpy()
         self.streamer, self.prefill, self.costs = streamer, prefill, costs or PrefillCosts()
         self.first = False  # the engine's first hybrid layer counts tokens
-        self.next_layer: int | None = None  # the next hybrid layer (streaming prefetch)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, hot={self.gpu.n_hot}, cold={self.cold.n}, act={self.cold.act}"
@@ -125,12 +124,17 @@ class HybridFFN(FFN):
     # ------------------------------------------------------------------ streaming regime
 
     def _streamed(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str) -> torch.Tensor:
-        """The cold part computed on the fast tier from streamed weights. x2: [N, D] -> [N, D]."""
+        """The cold part computed on the fast tier from streamed weights, chunk by chunk. x2: [N, D] -> [N, D]."""
         s = self.streamer
-        w = s.acquire(self.layer)
-        s.prefetch(self.next_layer)
-        y = hot_ffn(x2, w.up, w.down_t, self.cold.act, w.gate, w.up_bias, cold_mask)
-        s.release(self.layer)
+        y = None
+        for k in s.chunks(self.layer):
+            w = s.acquire(k)
+            s.prefetch(k + 1)  # the next chunk, of this layer or the next streamed one
+            a, b = s.rows(k)
+            part = hot_ffn(x2, w.up, w.down_t, self.cold.act, w.gate, w.up_bias,
+                           None if cold_mask is None else cold_mask[a:b])  # [N, D]
+            y = part if y is None else y.float().add_(part)  # chunks summed in float32
+            s.release(k)
         for a, b in s.take_spans():
             self.book.span(phase, "transfer_s", a, b)
         if self.book.enabled:
@@ -138,4 +142,4 @@ class HybridFFN(FFN):
                 self.book.add(phase, rows_streamed=self.cold.n)
             else:
                 self.book.count(phase, "rows_streamed", cold_mask.sum())
-        return y
+        return y.to(x2.dtype)

@@ -3,8 +3,9 @@
 Over a prompt, the union of the tokens' active neurons is nearly dense, so the cold part is
 computed for the union of the predicted masks (every token the same rows), in one of two regimes:
   "cpu"     the worker runs `ffn_rows_batch` over the union's cold rows for the whole chunk;
-  "stream"  the layer's cold weights are copied to the fast tier, layer l+1's copy overlapping
-            layer l's compute (two slots), and the fast tier computes them.
+  "stream"  the layer's cold weights are copied to the fast tier in chunks of rows through two
+            fixed slots (the next chunk's copy overlapping this one's compute), and the fast tier
+            computes them.
 `prefill_regime` is the one cost function that chooses; the planner's cost model replaces it later.
 On the CPU device streaming is meaningless: always "cpu" (a test may still force "stream").
 """
@@ -113,77 +114,99 @@ class StreamedFFN:
         self.up, self.gate, self.down_t, self.up_bias = up, gate, down_t, up_bias
 
 
-class ColdStreamer:
-    """Two fast-tier slots of raw cold storage; layer l+1's copy runs on its own stream while
-    layer l computes. acquire(l) -> StreamedFFN; release(l) after use; prefetch(next)."""
+STREAM_SLOTS_BYTES = 128 << 20  # fast-tier bytes of the streamer's two slots (the planner reserves them)
 
-    def __init__(self, tier: FastTier, colds: dict[int, ColdFFN], order: list[int]):
+
+class ColdStreamer:
+    """Cold weights streamed to the fast tier in chunks of rows, through two fixed slots.
+
+    Every streamed layer's cold rows are cut into chunks of `chunk_rows` neurons, in one global
+    order (layer by layer, rows in order); chunk k fills slot k % 2. Chunk k+1's copy runs on its own
+    stream while chunk k computes (and the first chunk of the next streamed layer while the last of
+    this one does), so the fast tier holds `workspace_bytes` however large a layer is.
+    chunks(layer) -> chunk ids; acquire(k) -> StreamedFFN; rows(k) -> (a, b); release(k); prefetch(k)."""
+
+    def __init__(self, tier: FastTier, colds: dict[int, ColdFFN], order: list[int],
+                 slots_bytes: int = STREAM_SLOTS_BYTES):
         self.tier, self.colds = tier, colds
-        self.slot_of = {l: i % 2 for i, l in enumerate(order)}
+        ref = max(colds.values(), key=lambda c: c.n)  # every layer has the same D and storage kinds
+        self._ref = ref
+        self.row_bytes = sum(m.row_bytes() for m in ref.mats) + 4 * 4  # + 3 scales and a bias, float32
+        self.chunk_rows = max(1, min(ref.n, slots_bytes // (2 * self.row_bytes)))
+        self.order = [(l, a, min(colds[l].n, a + self.chunk_rows))
+                      for l in order for a in range(0, colds[l].n, self.chunk_rows)]
+        self._chunks: dict[int, range] = {}
+        for k, (l, _, _) in enumerate(self.order):
+            r = self._chunks.get(l)
+            self._chunks[l] = range(k, k + 1) if r is None else range(r.start, k + 1)
         self.stream = torch.cuda.Stream(tier.device) if tier.cuda else None
-        self.loaded: list[int | None] = [None, None]
+        self.loaded: list[int | None] = [None, None]  # chunk id in each slot
         self.ready: list = [None, None]
         self.free: list = [None, None]
         self.spans: list = []  # (start, end) marks of copies, collected by the layers' stats
         self.slots: list[dict | None] = [None, None]
         self.bias = {l: torch.from_numpy(c.up_bias) for l, c in colds.items() if c.up_bias is not None}
 
+    def chunks(self, layer: int) -> range:
+        return self._chunks[layer]
+
+    def rows(self, k: int) -> tuple[int, int]:
+        """Chunk k's cold rows [a, b) within its layer."""
+        return self.order[k][1], self.order[k][2]
+
     def _alloc(self) -> dict:
-        cmax = max(c.n for c in self.colds.values())
-        ref = next(c for c in self.colds.values() if c.n == cmax)
+        ref, n, dev = self._ref, self.chunk_rows, self.tier.device
         d = ref.up.shape[1]
-        dev = self.tier.device
         with torch.inference_mode(False):
-            slot = {name: torch.empty((cmax, d), dtype=_STORAGE_TORCH[m.kind], device=dev)
+            slot = {name: torch.empty((n, d), dtype=_STORAGE_TORCH[m.kind], device=dev)
                     for name, m in (("up", ref.up), ("gate", ref.gate), ("down_t", ref.down_t)) if m is not None}
-            slot["scale"] = torch.empty((3, cmax), dtype=torch.float32, device=dev)
-            slot["bias"] = torch.empty(cmax, dtype=torch.float32, device=dev)
+            slot["scale"] = torch.empty((3, n), dtype=torch.float32, device=dev)
+            slot["bias"] = torch.empty(n, dtype=torch.float32, device=dev)
         return slot
 
     @property
     def workspace_bytes(self) -> int:
-        """Fast-tier bytes of the two slots (raw storage), allocated at the first streamed layer."""
-        if not self.colds:
-            return 0
-        c = max(self.colds.values(), key=lambda c: c.n)
-        return 2 * (sum(m.nbytes for m in c.mats) + 4 * 4 * c.n)
+        """Fast-tier bytes of the two slots (raw storage), allocated at the first streamed chunk."""
+        return 2 * self.chunk_rows * self.row_bytes if self.colds else 0
 
-    def _fetch(self, layer: int) -> None:
-        i = self.slot_of[layer]
+    def _fetch(self, k: int) -> None:
+        i = k % 2
         if self.slots[i] is None:
             self.slots[i] = self._alloc()
-        slot, cold, tier = self.slots[i], self.colds[layer], self.tier
+        slot, tier = self.slots[i], self.tier
+        layer, a, b = self.order[k]
+        cold = self.colds[layer]
         ctx = torch.cuda.stream(self.stream) if tier.cuda else contextlib.nullcontext()
         with ctx:
             if self.free[i] is not None:
-                self.stream.wait_event(self.free[i])  # the slot's previous layer is done with it
+                self.stream.wait_event(self.free[i])  # the slot's previous chunk is done with it
             t0 = tier.mark(self.stream)
-            n = cold.n
             for j, (name, m) in enumerate((("up", cold.up), ("gate", cold.gate), ("down_t", cold.down_t))):
                 if m is None:
                     continue
-                slot[name][:n].copy_(_host_tensor(m), non_blocking=True)
+                slot[name][:b - a].copy_(_host_tensor(m)[a:b], non_blocking=True)
                 if m.scale is not None:
-                    slot["scale"][j, :n].copy_(torch.from_numpy(m.scale), non_blocking=True)
+                    slot["scale"][j, :b - a].copy_(torch.from_numpy(m.scale[a:b]), non_blocking=True)
             if layer in self.bias:
-                slot["bias"][:n].copy_(self.bias[layer], non_blocking=True)
+                slot["bias"][:b - a].copy_(self.bias[layer][a:b], non_blocking=True)
             self.spans.append((t0, tier.mark(self.stream)))
             self.ready[i] = tier.event(self.stream) if tier.cuda else None
-        self.loaded[i] = layer
+        self.loaded[i] = k
 
-    def prefetch(self, layer: int | None) -> None:
-        """Start copying layer's cold weights (no-op for None or when already loaded)."""
-        if layer is not None and layer in self.colds and self.loaded[self.slot_of[layer]] != layer:
-            self._fetch(layer)
+    def prefetch(self, k: int | None) -> None:
+        """Start copying chunk k (no-op for None, past the last chunk, or when already loaded)."""
+        if k is not None and 0 <= k < len(self.order) and self.loaded[k % 2] != k:
+            self._fetch(k)
 
-    def acquire(self, layer: int) -> StreamedFFN:
-        """The layer's cold weights on the fast tier, in the compute dtype, ordered after their copy."""
-        i = self.slot_of[layer]
-        if self.loaded[i] != layer:
-            self._fetch(layer)
+    def acquire(self, k: int) -> StreamedFFN:
+        """Chunk k's weights on the fast tier, in the compute dtype, ordered after their copy."""
+        i = k % 2
+        if self.loaded[i] != k:
+            self._fetch(k)
         self.tier.wait(self.ready[i])
+        layer, a, b = self.order[k]
         slot, cold, dtype = self.slots[i], self.colds[layer], self.tier.dtype
-        n = cold.n
+        n = b - a
 
         def view(name: str, j: int, m):
             if m is None:
@@ -198,9 +221,9 @@ class ColdStreamer:
         bias = slot["bias"][:n].to(dtype) if layer in self.bias else None
         return StreamedFFN(view("up", 0, cold.up), view("gate", 1, cold.gate), view("down_t", 2, cold.down_t), bias)
 
-    def release(self, layer: int) -> None:
-        """Mark the layer's slot reusable once the compute queued so far has finished."""
-        self.free[self.slot_of[layer]] = self.tier.event()
+    def release(self, k: int) -> None:
+        """Mark chunk k's slot reusable once the compute queued so far has finished."""
+        self.free[k % 2] = self.tier.event()
 
     def take_spans(self) -> list:
         spans, self.spans = self.spans, []

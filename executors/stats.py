@@ -1,10 +1,11 @@
 """Where the time of a hybrid forward goes: per-phase sums of GPU work, CPU work, transfers and waiting.
 
-Every HybridFFN of an engine writes into one `StatsBook`. Times are seconds. On CUDA, GPU work and
-transfers are timed with CUDA events that are read lazily (when complete, never forcing a sync); on
-the CPU device they are wall-clock spans on the calling thread. CPU work is the worker's kernel
+Every HybridFFN and HybridMoE of an engine writes into one `StatsBook`. Times are seconds. On CUDA,
+GPU work and transfers are timed with CUDA events that are read lazily (when complete, never forcing
+a sync); on the CPU device they are wall-clock spans on the calling thread. CPU work is the worker's kernel
 time; `wait` is the main thread blocked on the worker's result; `cpu_wait` is the worker blocked on
-its input (the D2H copy).
+its input (the D2H copy); `host` is the attention and predictors that the plan put on the CPU
+(main thread's view: copies, hand-off to the worker and its compute).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 PHASES = ("decode", "prefill")
-TIMES = ("gpu_s", "cpu_s", "transfer_s", "wait_s", "cpu_wait_s")
+TIMES = ("gpu_s", "cpu_s", "transfer_s", "wait_s", "cpu_wait_s", "host_s")
 
 
 @dataclass
@@ -26,16 +27,19 @@ class PhaseStats:
     tokens: int = 0
     forwards: int = 0
     layer_calls: int = 0
-    gpu_s: float = 0.0  # predictor + hot FFN (+ streamed cold FFN) on the fast tier
+    gpu_s: float = 0.0  # predictor + hot FFN (+ streamed cold FFN); MoE: router, shared and GPU experts
     cpu_s: float = 0.0  # worker: mask -> rows and the numba kernel
     transfer_s: float = 0.0  # D2H of input and mask, H2D of the CPU result, streamed weights
-    wait_s: float = 0.0  # main thread blocked on the worker
+    wait_s: float = 0.0  # main thread blocked on the worker (MoE: and on the routing's D2H copy)
     cpu_wait_s: float = 0.0  # worker blocked on its input copy
+    host_s: float = 0.0  # attention and predictors the plan put on the CPU, copies and hand-off included
     rows_gpu: int = 0  # hot neurons computed and kept (predicted active), summed over tokens and layers
     rows_cpu: int = 0  # cold neurons computed by the CPU (decode: per token; prefill: per chunk)
     rows_streamed: int = 0  # cold neurons computed on the fast tier from streamed weights (prefill)
     hot_rows: int = 0  # hot neurons resident, summed over layer calls
     cold_rows: int = 0  # cold neurons in host memory, summed over layer calls
+    experts_gpu: int = 0  # MoE: (token, routed expert) pairs computed on the fast tier, over layers
+    experts_cpu: int = 0  # MoE: (token, routed expert) pairs computed by the CPU worker, over layers
     regimes: dict = field(default_factory=dict)  # prefill: {"cpu": n, "stream": n} layer calls
 
 
@@ -98,7 +102,8 @@ class StatsBook:
             n = max(1, st.tokens if phase == "decode" else st.forwards)
             d["per_token" if phase == "decode" else "per_forward"] = {
                 **{k.replace("_s", "_ms"): 1e3 * getattr(st, k) / n for k in TIMES},
-                **{k: getattr(st, k) / n for k in ("rows_gpu", "rows_cpu", "rows_streamed")},
+                **{k: getattr(st, k) / n for k in ("rows_gpu", "rows_cpu", "rows_streamed", "experts_gpu",
+                                                    "experts_cpu")},
             }
             out[phase] = d
         return out

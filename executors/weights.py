@@ -3,11 +3,15 @@
 A neuron is one row of W_up (and W_gate) and one column of W_down; both halves keep W_down
 transposed so each neuron's weights are rows ([n, D]). Cold rows are `HostMatrix`es in the CPU
 storage kind (f32 | bf16 | f16 | i8), contiguous per neuron, for the numba kernels. Conversion goes
-in blocks of rows, so building never holds more than one extra block beside the original.
+in blocks of rows, so building never holds more than one extra block beside the original. A MoE
+expert on the CPU is a ColdFFN of all its neurons (`host_expert`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,9 +84,29 @@ def _host_rows(w: torch.Tensor, rows: torch.Tensor, kind: str) -> HostMatrix:
         return HostMatrix(q, "i8", scale)
     with torch.inference_mode(False):
         out = torch.empty((n, d), dtype=CPU_KINDS[kind])
+    advise_hugepages(out)  # before the first touch
     for a in range(0, n, BLOCK_ROWS):
         out[a:a + BLOCK_ROWS] = w.index_select(0, rows[a:a + BLOCK_ROWS]).to("cpu", out.dtype)
     return HostMatrix.from_torch(out, kind)  # shares out's memory
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_hugepages(t: torch.Tensor) -> bool:
+    """Ask Linux for transparent huge pages under t's memory (call before the memory is first
+    touched). A cold neuron's rows are ~10 KB scattered over a large matrix: with 4 KiB pages every
+    row crosses pages, where the CPU's prefetchers stop and the TLB misses. Returns whether the
+    advice was taken; HOTCOLD_HUGEPAGES=0 turns it off."""
+    if not sys.platform.startswith("linux") or os.environ.get("HOTCOLD_HUGEPAGES", "1") == "0":
+        return False
+    start = t.data_ptr()
+    a, b = (start + _HUGE - 1) // _HUGE * _HUGE, (start + t.numel() * t.element_size()) // _HUGE * _HUGE
+    if b <= a:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_HUGEPAGE) == 0
 
 
 def _device_rows(w: torch.Tensor, rows: torch.Tensor, device, dtype) -> torch.Tensor:
@@ -136,3 +160,13 @@ def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype,
     )
     down_bias = None if gated else ffn.down.bias.to(device, dtype).clone()
     return hot_part, cold_part, down_bias
+
+
+@torch.no_grad()
+def host_expert(gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor, act: str, cpu_kind: str) -> ColdFFN:
+    """One MoE expert with every neuron in host memory. gate, up, down_t: [I, D] (any device, views)."""
+    if cpu_kind not in CPU_KINDS:
+        raise ValueError(f"cpu_dtype must be one of {tuple(CPU_KINDS)}, got {cpu_kind!r}")
+    rows = torch.arange(up.shape[0], device=up.device)
+    mats = {k: _host_rows(w, rows, cpu_kind) for k, w in (("gate", gate), ("up", up), ("down_t", down_t))}
+    return ColdFFN(idx=np.arange(up.shape[0], dtype=np.int64), up_bias=None, act=act, **mats)

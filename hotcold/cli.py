@@ -171,7 +171,9 @@ def _print_stats(setup, gen_stats) -> None:
     if setup.engine is not None:
         t = setup.engine.stats()["decode"]["per_token"]
         line += (f": GPU {t['gpu_ms']:.2f} ms, CPU {t['cpu_ms']:.2f} ms, transfer {t['transfer_ms']:.2f} ms, "
-                 f"wait {t['wait_ms']:.2f} ms; rows per token GPU {t['rows_gpu']:.0f}, CPU {t['rows_cpu']:.0f}")
+                 f"wait {t['wait_ms']:.2f} ms, CPU attention/predictors {t['host_ms']:.2f} ms; rows per token GPU {t['rows_gpu']:.0f}, CPU {t['rows_cpu']:.0f}")
+        if t.get("experts_gpu") or t.get("experts_cpu"):
+            line += f"; experts per token GPU {t['experts_gpu']:.1f}, CPU {t['experts_cpu']:.1f}"
     else:
         line += " (dense: no GPU/CPU split)"
     if setup.predicted_ms_per_token is not None:

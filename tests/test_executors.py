@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from hotcold.executors import ColdJob, CPUExecutor, HybridFFN, PrefillCosts, make_hybrid, prefill_regime, random_hot
+from hotcold.executors.moe import HybridMoE
 from hotcold.executors.weights import split_ffn
+from hotcold.executors.prefill import STREAM_SLOTS_BYTES
 from hotcold.models.generate import Generator
-from hotcold.models.layers import MoEFFN
 from hotcold.models.loader import LoadedModel, load_model
 from hotcold.models.sampling import SamplingParams
 from hotcold.models.transformer import KVCache
@@ -195,13 +196,16 @@ def test_generate_same_greedy_tokens(folder, family):
 
 
 @pytest.mark.parametrize("family", MOE)
-def test_moe_models_run_with_layers_untouched(folder, family):
+def test_moe_models_run_with_experts_on_the_cpu_by_default(folder, family):
+    """Without GPU experts given, MoE layers run hybrid with every expert on the CPU (the MoE layer
+    itself: tests/test_moe_executor.py)."""
     ref = reference(folder, family)
     lm = fresh(folder, family)
     with make_hybrid(lm, random_hot(lm, 0.5), "oracle", cpu_dtype="f32", threads=2):
         kinds = [lm.config.ffn_kind(i) for i in range(lm.config.num_layers)]
         for k, b in zip(kinds, lm.model.layers):
-            assert isinstance(b.ffn, MoEFFN if k == "moe" else HybridFFN)
+            assert isinstance(b.ffn, HybridMoE if k == "moe" else HybridFFN)
+            assert k != "moe" or not b.ffn.fast.ids
         toks = tokens(seed=6)
         with torch.inference_mode():
             want = ref.model(toks)
@@ -267,8 +271,10 @@ def trained(folder):
     return ref, preds, recalls
 
 
-@pytest.mark.parametrize("regime", ["cpu", "stream"])
+@pytest.mark.parametrize("regime", ["cpu", "stream", "stream-chunks"])
 def test_trained_predictors_match_references(folder, trained, regime):
+    """stream-chunks: each layer's cold rows stream through slots of a few rows (several chunks per
+    layer, each with its slice of the predicted mask)."""
     ref, preds, recalls = trained
     assert min(recalls) > 0.6  # they learned something
     toks = tokens(seed=9)
@@ -278,12 +284,17 @@ def test_trained_predictors_match_references(folder, trained, regime):
         want_prefill = ref.model(toks)
     assert (want_prefill - want_decode).abs().max() > 1e-3  # the two references differ
     lm = fresh(folder, "llama_relu")
-    with make_hybrid(lm, random_hot(lm, 0.3, seed=10), preds, cpu_dtype="f32", threads=2, prefill=regime) as eng:
+    slots = 4096 if regime == "stream-chunks" else STREAM_SLOTS_BYTES
+    with make_hybrid(lm, random_hot(lm, 0.3, seed=10), preds, cpu_dtype="f32", threads=2,
+                     prefill=regime.removesuffix("-chunks"), stream_slots_bytes=slots) as eng:
+        if regime == "stream-chunks":
+            s = eng.streamer
+            assert all(len(s.chunks(l)) > 2 for l in eng.layers) and eng.memory()["stream_workspace_bytes"] <= slots
         assert_close(decode_logits(lm, toks), want_decode, 1e-4)
         with torch.inference_mode():
             assert_close(lm.model(toks), want_prefill, 1e-4)
         st = eng.stats()
-    assert st["prefill"]["regimes"] == {regime: 3}
+    assert st["prefill"]["regimes"] == {regime.removesuffix("-chunks"): 3}
     d = st["decode"]
     assert 0 < d["rows_gpu"] + d["rows_cpu"] < 3 * T * lm.config.intermediate_size
 

@@ -31,6 +31,7 @@ import torch
 
 from hotcold.executors import make_hybrid, random_hot
 from hotcold.executors.cpu_executor import ColdJob
+from hotcold.executors.host_attention import HostAttention
 from hotcold.models.config import config_from_hf
 from hotcold.models.layers import Rotary
 from hotcold.models.loader import LoadedModel
@@ -143,7 +144,7 @@ def measure_sync(eng, device: torch.device, dim: int) -> tuple[float, float]:
 
 def decode(lm: LoadedModel, steps: int, warmup: int, on_start=None) -> float:
     """Decode `steps` tokens greedily after `warmup`; returns seconds per token."""
-    cache = KVCache(lm.config, warmup + steps + 2, device=lm.device, dtype=lm.dtype)
+    cache = KVCache(lm.config, warmup + steps + 2, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
     tok = torch.tensor([[1]], device=lm.device)
     with torch.inference_mode():
         for i in range(warmup + steps):
@@ -182,8 +183,14 @@ def run(args, frac: float) -> dict:
     ffn_bytes = sum(p.numel() * p.element_size() for b in lm.model.layers for p in b.ffn.parameters())
     gc.collect()
     r1 = rss()
+    attn_cpu = set(range(int(round(args.attention_cpu * args.layers))))
+    attn_cpu_bytes = sum(p.numel() * p.element_size() for l in attn_cpu for p in lm.model.layers[l].attn.parameters())
     eng = make_hybrid(lm, random_hot(lm, frac, seed=1), None, device=device, dtype=dtype, cpu_dtype=args.cpu_dtype,
-                      threads=args.threads, stats=True, prefill="cpu")
+                      threads=args.threads, stats=True, prefill="cpu", attention_cpu=attn_cpu)
+    if args.host_thread == "main":  # the CPU attention in the calling thread, as before it ran on the worker
+        for m in eng.lm.model.modules():
+            if isinstance(m, HostAttention):
+                m.worker = None
     gc.collect()
     r2 = rss()
     k = int(round(args.active * args.ffn))
@@ -204,21 +211,22 @@ def run(args, frac: float) -> dict:
     st = eng.stats()["decode"]
     per = st["per_token"]
 
-    attn = sum(p.numel() * p.element_size() for b in lm.model.layers for p in b.attn.parameters())
+    attn = sum(p.numel() * p.element_size() for b in lm.model.layers for p in b.attn.parameters()) - attn_cpu_bytes
     norms = sum(p.numel() * p.element_size() for b in lm.model.layers
                 for m in (b.attn_norm, b.ffn_norm) for p in m.parameters())
     fast_bytes = sum(f.gpu.hot.nbytes + f.gpu.mask_fn.nbytes for f in eng.layers.values()) + attn + norms
     fast_bytes += lm.model.embed.weight.numel() * lm.model.embed.weight.element_size()  # lm_head, roughly
     neuron_bytes = cold_any.neuron_bytes if cold_any else 0
-    cpu_bytes = per["rows_cpu"] * neuron_bytes
-    n_sync = sum(1 for f in eng.layers.values() if f.cold.n)
+    cpu_bytes = per["rows_cpu"] * neuron_bytes + attn_cpu_bytes
+    n_sync = sum(1 for f in eng.layers.values() if f.cold.n) + len(attn_cpu)
     bound = max(fast_bytes / gpu_bw, cpu_bytes / cpu_bw if cold_any else 0.0) + n_sync * sync_s
     eng.close()
     out = dict(
         hot_fraction=frac, active_fraction=args.active, layers=args.layers, device=str(device), dtype=args.dtype,
         cpu_dtype=args.cpu_dtype, threads=threads, tok_s=1 / s_plain, tok_s_timed=1 / s_timed,
         ms_per_token=1e3 * s_plain, gpu_ms=per["gpu_ms"], cpu_ms=per["cpu_ms"], transfer_ms=per["transfer_ms"],
-        wait_ms=per["wait_ms"], cpu_wait_ms=per["cpu_wait_ms"], rows_gpu=per["rows_gpu"], rows_cpu=per["rows_cpu"],
+        wait_ms=per["wait_ms"], cpu_wait_ms=per["cpu_wait_ms"], host_ms=per["host_ms"], attention_cpu=len(attn_cpu),
+        host_thread=args.host_thread, rows_gpu=per["rows_gpu"], rows_cpu=per["rows_cpu"],
         fast_MB=fast_bytes / 1e6, cpu_active_MB=cpu_bytes / 1e6, gpu_bw_GBs=gpu_bw / 1e9, cpu_bw_GBs=cpu_bw / 1e9,
         sync_us=1e6 * sync_s, handoff_us=1e6 * hand_s, roundtrip_us=1e6 * trip_s,
         numba_layer=_threading_layer(), bound_ms=1e3 * bound, bound_tok_s=1 / bound,
@@ -250,6 +258,10 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="fast tier: bf16 | f16 | f32 (default bf16 on CUDA, f32 on CPU)")
     ap.add_argument("--cpu-dtype", default="bf16", help="cold rows: f32 | bf16 | f16 | i8")
     ap.add_argument("--threads", type=int, default=None, help="CPU worker's numba threads")
+    ap.add_argument("--attention-cpu", type=float, default=0.0,
+                    help="fraction of layers (the first ones) whose attention and KV cache stay on the CPU")
+    ap.add_argument("--host-thread", choices=("worker", "main"), default="worker",
+                    help="where CPU attention runs: the CPU worker thread (the engine's way) or the calling thread")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--gpu-bw", type=float, default=None, help="bytes/s instead of measuring")
@@ -268,12 +280,13 @@ def main() -> None:
     cols = [("hot", "hot_fraction", "{:.2f}"), ("tok/s", "tok_s", "{:.1f}"), ("tok/s(st)", "tok_s_timed", "{:.1f}"),
             ("ms/tok", "ms_per_token", "{:.2f}"), ("gpu", "gpu_ms", "{:.2f}"), ("cpu", "cpu_ms", "{:.2f}"),
             ("xfer", "transfer_ms", "{:.3f}"), ("wait", "wait_ms", "{:.2f}"), ("cpuwait", "cpu_wait_ms", "{:.2f}"),
+            ("host", "host_ms", "{:.2f}"),
             ("rows_gpu", "rows_gpu", "{:.0f}"), ("rows_cpu", "rows_cpu", "{:.0f}"), ("bound", "bound_ms", "{:.2f}"),
             ("bound tok/s", "bound_tok_s", "{:.0f}")]
     r = rows[0]
     print(f"\n{r['layers']} llama-shaped layers ({args.dim}x{args.ffn}), fast tier {r['device']} {r['dtype']}, "
           f"cold rows {r['cpu_dtype']}, {r['threads']} CPU threads, {args.active:.0%} active per token; "
-          f"times are ms per token")
+          f"times are ms per token; attention of {r['attention_cpu']} layers on the CPU ({r['host_thread']} thread)")
     print(f"measured: fast-tier bw {r['gpu_bw_GBs']:.0f} GB/s, CPU bw {r['cpu_bw_GBs']:.1f} GB/s (fused kernel, all "
           f"cold rows, worker thread; numba layer {r['numba_layer']}), sync {r['sync_us']:.0f} us per layer "
           f"(hand-off {r['handoff_us']:.0f} + D2H/H2D round trip {r['roundtrip_us']:.0f})")

@@ -1,0 +1,334 @@
+"""HybridMoE: one mixture-of-experts layer split between the fast tier and the CPU worker.
+
+The router, the shared expert (and its sigmoid gate) and the plan's GPU experts sit on the fast
+tier; every other expert lives in host memory as a ColdFFN (gate, up, down transposed: [I, D] each,
+one neuron per row) for the numba kernels. For N tokens (decode: N = 1; prefill: the chunk):
+  compute stream  x ─ router ─ w, ids ─┬─ shared expert ──── GPU experts of the routed ids ── y ─┐
+  copy stream                          └─ D2H x, w, ids ─ event ┐                               + ─ y
+  main thread                                  waits the event ─┼─ reads ids, queues GPU experts │
+  CPU worker                                   waits the event ─┴─ cold experts ─ out ── H2D ────┘
+The routing crosses to the host once: the worker computes each routed cold expert over its tokens
+(scaled by the routing weights, summed into `out`), and the main thread reads the same ids to launch
+only the routed GPU experts, so the fast tier never synchronises on data-dependent indexing. The
+main thread blocks twice: on the routing copy (while the shared expert runs) and on the CPU result.
+x is copied for every token (choosing the CPU-routed ones on the device would need a sync first).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from hotcold.executors.cpu_executor import CPUExecutor, HostRows
+from hotcold.executors.stats import StatsBook, now
+from hotcold.executors.tier import FastTier
+from hotcold.executors.weights import ColdFFN, host_expert
+from hotcold.models.layers import FFN, MoEFFN, activation_fn, route
+from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
+
+# ---------------------------------------------------------------------------------------------
+# Weights: the fast tier's experts and the host's
+
+
+@dataclass
+class FastExperts:
+    """The plan's GPU experts, stacked on the fast tier: gate, up [G, I, D]; down [G, D, I]."""
+
+    ids: list[int]  # expert ids, plan order (slot g holds expert ids[g])
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    act: object  # torch activation function
+
+    def expert(self, g: int, x: torch.Tensor) -> torch.Tensor:
+        """Slot g's expert, computed as Experts.expert does. x: [n, D] -> [n, D]."""
+        return (self.act(x @ self.gate[g].T) * (x @ self.up[g].T)) @ self.down[g].T
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+
+
+def check_experts(ids, n: int) -> list[int]:
+    """Validate a plan's GPU expert list: unique ints in [0, n)."""
+    out = [int(e) for e in torch.as_tensor(ids, dtype=torch.int64).flatten().tolist()]
+    if any(not 0 <= e < n for e in out):
+        raise ValueError(f"GPU expert index out of range [0, {n})")
+    if len(set(out)) != len(out):
+        raise ValueError("GPU expert indices repeat")
+    return out
+
+
+def _stack(w: torch.Tensor, ids: list[int], device, dtype) -> torch.Tensor:
+    """w[ids] on device in dtype, one expert at a time. w: [E, A, B] -> [G, A, B]."""
+    with torch.inference_mode(False):
+        out = torch.empty((len(ids), *w.shape[1:]), dtype=dtype, device=device)
+    for g, e in enumerate(ids):
+        out[g] = w[e].to(device, dtype)
+    return out
+
+
+@dataclass
+class MoEParts:
+    """A MoE layer split by the plan (see split_moe)."""
+
+    router: nn.Linear
+    shared: nn.Module | None  # GatedFFN
+    shared_gate: nn.Linear | None
+    fast: FastExperts
+    cold: list[ColdFFN | None]  # per expert id: its host weights, or None (on the fast tier)
+    hidden: int  # I, neurons per expert
+    top_k: int
+    renormalise: bool
+
+    @property
+    def fast_bytes(self) -> int:
+        mods = [m for m in (self.router, self.shared, self.shared_gate) if m is not None]
+        return self.fast.nbytes + sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(c.nbytes for c in self.cold if c is not None)
+
+
+@torch.no_grad()
+def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str = "bf16") -> MoEParts:
+    """Split a MoEFFN: router, shared expert and the GPU experts to device (dtype), the other experts
+    to host memory in cpu_kind. The caller drops `moe` afterwards; the parts share no memory with its
+    experts (router and shared expert are the same modules, moved)."""
+    ex = moe.experts
+    n_exp, hidden = ex.gate.shape[:2]  # gate: [E, I, D]
+    on_gpu = check_experts(gpu_experts, n_exp)
+    cold = [None if e in on_gpu else host_expert(ex.gate[e], ex.up[e], ex.down[e].t(), act, cpu_kind)  # each [I, D]
+            for e in range(n_exp)]
+    fast = FastExperts(on_gpu, *(_stack(w, on_gpu, device, dtype) for w in (ex.gate, ex.up, ex.down)),
+                       act=activation_fn(act))
+    shared, shared_gate = getattr(moe, "shared", None), getattr(moe, "shared_gate", None)
+    for m in (moe.router, shared, shared_gate):
+        if m is not None:
+            m.to(device=device, dtype=dtype)  # in place
+    return MoEParts(moe.router, shared, shared_gate, fast, cold, hidden, moe.top_k, moe.renormalise)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU side
+
+
+class HostRouting:
+    """Host buffers for the routing (pinned on CUDA), grown on demand: ids int64 [rows, k],
+    weights float32 [rows, k], each with a numpy view sharing its memory."""
+
+    def __init__(self, alloc, k: int, rows: int = 1):
+        self.alloc, self.k, self.rows = alloc, k, 0
+        self.ensure(rows)
+
+    def ensure(self, rows: int) -> "HostRouting":
+        if rows > self.rows:
+            self.rows = rows
+            self.ids, self.weights = self.alloc((rows, self.k), torch.int64), self.alloc((rows, self.k))
+            self.ids_np, self.weights_np = self.ids.numpy(), self.weights.numpy()
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.k * (8 + 4)
+
+
+def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(expert, tokens [n], slots [n]) for each expert in ids [N, k] with here(expert), ascending."""
+    for e in np.unique(ids).tolist():
+        if here(e):
+            tok, slot = np.nonzero(ids == e)
+            yield e, tok, slot
+
+
+def cold_expert(c: ColdFFN, rows: np.ndarray, x: np.ndarray, tok: np.ndarray, w: np.ndarray,
+                out: np.ndarray) -> None:
+    """out[tok] += w * expert(x[tok]) over all of the expert's neurons. x, out: [N, D]; tok, w: [n]."""
+    if len(tok) == 1:
+        y = np.zeros(x.shape[1], np.float32)
+        ffn_rows(x[tok[0]], rows, c.up, c.down_t, c.act, c.gate, out=y)  # [D]
+        out[tok[0]] += w[0] * y
+    else:
+        y = ffn_rows_batch(x[tok], rows, c.up, c.down_t, c.act, c.gate)  # [n, D]
+        out[tok] += w[:, None] * y  # a token routes to an expert once: tok has no repeats
+
+
+@dataclass
+class MoEJob:
+    """One MoE layer's CPU experts for N tokens, run by the CPUExecutor. x, out: float32 [N, D]; ids:
+    int64 [N, k]; weights: float32 [N, k] (host views); ready: the event of their D2H copy (None on
+    the CPU)."""
+
+    cold: list[ColdFFN | None]
+    rows: np.ndarray  # int64 [I]: every neuron of an expert
+    x: np.ndarray
+    ids: np.ndarray
+    weights: np.ndarray
+    out: np.ndarray
+    ready: object = None
+    keep: tuple = ()  # device tensors the pending copies read; held until the job is done
+    io: object = None  # the HostRows that x and out view
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    pairs: int = 0  # (token, expert) pairs computed
+    cpu_s: float = 0.0  # grouping + kernels
+    input_wait_s: float = 0.0  # blocked on `ready`
+
+    def run(self) -> None:
+        t0 = now()
+        if self.ready is not None:
+            self.ready.synchronize()  # releases the GIL
+        t1 = now()
+        self.out.fill(0.0)
+        for e, tok, slot in routed(self.ids, lambda e: self.cold[e] is not None):
+            cold_expert(self.cold[e], self.rows, self.x, tok, self.weights[tok, slot], self.out)
+            self.pairs += len(tok)
+        self.input_wait_s, self.cpu_s = t1 - t0, now() - t1
+
+    def wait(self) -> None:
+        """Block until the worker finished this job; re-raise its error here."""
+        self.done.wait()
+        self.keep = ()
+        if self.error is not None:
+            raise RuntimeError(f"CPU executor failed: {self.error!r}") from self.error
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+class HybridMoE(FFN):
+    """forward(x: [B, T, D]) -> [B, T, D], replacing a block's MoEFFN."""
+
+    kind = "hybrid_moe"
+
+    def __init__(self, layer: int, parts: MoEParts, cpu: CPUExecutor, tier: FastTier, book: StatsBook,
+                 prefill_io: HostRows, prefill_routing: HostRouting | None = None):
+        super().__init__()
+        self.layer, self.cpu, self.tier, self.book = layer, cpu, tier, book
+        self.router, self.shared, self.shared_gate = parts.router, parts.shared, parts.shared_gate
+        self.fast, self.cold = parts.fast, parts.cold
+        self.top_k, self.renormalise = parts.top_k, parts.renormalise
+        self.fast_bytes, self.host_bytes = parts.fast_bytes, parts.host_bytes
+        self.n_cold = sum(c is not None for c in self.cold)
+        self.slot = {e: g for g, e in enumerate(self.fast.ids)}  # expert id -> fast tier slot
+        self.dim = self.router.in_features
+        self.rows = np.arange(parts.hidden, dtype=np.int64)  # every neuron of an expert
+        self.decode_io = HostRows(tier.host_empty, self.dim, 1 if self.n_cold else 0)
+        self.decode_routing = HostRouting(tier.host_empty, self.top_k, 1)
+        self.prefill_io = prefill_io
+        self.prefill_routing = prefill_routing or HostRouting(tier.host_empty, self.top_k, 0)
+        self.first = False  # the engine's first hybrid layer counts tokens
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, gpu_experts={len(self.fast.ids)}, cpu_experts={self.n_cold}, top_k={self.top_k}"
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.decode_io.nbytes + self.decode_routing.nbytes
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [N, D]
+        n = x2.shape[0]
+        phase = "decode" if n == 1 else "prefill"
+        book, tier = self.book, self.tier
+        if self.first:
+            book.resolve()
+            book.add(phase, tokens=n, forwards=1)
+        g0 = tier.mark()
+        weights, ids = route(self.router(x2), self.top_k, self.renormalise)  # [N, k] fp32, int64
+        routing, ready, job = self._send(x2, weights, ids, phase)
+        y = self._shared(x2)  # [N, D]
+        if self.fast.ids:
+            w0 = now()
+            if ready is not None:
+                ready.synchronize()  # the routing on the host; the shared expert runs meanwhile
+            book.add(phase, wait_s=now() - w0)
+            y = self._gpu_experts(x2, weights, routing.ids_np[:n], y, phase)
+        book.span(phase, "gpu_s", g0, tier.mark())
+        book.add(phase, layer_calls=1)
+        if job is not None:
+            y = self._receive(job, y, phase)
+        return y.reshape(shape)
+
+    def _shared(self, x2: torch.Tensor) -> torch.Tensor:
+        """The sigmoid-gated shared expert (zeros without one). x2: [N, D] -> [N, D]."""
+        if self.shared is None:
+            return torch.zeros_like(x2)
+        return torch.sigmoid(self.shared_gate(x2)) * self.shared(x2)
+
+    def _gpu_experts(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, y: torch.Tensor,
+                     phase: str) -> torch.Tensor:
+        """y + the routed GPU experts' outputs, each scaled by its routing weight, as MoEFFN.mix sums
+        them. x2, y: [N, D]; weights: [N, k] on the fast tier; ids: int64 [N, k] on the host."""
+        out = torch.zeros_like(x2)
+        pairs = 0
+        for e, tok, slot in routed(ids, self.slot.__contains__):
+            g = self.slot[e]
+            if len(x2) == 1:  # no index tensors to build: the slot is a host int
+                out += self.fast.expert(g, x2) * weights[:, int(slot[0]), None].to(x2.dtype)
+            else:
+                t, s = (torch.from_numpy(a).to(x2.device) for a in (tok, slot))
+                out.index_add_(0, t, self.fast.expert(g, x2[t]) * weights[t, s, None].to(x2.dtype))
+            pairs += len(tok)
+        self.book.add(phase, experts_gpu=pairs)
+        return out + y
+
+    # ------------------------------------------------------------------ the CPU side
+
+    def _send(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, phase: str):
+        """Queue the D2H copies of the routing (and of x, when experts are cold) and hand the cold
+        experts' job to the worker. Returns (routing buffers, copy event, MoEJob or None)."""
+        n, tier = x2.shape[0], self.tier
+        routing = self.decode_routing if n == 1 else self.prefill_routing.ensure(n)
+        io = (self.decode_io if n == 1 else self.prefill_io.ensure(n)) if self.n_cold else None
+        xf = x2.float() if io is not None else None  # on the compute stream
+        with tier.on_copy_stream():
+            t0 = tier.mark(tier.copy)
+            if io is not None:
+                io.x[:n].copy_(xf, non_blocking=True)
+            routing.ids[:n].copy_(ids, non_blocking=True)
+            routing.weights[:n].copy_(weights, non_blocking=True)
+            self.book.span(phase, "transfer_s", t0, tier.mark(tier.copy))
+            ready = tier.event(tier.copy)
+        if io is None:
+            return routing, ready, None
+        job = MoEJob(self.cold, self.rows, io.x_np[:n], routing.ids_np[:n], routing.weights_np[:n], io.out_np[:n],
+                     ready=ready, keep=(xf, weights, ids), io=io)
+        return routing, ready, self.cpu.submit(job)
+
+    def _receive(self, job: MoEJob, y: torch.Tensor, phase: str) -> torch.Tensor:
+        """Wait for the worker; when it computed any expert, copy its sum to the fast tier and add."""
+        tier, book = self.tier, self.book
+        w0 = now()
+        job.wait()
+        book.add(phase, wait_s=now() - w0, cpu_s=job.cpu_s, cpu_wait_s=job.input_wait_s, experts_cpu=job.pairs)
+        if not job.pairs:  # every routed expert was on the fast tier
+            return y
+        n = job.x.shape[0]
+        t0 = tier.mark()
+        y_cpu = job.io.out[:n].to(tier.device, non_blocking=True)  # [N, D] float32
+        book.span(phase, "transfer_s", t0, tier.mark())
+        return y.add_(y_cpu)  # y is this layer's own fresh tensor; the sum is computed in float32
+
+
+def random_experts(lm_or_config, fraction: float, seed: int = 0) -> dict[int, list[int]]:
+    """A random expert placement for tests: per MoE layer, round(fraction * E) experts on the fast tier."""
+    config = getattr(lm_or_config, "config", lm_or_config)
+    gen = torch.Generator().manual_seed(seed)
+    n = getattr(config, "num_experts", 0)
+    return {l: torch.randperm(n, generator=gen)[: int(round(fraction * n))].tolist()
+            for l in range(config.num_layers) if config.ffn_kind(l) == "moe"}
+
+
+__all__ = ["HybridMoE", "MoEJob", "MoEParts", "FastExperts", "HostRouting", "split_moe", "check_experts",
+           "random_experts"]

@@ -1,0 +1,278 @@
+"""hotcold.executors.moe: the hybrid MoE layer against our dense forward and transformers' logits.
+
+Every model is a tiny random MoE model of a supported family (tests/tiny_models.py): qwen2_moe (a
+shared expert, and one gated layer), mixtral and qwen3_moe. Experts are placed all on the CPU, split,
+or all on the fast tier. On the CPU the fast tier is the CPU device and cold experts are float32
+unless a test says otherwise, so results agree to float32 rounding; the `cuda` tests repeat the core
+checks on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import json
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli
+from hotcold.executors import CPUExecutor, HybridFFN, make_hybrid
+from hotcold.executors.moe import HybridMoE, MoEJob, random_experts
+from hotcold.models.generate import Generator
+from hotcold.models.loader import LoadedModel, load_model
+from hotcold.models.sampling import SamplingParams
+from hotcold.models.transformer import KVCache
+from tiny_models import add_tiny_tokenizer, make_tiny
+
+MOE = ["qwen2_moe", "mixtral", "qwen3_moe"]
+PLACEMENTS = {"cold": 0.0, "mixed": 0.5, "fast": 1.0}  # fraction of each layer's experts on the fast tier
+T = 10
+TOL = 2e-5  # float32 everywhere: relative to the largest |logit|
+HF_TOL = 1e-4  # absolute, as tests/test_models.py compares our dense forward with transformers
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_moe")
+
+
+_REFS: dict = {}
+
+
+def reference(folder: Path, family: str, device: str = "cpu") -> LoadedModel:
+    """The dense float32 model (loaded once per family/device; never converted)."""
+    if (family, device) not in _REFS:
+        _REFS[family, device] = load_model(make_tiny(family, folder), device=device, dtype="float32")
+    return _REFS[family, device]
+
+
+def fresh(folder: Path, family: str, device: str = "cpu") -> LoadedModel:
+    return copy.deepcopy(reference(folder, family, device))
+
+
+def hf_logits(folder: Path, family: str, toks: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(make_tiny(family, folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(toks.cpu()).logits
+
+
+def tokens(n: int = T, seed: int = 0, device="cpu") -> torch.Tensor:
+    return torch.randint(3, 160, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def decode_logits(lm: LoadedModel, toks: torch.Tensor) -> torch.Tensor:
+    """Logits [1, T, V] computed one token at a time through the KV cache (the decode path)."""
+    cache = KVCache(lm.config, toks.shape[1] + 1, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
+    with torch.inference_mode():
+        return torch.cat([lm.model(toks[:, i:i + 1], i, cache) for i in range(toks.shape[1])], dim=1)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = TOL) -> None:
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= tol * scale, f"max error {err:.3g} > {tol:g} * {scale:.3g}"
+
+
+def moe_layers(lm: LoadedModel) -> list[int]:
+    return [l for l in range(lm.config.num_layers) if lm.config.ffn_kind(l) == "moe"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The hybrid MoE computes the reference model
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("family", MOE)
+def test_prefill_and_decode_match_references(folder, family, placement):
+    ref = reference(folder, family)
+    toks = tokens()
+    with torch.inference_mode():
+        want = ref.model(toks)
+    hf = hf_logits(folder, family, toks)
+    lm = fresh(folder, family)
+    experts = random_experts(lm, PLACEMENTS[placement], seed=1)
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=experts) as eng:
+        E, k, L = lm.config.num_experts, lm.config.top_k, len(moe_layers(lm))
+        assert sorted(eng.moe) == moe_layers(lm)
+        for l, b in enumerate(lm.model.layers):
+            assert isinstance(b.ffn, HybridMoE if l in eng.moe else HybridFFN)
+            if l in eng.moe:
+                assert b.ffn.fast.ids == experts[l] and b.ffn.n_cold == E - len(experts[l])
+        with torch.inference_mode():
+            prefill = lm.model(toks)
+        decode = decode_logits(lm, toks)
+        st = eng.stats()
+    for got in (prefill, decode):
+        assert_close(got, want)
+        assert (got - hf).abs().max().item() < HF_TOL
+    for phase, n in (("prefill", T), ("decode", T)):
+        s = st[phase]
+        assert s["experts_gpu"] + s["experts_cpu"] == n * k * L  # every routed (token, expert) pair once
+        assert (s["experts_gpu"] == 0) == (placement == "cold") and (s["experts_cpu"] == 0) == (placement == "fast")
+    assert st["decode"]["tokens"] == T and st["prefill"]["tokens"] == T
+    if placement != "fast":
+        assert st["decode"]["cpu_s"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_generate_same_greedy_tokens(folder, family):
+    """Prefill a prompt, then decode: the same greedy tokens as the dense model."""
+    ref = reference(folder, family)
+    prompt = tokens(6, seed=5)[0].tolist()
+    greedy = SamplingParams(temperature=0.0)
+    want = [e.token_id for e in Generator(ref).generate(prompt, max_tokens=12, sampling=greedy, ignore_eos=True)]
+    lm = fresh(folder, family)
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=random_experts(lm, 0.5, seed=4)) as eng:
+        got = [e.token_id for e in Generator(eng.lm).generate(prompt, max_tokens=12, sampling=greedy, ignore_eos=True)]
+        per = eng.stats()["decode"]["per_token"]
+    assert got == want
+    L, k = len(moe_layers(lm)), lm.config.top_k
+    assert per["experts_gpu"] + per["experts_cpu"] == L * k and per["cpu_ms"] > 0 and per["gpu_ms"] > 0
+
+
+@pytest.mark.parametrize("kind", ["bf16", "i8"])
+def test_cpu_storage_kinds(folder, kind):
+    """Cold experts stored in bf16 or i8: close to dense."""
+    ref = reference(folder, "qwen3_moe")
+    toks = tokens(seed=12)
+    with torch.inference_mode():
+        dense = ref.model(toks)
+    lm = fresh(folder, "qwen3_moe")
+    with make_hybrid(lm, {}, None, cpu_dtype=kind, threads=2, gpu_experts=random_experts(lm, 0.25)):
+        assert_close(decode_logits(lm, toks), dense, {"bf16": 3e-2, "i8": 5e-2}[kind])
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory, the worker, bad plans
+
+
+def test_original_expert_weights_released(folder):
+    """The stacked expert parameters are freed; every weight is held once (the engine's own tensors)."""
+    lm = fresh(folder, "qwen3_moe")
+    total = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    moes = [b.ffn for b in lm.model.layers]
+    refs = [weakref.ref(p) for m in moes for p in m.experts.parameters()]
+    moe_bytes = sum(p.numel() * p.element_size() for m in moes for p in m.parameters())
+    del moes
+    eng = make_hybrid(lm, {}, None, cpu_dtype="f32", threads=1, gpu_experts=random_experts(lm, 0.5))
+    gc.collect()
+    assert all(r() is None for r in refs), "an original expert parameter is still referenced"
+    hybrid = list(eng.moe.values())
+    fast = sum(m.fast.nbytes for m in hybrid)  # plain tensors, not parameters
+    host = [mat for m in hybrid for c in m.cold if c is not None for mat in c.mats]
+    host_bytes = sum(mat.nbytes for mat in host)
+    params = sum(p.numel() * p.element_size() for p in lm.model.parameters())  # router and the rest
+    assert params + fast + host_bytes == total  # every weight once, nothing more
+    for i, a in enumerate(host):  # no two host matrices share memory
+        assert not any(np.shares_memory(a.data, b.data) for b in host[i + 1:])
+    mem = eng.memory()
+    assert mem["fast_moe_bytes"] + mem["host_moe_bytes"] == moe_bytes
+    assert mem["host_moe_bytes"] == host_bytes and 0 < host_bytes < moe_bytes
+    eng.close()
+
+
+def test_job_error_fails_the_job_not_the_worker():
+    cpu = CPUExecutor(threads=1)
+    bad = MoEJob([None, object()], np.arange(4), np.zeros((1, 8), np.float32), np.array([[1, 0]]),
+                 np.ones((1, 2), np.float32), np.zeros((1, 8), np.float32))
+    with pytest.raises(RuntimeError, match="CPU executor failed"):
+        cpu.submit(bad).wait()
+    assert cpu.alive
+    cpu.close()
+
+
+def test_bad_expert_placements(folder):
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match="no MoE FFN"):
+        make_hybrid(fresh(folder, "qwen2_moe"), {}, None, gpu_experts={1: [0]})  # layer 1 is gated
+    with pytest.raises(ValueError, match="out of range"):
+        make_hybrid(fresh(folder, "mixtral"), {}, None, gpu_experts={0: [4]})
+    with pytest.raises(ValueError, match="repeat"):
+        make_hybrid(fresh(folder, "mixtral"), {}, None, gpu_experts={0: [1, 1]})
+    assert threading.active_count() == threads  # refused before a worker thread started
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: profile, plan with experts split, run = run --no-plan
+
+
+def _slow_cpu_hardware(path: Path) -> Path:
+    """The H200 preset with a CPU 1000x slower: on a tiny model, splitting experts then pays."""
+    from hotcold.planner.probe import preset
+
+    hw = preset("h200")
+    slow = {f: {k: v / 1000 for k, v in getattr(hw, f).items()}
+            for f in ("cpu_ffn_Bps", "cpu_gather_Bps", "cpu_dense_Bps")}
+    path.write_text(dataclasses.replace(hw, **slow, gpu_context_bytes=0).to_json())  # a tiny GPU: no context to reserve
+    return path
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
+    """float32 compute on either device (cold experts are stored in bf16, as `run` chooses for float32)."""
+    from hotcold.planner.plan import load_plan
+
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
+    model = add_tiny_tokenizer(make_tiny("qwen3_moe", tmp_path))
+    r = run_cli("profile", model, "--tokens", "1024", "--seq-len", "64", "--samples", "256", "--device", device)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("plan", model, "--vram", "250KiB", "--workspace", "16KiB", "--ctx", "128",
+                "--hardware", _slow_cpu_hardware(tmp_path / "hw.json"))
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(model.parent / f"{model.name}.hotcold")
+    assert plan.mode == "hybrid" and any(0 < len(plan.gpu_experts[l]) < len(plan.expert_order[l]) for l in range(3))
+    args = ("run", model, "--prompt", "The value of", "-n", "12", "--temperature", "0", "--ignore-eos", "--json",
+            "--device", device, "--dtype", "float32")
+    hybrid = run_cli(*args, "--stats")
+    dense = run_cli(*args, "--no-plan")
+    assert hybrid.returncode == 0 and dense.returncode == 0, hybrid.stderr + dense.stderr
+    assert "hybrid" in hybrid.stderr and "experts per token" in hybrid.stderr
+    assert json.loads(hybrid.stdout)["token_ids"] == json.loads(dense.stdout)["token_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the same checks with the GPU as the fast tier
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family", MOE)
+def test_cuda_matches_dense(folder, family):
+    ref = reference(folder, family, "cuda")
+    toks = tokens(seed=13, device="cuda")
+    with torch.inference_mode():
+        want = ref.model(toks)
+    for frac in PLACEMENTS.values():
+        lm = fresh(folder, family, "cuda")
+        with make_hybrid(lm, {}, None, cpu_dtype="f32", gpu_experts=random_experts(lm, frac, seed=2)) as eng:
+            with torch.inference_mode():
+                assert_close(lm.model(toks), want, 1e-4)
+            assert_close(decode_logits(lm, toks), want, 1e-4)
+            st = eng.stats()["decode"]
+            assert st["tokens"] == T and st["transfer_s"] > 0  # the routing crosses even with no CPU expert
+            assert (st["experts_cpu"] == 0) == (frac == 1.0)
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_bf16_generate(folder):
+    ref = reference(folder, "qwen2_moe")
+    lm = fresh(folder, "qwen2_moe")  # loaded on the CPU, converted onto the GPU in bf16
+    toks = tokens(seed=15)
+    with torch.inference_mode():
+        dense = ref.model(toks)
+    with make_hybrid(lm, {}, None, device="cuda", dtype=torch.bfloat16, gpu_experts=random_experts(lm, 0.5)) as eng:
+        assert lm.device.type == "cuda" and eng.moe[0].fast.gate.device.type == "cuda"
+        assert_close(decode_logits(lm, toks.cuda()).cpu(), dense, 5e-2)
+        out = list(Generator(eng.lm).generate(tokens(4)[0].tolist(), max_tokens=8,
+                                             sampling=SamplingParams(temperature=0.0), ignore_eos=True))
+        assert len(out) == 8
