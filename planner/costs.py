@@ -58,6 +58,8 @@ class Constants:
     # GPU memory the plan keeps free of weights
     workspace_bytes: int = 256 * MiB  # bytes: activations, logits, torch allocator slack (plus per-token below)
     workspace_per_token_bytes_factor: int = 16  # bytes x (hidden + ffn + vocab) per batch token (float32 temporaries)
+    cuda_context_bytes: int = 512 * MiB  # bytes: CUDA context + cuBLAS workspace + kernels, when the probe has no figure
+    stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
     attn_gpu_kernels: int = 12  # norm, q/k/v, rope x2, cache write, sdpa, o, residual, ...
@@ -206,6 +208,13 @@ def _attention_weights(cfg, layer: int) -> float:
     return float(n)
 
 
+def _dense_ffn_bytes(cfg) -> float:
+    """Weights (count) of the largest dense/gated FFN layer (0 for MoE-only models): what prefill streams."""
+    sizes = [(3 if cfg.ffn_kind(l) == "gated" else 2) * cfg.hidden_size * cfg.intermediate_size
+             for l in range(cfg.num_layers) if cfg.ffn_kind(l) in ("dense", "gated")]
+    return float(max(sizes, default=0))
+
+
 def _kv_len(cfg, layer: int, ctx: int) -> int:
     if cfg.sliding_window and cfg.is_sliding(layer):
         return min(ctx, cfg.sliding_window)
@@ -299,6 +308,9 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         embed_bytes += (cfg.max_position_embeddings + 2) * h * w
     workspace = c.workspace_bytes + B * c.workspace_per_token_bytes_factor * (
         h + max(cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", 0) or 0) + cfg.vocab_size)
+    if has_gpu:  # the process's own GPU memory outside the weights: inside the --vram budget too
+        ctx_bytes = hw.gpu_context_bytes if hw.gpu_context_bytes is not None else c.cuda_context_bytes
+        workspace += ctx_bytes + min(c.stream_slots_bytes, 2 * _dense_ffn_bytes(cfg) * w)
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,
         head_gpu_s=head_bytes / gbw + c.head_gpu_kernels * launch,

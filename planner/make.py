@@ -94,7 +94,7 @@ def make_plan(cfg, stats, hw: HardwareProfile, req: PlanRequest) -> PlanResult:
     if vram <= 0:
         return all_cpu(None)
     if vram < costs.workspace_bytes:
-        raise BudgetError(f"--vram {format_size(vram)} cannot hold the GPU workspace ({format_size(costs.workspace_bytes)}"
+        raise BudgetError(f"--vram {format_size(vram)} cannot hold the GPU workspace and CUDA context ({format_size(costs.workspace_bytes)}"
                           f" at batch {costs.batch}): use --vram {size_arg(costs.workspace_bytes)} or more, or --vram 0 "
                           "for an all-CPU plan")
     if hw.gpu_free_bytes and vram > hw.gpu_free_bytes and hw.source == "measured":

@@ -20,6 +20,7 @@ plan can be made for a machine other than this one (`hotcold plan --hardware h20
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -72,6 +73,8 @@ class HardwareProfile:
     roundtrip_s: float | None = None  # 8 KiB host->device, one op, device->host, synchronise
     launch_sync_s: float | None = None  # one tiny kernel + synchronise
     launch_s: float | None = None  # per kernel when queued back to back (asynchronous launch cost)
+    gpu_context_bytes: int | None = None  # GPU memory a torch process holds outside its allocator (CUDA
+    # context, cuBLAS workspace, kernel images); None: not measured (the planner assumes Constants')
 
     # --- accessors used by the cost model (fall back sensibly when a kind was not measured)
     def _by_kind(self, table: dict[str, float], kind: str) -> float:
@@ -130,7 +133,9 @@ class HardwareProfile:
                  ("GPU copy / GEMV", f"{bw(self.gpu_copy_Bps)} / {bw(self.gpu_gemv_Bps)}"),
                  ("H2D / D2H pinned", f"{bw(self.h2d_pinned_Bps)} / {bw(self.d2h_pinned_Bps)}"),
                  ("H2D / D2H pageable", f"{bw(self.h2d_pageable_Bps)} / {bw(self.d2h_pageable_Bps)}"),
-                 ("round trip / launch+sync / launch", f"{us(self.roundtrip_s)} / {us(self.launch_sync_s)} / {us(self.launch_s)}")]
+                 ("round trip / launch+sync / launch", f"{us(self.roundtrip_s)} / {us(self.launch_sync_s)} / {us(self.launch_s)}"),
+                 ("CUDA context", format_size(self.gpu_context_bytes) if self.gpu_context_bytes is not None
+                  else "not measured")]
         return rows
 
 
@@ -138,6 +143,7 @@ class HardwareProfile:
 # The H200 host and the gaming PC of DESIGN.md ("Numbers to keep in mind"). Values marked ~ are
 # estimates, not measurements: i8 and ffn rates, call and hand-off costs.
 _GiB = 1 << 30
+CONTEXT_MAX_BYTES = 2 * _GiB  # more than this beside the probe's own memory: other processes use the GPU
 PRESETS: dict[str, dict] = {
     "h200": dict(
         hostname="h200-host", cpu_threads=16, ram_total_bytes=128 * _GiB, ram_available_bytes=120 * _GiB,
@@ -254,15 +260,12 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
 
     vm = psutil.virtual_memory()
     hw.ram_total_bytes, hw.ram_available_bytes = int(vm.total), int(vm.available)
-    # The full probe's matrix (512 MiB in f32) is larger than any CPU's last-level cache, so the
-    # rates are DRAM rates; the quick one (8 MiB, for tests) may be served from cache.
     rows_n, d = (2048, 1024) if quick else (32768, 4096)
     min_time = 0.03 if quick else 0.25
     hw.cpu_row_len = d
-    gen = torch.Generator().manual_seed(0)
-    src = torch.randn(rows_n, d, generator=gen)
     rng = np.random.default_rng(0)
-    sel = np.sort(rng.choice(rows_n, rows_n // 8, replace=False)).astype(np.int64)
+    sels = [np.sort(part).astype(np.int64) for part in np.array_split(rng.permutation(rows_n), 8)]
+    sel = sels[0]  # 1/8 of the rows
     x = rng.standard_normal(d).astype(np.float32)
     try:
         from hotcold.sparse_ops import cpu
@@ -271,6 +274,7 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
     if cpu is None:
         hw.cpu_kernel = "numpy-fallback"
         hw.cpu_threads = os.cpu_count() or 1
+        src = torch.randn(rows_n, d, generator=torch.Generator().manual_seed(0))
         for kind, dt in (("f32", np.float32), ("f16", np.float16)):
             m = src.numpy().astype(dt)
             t = _rate(lambda: m[sel] @ x, min_time)
@@ -281,20 +285,31 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
         return
     hw.cpu_kernel = "hotcold.sparse_ops.cpu"
     hw.cpu_threads = cpu.get_threads()
+    # Every timed call reads another matrix of a pool larger than the last-level cache, as decoding
+    # reads each layer's weights once per token: one matrix read again and again partly stays in
+    # the cache (the 16-core H200 host's dense rate read 140 GB/s from one 256 MiB matrix, 66-83
+    # GB/s as the engine's CPU attention). The quick probe (tests) uses one small matrix.
+    f32_bytes = rows_n * d * 4
+    pool_bytes = f32_bytes if quick else max(1 << 30, 4 * _llc_bytes(), 2 * f32_bytes)
+    pool_bytes = min(pool_bytes, max(f32_bytes, int(vm.available) // 8))
+    raw = np.full(pool_bytes, 0x3C, np.uint8)  # 0x3C3C.. is a normal number as f32, f16 and bf16
     out_rows = np.empty(len(sel), np.float32)
     out_all = np.empty(rows_n, np.float32)
     out_ffn = np.zeros(d, np.float32)
     for kind in KINDS:
         t0 = time.perf_counter()
-        m = cpu.HostMatrix.from_torch(src, kind)
-        rb = m.row_bytes()
-        t = _rate(lambda: cpu.gemv_rows(m, sel, x, out_rows), min_time)
+        mats = _matrix_pool(cpu, raw, kind, rows_n, d)
+        pool = itertools.cycle(mats)
+        # (matrix, selection) pairs: 8 disjoint selections, so a cycle reads the whole pool once
+        picks = itertools.cycle([(m, s) for s in sels for m in mats])
+        rb = mats[0].row_bytes()
+        t = _rate(lambda: cpu.gemv_rows(*next(picks), x, out_rows), min_time)
         hw.cpu_gather_rows_per_s[kind] = len(sel) / t
         hw.cpu_gather_Bps[kind] = len(sel) * rb / t
-        t = _rate(lambda: cpu.ffn_rows(x, sel, m, m, "silu", gate=m, out=out_ffn), min_time)
+        t = _rate(lambda: cpu.ffn_rows(x, (p := next(picks))[1], p[0], p[0], "silu", gate=p[0], out=out_ffn), min_time)
         hw.cpu_ffn_neurons_per_s[kind] = len(sel) / t
         hw.cpu_ffn_Bps[kind] = 3 * len(sel) * rb / t
-        t = _rate(lambda: cpu.gemv(m, x, out_all), min_time)
+        t = _rate(lambda: cpu.gemv(next(pool), x, out_all), min_time)
         hw.cpu_dense_Bps[kind] = rows_n * rb / t
         if log:
             log(f"CPU {kind}: gather {hw.cpu_gather_Bps[kind] / 1e9:.1f} GB/s, ffn {hw.cpu_ffn_Bps[kind] / 1e9:.1f} GB/s, "
@@ -302,8 +317,38 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
         if kind == "f32":
             one = sel[:1].copy()
             out1 = np.empty(1, np.float32)
-            hw.cpu_call_s = _rate(lambda: cpu.gemv_rows(m, one, x, out1), min_time / 4)
-        del m
+            m1 = next(pool)
+            hw.cpu_call_s = _rate(lambda: cpu.gemv_rows(m1, one, x, out1), min_time / 4)
+
+
+def _matrix_pool(cpu, raw, kind: str, rows_n: int, d: int) -> list:
+    """HostMatrix views [rows_n, d] of `kind` over consecutive slices of the byte buffer `raw`."""
+    import numpy as np
+
+    dt = {"f32": np.float32, "bf16": np.uint16, "f16": np.uint16, "i8": np.int8}[kind]
+    size = rows_n * d * np.dtype(dt).itemsize
+    scale = np.ones(rows_n, np.float32) if kind == "i8" else None
+    return [cpu.HostMatrix(raw[i * size:(i + 1) * size].view(dt).reshape(rows_n, d), kind, scale)
+            for i in range(max(1, len(raw) // size))]
+
+
+def _llc_bytes() -> int:
+    """The CPUs' last-level (L3) cache in bytes, summed over the caches that sysfs lists (0: unknown)."""
+    seen, total = set(), 0
+    for idx in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            if (idx / "level").read_text().strip() != "3":
+                continue
+            shared = (idx / "shared_cpu_list").read_text().strip()
+            if shared in seen:
+                continue
+            seen.add(shared)
+            size = (idx / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            total += int(size.rstrip("KMG")) * mult
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def _probe_handoff(hw: HardwareProfile, quick: bool) -> None:
@@ -389,6 +434,9 @@ def _probe_cuda(hw: HardwareProfile, quick: bool, log) -> None:
     hw.launch_sync_s = _median_time(launch_sync, reps)
     hw.launch_s = timed(lambda: dx.add_(1.0), 2000)
     torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    context = int(total - free - torch.cuda.memory_reserved())  # also counts other processes' memory
+    hw.gpu_context_bytes = context if 0 <= context <= CONTEXT_MAX_BYTES else None
     if log:
         log(f"GPU {hw.gpu_name}: GEMV {hw.gpu_gemv_Bps / 1e9:.0f} GB/s, H2D pinned {hw.h2d_pinned_Bps / 1e9:.1f} GB/s, "
             f"round trip {hw.roundtrip_s * 1e6:.0f} µs")

@@ -37,7 +37,7 @@ TINY = {
                       mlp_only_layers=[1]),
 }
 TOY_CONSTANTS = Constants(workspace_bytes=4 * KiB, workspace_per_token_bytes_factor=0, host_reserve_bytes=0,
-                          step_overhead_s=0.0, layer_overhead_s=0.0)
+                          step_overhead_s=0.0, layer_overhead_s=0.0, stream_slots_bytes=0)
 
 
 def tiny_cfg(name: str, **over):
@@ -55,7 +55,8 @@ def toy_hw(gpu_bw=20e9, cpu_bw=2e9, rt=4e-6, launch=0.2e-6, call=0.5e-6, handoff
         gpu_copy_Bps=gpu_bw * 1.2 if cuda else None, gpu_gemv_Bps=gpu_bw if cuda else None,
         h2d_pinned_Bps=1e9 if cuda else None, d2h_pinned_Bps=1e9 if cuda else None,
         h2d_pageable_Bps=0.5e9 if cuda else None, d2h_pageable_Bps=0.5e9 if cuda else None,
-        roundtrip_s=rt if cuda else None, launch_sync_s=2 * launch if cuda else None, launch_s=launch if cuda else None)
+        roundtrip_s=rt if cuda else None, launch_sync_s=2 * launch if cuda else None, launch_s=launch if cuda else None,
+        gpu_context_bytes=0 if cuda else None)
 
 
 def power_law_stats(cfg, rng, alphas=None, scale=0.9) -> list[LayerStats]:
@@ -237,6 +238,33 @@ def test_extremes_all_gpu_and_all_cpu():
     # no CUDA in the hardware profile: all-CPU whatever --vram says, with a note
     r1 = make_plan(cfg, stats, toy_hw(cuda=False), _req(GiB))
     assert r1.mode == "cpu" and any("no CUDA" in n for n in r1.notes)
+
+
+def test_gpu_reserve_counts_cuda_context_and_stream_slots():
+    """The budget holds the process's CUDA context (measured, else the constant) and the prefill
+    streamer's slots (at most two FFN layers); no GPU, no reserve."""
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=3)
+    stats = power_law_stats(cfg, np.random.default_rng(2))
+    fmt = weight_format("bf16")
+    consts = dataclasses.replace(TOY_CONSTANTS, stream_slots_bytes=128 * MiB)
+    ffn_layer = (3 if cfg.ffn_kind(0) == "gated" else 2) * cfg.hidden_size * cfg.intermediate_size * 2  # bf16
+
+    def ws(hw, c=consts):
+        return build_costs(cfg, stats, hw, fmt, ctx=64, block_size=8, constants=c).workspace_bytes
+
+    base = ws(toy_hw(cuda=False))
+    assert ws(toy_hw()) == base + 2 * ffn_layer  # measured context 0; slots capped at two layers
+    assert ws(dataclasses.replace(toy_hw(), gpu_context_bytes=300 * MiB)) == base + 300 * MiB + 2 * ffn_layer
+    unmeasured = dataclasses.replace(toy_hw(), gpu_context_bytes=None)
+    assert ws(unmeasured) == base + consts.cuda_context_bytes + 2 * ffn_layer
+    big = dataclasses.replace(consts, stream_slots_bytes=1000)
+    assert ws(toy_hw(), big) == base + 1000
+    # a plan at a budget just above the reserve keeps its weights under budget - reserve
+    hw = dataclasses.replace(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6), gpu_context_bytes=64 * KiB)
+    costs = build_costs(cfg, stats, hw, fmt, ctx=64, block_size=8, constants=consts)
+    vram = costs.workspace_bytes + 0.4 * (model_bytes(costs) - costs.workspace_bytes)
+    r = make_plan(cfg, stats, hw, _req(vram, constants=consts))
+    assert r.mode == "hybrid" and r.evaluation.gpu_total <= vram and r.evaluation.gpu_bytes["workspace"] == ws(hw)
 
 
 def test_infeasible_budgets_say_the_minimum():
@@ -460,16 +488,17 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     r = _cli("plan", model, "--vram", "0", "--hardware", "h200", "--solver", "highs")
     assert r.exit_code == 0 and load_plan(tmp_path / "tiny.hotcold").mode == "cpu"
     # --uniform needs no profile; --out chooses the folder
-    r = _cli("plan", model, "--vram", "300MiB", "--hardware", "rtx4090", "--uniform", "--out", tmp_path / "o")
+    r = _cli("plan", model, "--vram", "1GiB", "--hardware", "rtx4090", "--uniform", "--out", tmp_path / "o")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "o" / "plan.json").read_text())["profile"]["source"] == "uniform"
     # a profile of another model is refused
     other = make_model_folder(tmp_path, "other", dict(cfg_dict, vocab_size=170))
-    r = _cli("plan", other, "--vram", "300MiB", "--hardware", "h200", "--profile", tmp_path / "tiny.hotcold")
+    r = _cli("plan", other, "--vram", "1GiB", "--hardware", "h200", "--profile", tmp_path / "tiny.hotcold")
     assert isinstance(r.exception, ArtifactError) and "made for another model" in str(r.exception)
     # infeasible: one line with the minimum
     r = _cli("plan", model, "--vram", "10MiB", "--hardware", "h200")
-    assert isinstance(r.exception, BudgetError) and "--vram 257MiB or more" in str(r.exception)
+    # (256 MiB workspace + the 512 MiB CUDA context the presets assume + two FFN layers' stream slots)
+    assert isinstance(r.exception, BudgetError) and "--vram 769MiB or more" in str(r.exception)
     # no hardware profile yet for this machine: plan probes once and caches it
     monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: toy_hw(cuda=False))
     r = _cli("plan", model, "--vram", "1GiB", "--ram", "4GiB")

@@ -175,6 +175,15 @@ def llama_gpu_layers(layout: GgufLayout, n_ctx: int, budget: int) -> int:
     return best
 
 
+def gpu_reserve_bytes() -> int:
+    """What hotcold's planner keeps out of a --vram budget besides weights and KV cache when it has no
+    measured figure (workspace + CUDA context): the peer gets the same room for its own."""
+    from hotcold.planner.costs import Constants
+
+    c = Constants()
+    return c.workspace_bytes + c.cuda_context_bytes
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -922,10 +931,13 @@ def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str]
         if "llama.cpp" in kinds:
             layout = read_gguf_layout(paths.gguf)
             if cuda:
-                ngl = llama_gpu_layers(layout, n_ctx, args.vram_bytes) if args.vram_bytes else layout.n_layer + 1
+                reserve = gpu_reserve_bytes()
+                ngl = (llama_gpu_layers(layout, n_ctx, max(0, args.vram_bytes - reserve)) if args.vram_bytes
+                       else layout.n_layer + 1)
                 notes.append(f"llama.cpp n_gpu_layers={ngl} of {layout.n_layer} (+1 = output layer)"
-                             + (f", the most whose weights + KV fit in {fmt_bytes(args.vram_bytes)}"
-                                if args.vram_bytes else ""))
+                             + (f", the most whose weights + KV fit in {fmt_bytes(args.vram_bytes)} less "
+                                f"{fmt_bytes(reserve)} for its CUDA context and compute buffers (hotcold's "
+                                "planner keeps the same out of the budget)" if args.vram_bytes else ""))
             settings["llama_n_gpu_layers"] = ngl
             settings["llama_n_layer"] = layout.n_layer
         machine = machine_info(args.threads, probe)
