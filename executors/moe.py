@@ -1,8 +1,9 @@
 """HybridMoE: one mixture-of-experts layer split between the fast tier and the CPU worker.
 
 The router, the shared expert (and its sigmoid gate) and the plan's GPU experts sit on the fast
-tier; every other expert lives in host memory as a ColdFFN (gate, up, down transposed: [I, D] each,
-one neuron per row) for the numba kernels. For N tokens (decode: N = 1; prefill: the chunk):
+tier; the other experts live in host memory stacked in one ColdFFN (gate, up, down transposed:
+[E_cpu * I, D] each, one neuron per row, an expert's rows contiguous) for the numba kernels, so a
+token's routed CPU experts are one kernel call (each expert's rows scaled by its routing weight). For N tokens (decode: N = 1; prefill: the chunk):
   compute stream  x ─ router ─ w, ids ─┬─ shared expert ──── GPU experts of the routed ids ── y ─┐
   copy stream                          └─ D2H x, w, ids ─ event ┐                               + ─ y
   main thread                                  waits the event ─┼─ reads ids, queues GPU experts │
@@ -27,7 +28,7 @@ from torch import nn
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows
 from hotcold.executors.stats import StatsBook, now
 from hotcold.executors.tier import FastTier
-from hotcold.executors.weights import ColdFFN, host_expert
+from hotcold.executors.weights import ColdFFN, host_experts
 from hotcold.models.layers import FFN, MoEFFN, activation_fn, route
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
 
@@ -81,7 +82,8 @@ class MoEParts:
     shared: nn.Module | None  # GatedFFN
     shared_gate: nn.Linear | None
     fast: FastExperts
-    cold: list[ColdFFN | None]  # per expert id: its host weights, or None (on the fast tier)
+    cold: ColdFFN | None  # the other experts stacked in host memory: expert at position p has rows [p*I, (p+1)*I)
+    pos: np.ndarray  # int64 [E]: each expert's position in `cold`, -1 for those on the fast tier
     hidden: int  # I, neurons per expert
     top_k: int
     renormalise: bool
@@ -93,7 +95,7 @@ class MoEParts:
 
     @property
     def host_bytes(self) -> int:
-        return sum(c.nbytes for c in self.cold if c is not None)
+        return self.cold.nbytes if self.cold is not None else 0
 
 
 @torch.no_grad()
@@ -104,15 +106,17 @@ def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str =
     ex = moe.experts
     n_exp, hidden = ex.gate.shape[:2]  # gate: [E, I, D]
     on_gpu = check_experts(gpu_experts, n_exp)
-    cold = [None if e in on_gpu else host_expert(ex.gate[e], ex.up[e], ex.down[e].t(), act, cpu_kind)  # each [I, D]
-            for e in range(n_exp)]
+    cold_ids = [e for e in range(n_exp) if e not in on_gpu]
+    cold = host_experts(ex.gate, ex.up, ex.down, cold_ids, act, cpu_kind) if cold_ids else None
+    pos = np.full(n_exp, -1, np.int64)
+    pos[cold_ids] = np.arange(len(cold_ids))
     fast = FastExperts(on_gpu, *(_stack(w, on_gpu, device, dtype) for w in (ex.gate, ex.up, ex.down)),
                        act=activation_fn(act))
     shared, shared_gate = getattr(moe, "shared", None), getattr(moe, "shared_gate", None)
     for m in (moe.router, shared, shared_gate):
         if m is not None:
             m.to(device=device, dtype=dtype)  # in place
-    return MoEParts(moe.router, shared, shared_gate, fast, cold, hidden, moe.top_k, moe.renormalise)
+    return MoEParts(moe.router, shared, shared_gate, fast, cold, pos, hidden, moe.top_k, moe.renormalise)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,26 +151,17 @@ def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]
             yield e, tok, slot
 
 
-def cold_expert(c: ColdFFN, rows: np.ndarray, x: np.ndarray, tok: np.ndarray, w: np.ndarray,
-                out: np.ndarray) -> None:
-    """out[tok] += w * expert(x[tok]) over all of the expert's neurons. x, out: [N, D]; tok, w: [n]."""
-    if len(tok) == 1:
-        y = np.zeros(x.shape[1], np.float32)
-        ffn_rows(x[tok[0]], rows, c.up, c.down_t, c.act, c.gate, out=y)  # [D]
-        out[tok[0]] += w[0] * y
-    else:
-        y = ffn_rows_batch(x[tok], rows, c.up, c.down_t, c.act, c.gate)  # [n, D]
-        out[tok] += w[:, None] * y  # a token routes to an expert once: tok has no repeats
-
-
 @dataclass
 class MoEJob:
     """One MoE layer's CPU experts for N tokens, run by the CPUExecutor. x, out: float32 [N, D]; ids:
     int64 [N, k]; weights: float32 [N, k] (host views); ready: the event of their D2H copy (None on
-    the CPU)."""
+    the CPU). One token: its routed CPU experts in one kernel call, each expert's rows scaled by its
+    routing weight (`scale`, the layer's [rows] buffer); several: one batched call per expert."""
 
-    cold: list[ColdFFN | None]
-    rows: np.ndarray  # int64 [I]: every neuron of an expert
+    cold: ColdFFN  # the layer's CPU experts, stacked
+    pos: np.ndarray  # int64 [E]: position of each expert in `cold`, -1 on the fast tier
+    expert_rows: list  # int64 [I] row indices of the expert at each position
+    scale: np.ndarray  # float32 [rows of cold]
     x: np.ndarray
     ids: np.ndarray
     weights: np.ndarray
@@ -186,9 +181,20 @@ class MoEJob:
             self.ready.synchronize()  # releases the GIL
         t1 = now()
         self.out.fill(0.0)
-        for e, tok, slot in routed(self.ids, lambda e: self.cold[e] is not None):
-            cold_expert(self.cold[e], self.rows, self.x, tok, self.weights[tok, slot], self.out)
-            self.pairs += len(tok)
+        c = self.cold
+        if len(self.x) == 1:
+            chosen = sorted((int(self.pos[e]), float(w)) for e, w in zip(self.ids[0], self.weights[0]) if self.pos[e] >= 0)
+            for p, w in chosen:
+                self.scale[self.expert_rows[p]] = w
+            if chosen:
+                rows = np.concatenate([self.expert_rows[p] for p, _ in chosen])
+                ffn_rows(self.x[0], rows, c.up, c.down_t, c.act, c.gate, out=self.out[0], row_scale=self.scale)
+            self.pairs = len(chosen)
+        else:
+            for e, tok, slot in routed(self.ids, lambda e: self.pos[e] >= 0):
+                y = ffn_rows_batch(self.x[tok], self.expert_rows[self.pos[e]], c.up, c.down_t, c.act, c.gate)  # [n, D]
+                self.out[tok] += self.weights[tok, slot][:, None] * y  # a token routes to an expert once
+                self.pairs += len(tok)
         self.input_wait_s, self.cpu_s = t1 - t0, now() - t1
 
     def wait(self) -> None:
@@ -213,13 +219,15 @@ class HybridMoE(FFN):
         super().__init__()
         self.layer, self.cpu, self.tier, self.book = layer, cpu, tier, book
         self.router, self.shared, self.shared_gate = parts.router, parts.shared, parts.shared_gate
-        self.fast, self.cold = parts.fast, parts.cold
+        self.fast, self.cold, self.pos = parts.fast, parts.cold, parts.pos
         self.top_k, self.renormalise = parts.top_k, parts.renormalise
         self.fast_bytes, self.host_bytes = parts.fast_bytes, parts.host_bytes
-        self.n_cold = sum(c is not None for c in self.cold)
+        self.n_cold = int((parts.pos >= 0).sum())
         self.slot = {e: g for g, e in enumerate(self.fast.ids)}  # expert id -> fast tier slot
         self.dim = self.router.in_features
-        self.rows = np.arange(parts.hidden, dtype=np.int64)  # every neuron of an expert
+        I = parts.hidden
+        self.expert_rows = [np.arange(p * I, (p + 1) * I, dtype=np.int64) for p in range(self.n_cold)]
+        self.row_scale = np.zeros(self.n_cold * I, np.float32)  # decode: routing weight per cold row
         self.decode_io = HostRows(tier.host_empty, self.dim, 1 if self.n_cold else 0)
         self.decode_routing = HostRouting(tier.host_empty, self.top_k, 1)
         self.prefill_io = prefill_io
@@ -231,7 +239,7 @@ class HybridMoE(FFN):
 
     @property
     def buffer_bytes(self) -> int:
-        return self.decode_io.nbytes + self.decode_routing.nbytes
+        return self.decode_io.nbytes + self.decode_routing.nbytes + self.row_scale.nbytes
 
     # ------------------------------------------------------------------ forward
 
@@ -302,8 +310,8 @@ class HybridMoE(FFN):
             ready = tier.event(tier.copy)
         if io is None:
             return routing, ready, None
-        job = MoEJob(self.cold, self.rows, io.x_np[:n], routing.ids_np[:n], routing.weights_np[:n], io.out_np[:n],
-                     ready=ready, keep=(xf, weights, ids), io=io)
+        job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, io.x_np[:n], routing.ids_np[:n],
+                     routing.weights_np[:n], io.out_np[:n], ready=ready, keep=(xf, weights, ids), io=io)
         return routing, ready, self.cpu.submit(job)
 
     def _receive(self, job: MoEJob, y: torch.Tensor, phase: str) -> torch.Tensor:

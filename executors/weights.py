@@ -163,10 +163,29 @@ def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype,
 
 
 @torch.no_grad()
-def host_expert(gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor, act: str, cpu_kind: str) -> ColdFFN:
-    """One MoE expert with every neuron in host memory. gate, up, down_t: [I, D] (any device, views)."""
+def host_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ids: list[int], act: str,
+                 cpu_kind: str) -> ColdFFN:
+    """MoE experts `ids` stacked in host memory, expert p's neurons at rows [p*I, (p+1)*I) of each
+    matrix, so one kernel call computes several experts. gate, up: [E, I, D]; down: [E, D, I]."""
     if cpu_kind not in CPU_KINDS:
         raise ValueError(f"cpu_dtype must be one of {tuple(CPU_KINDS)}, got {cpu_kind!r}")
-    rows = torch.arange(up.shape[0], device=up.device)
-    mats = {k: _host_rows(w, rows, cpu_kind) for k, w in (("gate", gate), ("up", up), ("down_t", down_t))}
-    return ColdFFN(idx=np.arange(up.shape[0], dtype=np.int64), up_bias=None, act=act, **mats)
+    n = len(ids) * up.shape[1]
+    mats = {k: _stack_rows([w(e) for e in ids], cpu_kind)
+            for k, w in (("gate", lambda e: gate[e]), ("up", lambda e: up[e]), ("down_t", lambda e: down[e].t()))}
+    return ColdFFN(idx=np.arange(n, dtype=np.int64), up_bias=None, act=act, **mats)
+
+
+def _stack_rows(parts: list[torch.Tensor], kind: str) -> HostMatrix:
+    """The [I, D] parts one after the other as a host matrix [len * I, D] of `kind` (one part at a time)."""
+    i, d = parts[0].shape
+    if kind == "i8":
+        q, scale = np.empty((len(parts) * i, d), np.int8), np.empty(len(parts) * i, np.float32)
+        for p, w in enumerate(parts):
+            q[p * i:(p + 1) * i], scale[p * i:(p + 1) * i] = quantize_i8(w)
+        return HostMatrix(q, "i8", scale)
+    with torch.inference_mode(False):
+        out = torch.empty((len(parts) * i, d), dtype=CPU_KINDS[kind])
+    advise_hugepages(out)
+    for p, w in enumerate(parts):
+        out[p * i:(p + 1) * i] = w.to("cpu", out.dtype)
+    return HostMatrix.from_torch(out, kind)  # shares out's memory

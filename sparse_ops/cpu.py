@@ -465,11 +465,13 @@ _NO_BIAS = np.zeros(1, np.float32)
 
 def ffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: HostMatrix, act: str,
                    gate: HostMatrix | None = None, up_bias: np.ndarray | None = None,
-                   out: np.ndarray | None = None) -> np.ndarray:
+                   out: np.ndarray | None = None, row_scale: np.ndarray | None = None) -> np.ndarray:
     """Fused sparse FFN for T tokens sharing one row selection; returns out float32 [T, D] (+=).
 
     For each selected neuron i: h = act(gate_i·x) * (up_i·x) when gate is given (bias ignored),
-    else h = act(up_i·x + up_bias_i); then out += sum_i h_i * down_t[i]. act: relu | silu | gelu_tanh.
+    else h = act(up_i·x + up_bias_i); then out += sum_i h_i * row_scale_i * down_t[i]. act: relu |
+    silu | gelu_tanh. row_scale: float32 [N] per matrix row, or None (1): e.g. the routing weight
+    of the MoE expert a row belongs to, when several experts are stacked in one matrix.
     """
     if act not in ACTS:
         raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
@@ -488,25 +490,29 @@ def ffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: Host
         return out
     bias = _NO_BIAS if (up_bias is None or gate is not None) else _as_f32(up_bias, (n,), "up_bias")
     g = gate if gate is not None else up  # same storage type: gated and ungated share one compilation
+    ds = down_t._s  # the kernels scale each row's h by it (the i8 row scale, else ones)
+    if row_scale is not None:
+        row_scale = _as_f32(row_scale, (n,), "row_scale")
+        ds = row_scale if down_t.kind != "i8" else ds * row_scale
     if T == 1:
         _ffn_one_kernel(X[0], rows, up._w, up._s, g._w, g._s, bias,
-                        down_t._w, down_t._s, ACTS[act], gate is not None, bias is not _NO_BIAS,
+                        down_t._w, ds, ACTS[act], gate is not None, bias is not _NO_BIAS,
                         min(get_threads(), k), out[0])
         return out
     tile = max(1, min(T, _TILE_BYTES // (4 * d)))
-    _ffn_rows_kernel(X, rows, up._w, up._s, g._w, g._s, bias, down_t._w, down_t._s, ACTS[act],
+    _ffn_rows_kernel(X, rows, up._w, up._s, g._w, g._s, bias, down_t._w, ds, ACTS[act],
                      gate is not None, bias is not _NO_BIAS, min(get_threads(), k), tile, out)
     return out
 
 
 def ffn_rows(x: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: HostMatrix, act: str,
              gate: HostMatrix | None = None, up_bias: np.ndarray | None = None,
-             out: np.ndarray | None = None) -> np.ndarray:
+             out: np.ndarray | None = None, row_scale: np.ndarray | None = None) -> np.ndarray:
     """One token of `ffn_rows_batch`: x float32 [D] -> out float32 [D] (+=)."""
     d = up.shape[1]
     x = _as_f32(x, (d,), "x")
     out2 = None if out is None else _check_out(out, (d,)).reshape(1, d)
-    res = ffn_rows_batch(x.reshape(1, d), rows, up, down_t, act, gate, up_bias, out2)
+    res = ffn_rows_batch(x.reshape(1, d), rows, up, down_t, act, gate, up_bias, out2, row_scale)
     return res.reshape(d) if out is None else out
 
 

@@ -168,7 +168,7 @@ def test_original_expert_weights_released(folder):
     assert all(r() is None for r in refs), "an original expert parameter is still referenced"
     hybrid = list(eng.moe.values())
     fast = sum(m.fast.nbytes for m in hybrid)  # plain tensors, not parameters
-    host = [mat for m in hybrid for c in m.cold if c is not None for mat in c.mats]
+    host = [mat for m in hybrid if m.cold is not None for mat in m.cold.mats]
     host_bytes = sum(mat.nbytes for mat in host)
     params = sum(p.numel() * p.element_size() for p in lm.model.parameters())  # router and the rest
     assert params + fast + host_bytes == total  # every weight once, nothing more
@@ -182,8 +182,8 @@ def test_original_expert_weights_released(folder):
 
 def test_job_error_fails_the_job_not_the_worker():
     cpu = CPUExecutor(threads=1)
-    bad = MoEJob([None, object()], np.arange(4), np.zeros((1, 8), np.float32), np.array([[1, 0]]),
-                 np.ones((1, 2), np.float32), np.zeros((1, 8), np.float32))
+    bad = MoEJob(object(), np.array([-1, 0]), [np.arange(4)], np.zeros(4, np.float32), np.zeros((1, 8), np.float32),
+                 np.array([[1, 0]]), np.ones((1, 2), np.float32), np.zeros((1, 8), np.float32))
     with pytest.raises(RuntimeError, match="CPU executor failed"):
         cpu.submit(bad).wait()
     assert cpu.alive

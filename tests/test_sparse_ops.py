@@ -257,6 +257,26 @@ def test_ffn_rows_selection_edges(kind, how):
     assert_close(got_b[0], got, 1e-6)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 4])
+def test_ffn_rows_row_scale(kind, T):
+    """row_scale multiplies each row's activation: equal to the dense reference with down rows scaled
+    (two stacked "experts" with different routing weights)."""
+    up_w, down_w, (gate_w, gate_m), _, (up_m, down_m, _) = ffn_case(kind, "gated", n=64, d=24)
+    rows = np.concatenate([np.arange(0, 16), np.arange(40, 64)])  # expert 0's rows 0-15, expert 1's 40-63
+    scale = np.full(64, np.nan, np.float32)  # rows not selected are never read
+    scale[:16], scale[40:] = 0.7, 0.25
+    X = np.random.default_rng(16).standard_normal((T, 24)).astype(np.float32)
+    got = cpu.ffn_rows_batch(X, rows, up_m, down_m, "silu", gate=gate_m, row_scale=scale)
+    deq = lambda w: host(w, kind).to_torch()  # noqa: E731
+    scaled_down = deq(down_w) * torch.from_numpy(np.nan_to_num(scale))[:, None]
+    assert_close(got, ref_ffn(X, rows, deq(up_w), scaled_down, "silu", deq(gate_w)), 5 * TIGHT)
+    plain = cpu.ffn_rows_batch(X, rows, up_m, down_m, "silu", gate=gate_m)
+    assert np.abs(got - plain).max() > 1e-3  # the scale did something
+    with pytest.raises(ValueError, match="row_scale"):
+        cpu.ffn_rows_batch(X, rows, up_m, down_m, "silu", gate=gate_m, row_scale=scale[:10])
+
+
 def test_ffn_rows_batch_many_tokens_tiles():
     """More tokens than one tile (tile = 64 KiB / (4 D)): the token loop must cover all of them."""
     d = 1024  # tile of 16 tokens
