@@ -173,9 +173,10 @@ def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
     comp.add_column("GPU", justify="right")
     comp.add_column("CPU", justify="right")
     gpu, cpu = meta["bytes"]["gpu"], meta["bytes"]["cpu"]
-    for k in ("attention", "kv_cache", "ffn", "predictors", "lm_head", "embedding", "workspace", "reserve", "total"):
+    for k in ("attention", "kv_cache", "ffn", "predictors", "router_shared", "lm_head", "embedding", "workspace",
+              "reserve", "total"):
         if gpu.get(k) or cpu.get(k):
-            comp.add_row(k.replace("_", " ").replace("ffn", "FFN / experts"),
+            comp.add_row(k.replace("router_shared", "MoE router/shared").replace("_", " ").replace("ffn", "FFN / experts"),
                          format_size(gpu.get(k, 0)) if gpu.get(k) else "-", format_size(cpu.get(k, 0)) if cpu.get(k) else "-")
     console.print(comp)
     layers = meta["layers"]

@@ -180,6 +180,14 @@ class ModelCosts:
     batch: int = 1
     ctx: int = 0
     fmt: WeightFormat = FORMATS["bf16"]
+    moe_gpu_bytes: float = 0.0  # MoE routers + shared experts, on the GPU in hybrid and GPU plans
+    moe_cpu_delta_s: float = 0.0  # extra time when an all-CPU plan computes them on the CPU
+
+    @property
+    def gpu_fixed_bytes(self) -> float:
+        """GPU bytes every plan that uses the GPU holds whatever it places: workspace (+ context,
+        stream slots) and the MoE routers and shared experts."""
+        return self.workspace_bytes + self.moe_gpu_bytes
 
 
 # ------------------------------------------------------------------------------------------- building
@@ -189,9 +197,9 @@ def auto_block_size(num_layers: int, n_neurons: int, target_total: int = 8192) -
     return max(8, int(math.ceil(n_neurons / per_layer / 8)) * 8)
 
 
-def _attention_weights(cfg, layer: int) -> float:
-    """Weights (count) stored with a layer's attention: projections, biases, norms; MoE router and
-    shared expert."""
+def _attention_weights(cfg, layer: int, moe_parts: bool = True) -> float:
+    """Weights (count) stored with a layer's attention: projections, biases, norms; with moe_parts,
+    the MoE router and shared expert (a plan with a GPU keeps those there: see _moe_gpu_weights)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     n = h * (2 * q + 2 * kv)
@@ -200,11 +208,21 @@ def _attention_weights(cfg, layer: int) -> float:
     n += 4 * h + 2 * hd  # norms (attention, FFN, sandwich) and QK-norm, at most
     if cfg.ffn_kind(layer) == "dense":
         n += h  # down bias of OPT
-    if cfg.ffn_kind(layer) == "moe":
-        n += h * cfg.num_experts
-        s = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
-        if s:
-            n += 3 * h * s + h
+    if moe_parts:
+        n += _moe_gpu_weights(cfg, layer)
+    return float(n)
+
+
+def _moe_gpu_weights(cfg, layer: int) -> float:
+    """Weights (count) of a MoE layer's router and shared expert (+ its gate); 0 for other layers.
+    The runtime keeps them on the GPU whenever a plan uses one (executors/moe.py)."""
+    if cfg.ffn_kind(layer) != "moe":
+        return 0.0
+    h = cfg.hidden_size
+    n = h * cfg.num_experts
+    s = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    if s:
+        n += 3 * h * s + h
     return float(n)
 
 
@@ -241,6 +259,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     if not block_size:
         block_size = auto_block_size(cfg.num_layers, cfg.intermediate_size)
     layers = []
+    moe_gpu_bytes = 0.0  # routers and shared experts: on the GPU in every plan that uses one
+    moe_cpu_delta_s = 0.0
     for l, st in enumerate(stats):
         kind = st.kind
         freq = np.clip(np.asarray(st.freq, dtype=np.float64), 0.0, 1.0)
@@ -251,10 +271,18 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         kv_elem = 2 * cfg.num_kv_heads * cfg.head_dim * fmt.kv_bytes * B
         kv_bytes = float(kv_elem * kv_len)
         kv_read = float(kv_elem * min(kv_len, max(1, ctx // 2)))
-        attn_bytes = _attention_weights(cfg, l) * w
+        attn_bytes = _attention_weights(cfg, l, moe_parts=not has_gpu) * w
+        attn_gpu_s_extra = 0.0
+        if has_gpu:  # router and shared expert on the GPU wherever the attention is: the same time either way
+            mb = _moe_gpu_weights(cfg, l) * w
+            moe_gpu_bytes += mb
+            attn_gpu_s_extra = mb / gbw
+            moe_cpu_delta_s += mb / dense_bps - mb / gbw  # an all-CPU plan computes them on the CPU
         attn_gpu_s = (attn_bytes + kv_read) / gbw + c.attn_gpu_kernels * launch
         attn_cpu_s = attn_bytes / dense_bps + kv_read / hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16") \
             + c.attn_cpu_calls * call
+        attn_gpu_s += attn_gpu_s_extra
+        attn_cpu_s += attn_gpu_s_extra
         attn_sync_s = rt + 2 * B * h * tv / pcie + handoff
         if kind == "moe":
             n_items = cfg.num_experts
@@ -317,6 +345,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         head_cpu_s=head_bytes / dense_bps + c.head_cpu_calls * call,
         head_sync_s=(rt + B * h * tv / pcie + handoff) if has_gpu else 0.0,
         tied=bool(cfg.tie_word_embeddings), embed_bytes=embed_bytes, workspace_bytes=float(workspace),
+        moe_gpu_bytes=moe_gpu_bytes, moe_cpu_delta_s=moe_cpu_delta_s,
         host_reserve_bytes=float(c.host_reserve_bytes),
         fixed_s=c.step_overhead_s + cfg.num_layers * c.layer_overhead_s,
         has_gpu=has_gpu, constants=c, block_size=block_size, batch=B, ctx=ctx, fmt=fmt)
@@ -386,7 +415,8 @@ class Evaluation:
 def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
     """The cost model applied to a placement, written independently of the ILP (tests compare them)."""
     hybrid = p.mode == "hybrid"
-    comps = ("attention", "kv_cache", "ffn", "predictors", "lm_head", "embedding", "workspace", "reserve")
+    comps = ("attention", "kv_cache", "ffn", "predictors", "lm_head", "embedding", "workspace", "router_shared",
+             "reserve")
     gpu = dict.fromkeys(comps, 0.0)
     cpu = dict.fromkeys(comps, 0.0)
     out = []
@@ -434,4 +464,8 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
     cpu["reserve"] = costs.host_reserve_bytes
     if p.mode != "cpu":
         gpu["workspace"] = costs.workspace_bytes
+        gpu["router_shared"] = costs.moe_gpu_bytes
+    else:
+        cpu["router_shared"] = costs.moe_gpu_bytes
+        total += costs.moe_cpu_delta_s
     return Evaluation(total, out, head_s, costs.fixed_s, gpu, cpu)

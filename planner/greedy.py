@@ -18,7 +18,7 @@ from hotcold.planner.costs import ModelCosts, Placement
 def greedy(costs: ModelCosts, vram: float) -> Placement:
     from hotcold.planner.ilp import MARGIN
 
-    free = vram - MARGIN - costs.workspace_bytes  # the ILP's margin: greedy's placement is a valid start
+    free = vram - MARGIN - costs.gpu_fixed_bytes  # the ILP's margin: greedy's placement is a valid start
     n = len(costs.layers)
     p = Placement("hybrid", [False] * n, [np.zeros(lc.n_units, bool) for lc in costs.layers], False)
     if free < 0:

@@ -133,7 +133,7 @@ def _solve(costs, vram, ram, solver, time_limit, gap, threads, objective, warm) 
     prob = pulp.LpProblem("hotcold_plan", pulp.LpMinimize)
     m = _Model()
     m.time_c = costs.fixed_s * US
-    m.gpu_c = costs.workspace_bytes / MB
+    m.gpu_c = costs.gpu_fixed_bytes / MB
     m.host_c = (costs.host_reserve_bytes + costs.embed_bytes) / MB
     # Dense layers with identical options (a uniform profile, repeated layer types) are interchangeable:
     # one group takes integer counts w[g,a,n] (how many of its layers choose (a, n)), which removes the
@@ -183,7 +183,7 @@ def _solve(costs, vram, ram, solver, time_limit, gap, threads, objective, warm) 
     prob += _expr(terms + [(one, const)])
     # a margin below each budget against solver tolerances, never below the fixed part
     if vram is not None:
-        prob += _expr(m.gpu) <= max(vram - MARGIN, costs.workspace_bytes) / MB - m.gpu_c, "gpu_budget"
+        prob += _expr(m.gpu) <= max(vram - MARGIN, costs.gpu_fixed_bytes) / MB - m.gpu_c, "gpu_budget"
     if ram is not None:
         floor = costs.host_reserve_bytes + costs.embed_bytes
         prob += _expr(m.host) <= max(ram - MARGIN, floor) / MB - m.host_c, "host_budget"

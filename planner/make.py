@@ -93,9 +93,10 @@ def make_plan(cfg, stats, hw: HardwareProfile, req: PlanRequest) -> PlanResult:
                        "--hardware h200|rtx4090|FILE)" if vram > 0 else None)
     if vram <= 0:
         return all_cpu(None)
-    if vram < costs.workspace_bytes:
-        raise BudgetError(f"--vram {format_size(vram)} cannot hold the GPU workspace and CUDA context ({format_size(costs.workspace_bytes)}"
-                          f" at batch {costs.batch}): use --vram {size_arg(costs.workspace_bytes)} or more, or --vram 0 "
+    if vram < costs.gpu_fixed_bytes:
+        what = "GPU workspace and CUDA context" + (", MoE routers and shared experts" if costs.moe_gpu_bytes else "")
+        raise BudgetError(f"--vram {format_size(vram)} cannot hold the {what} ({format_size(costs.gpu_fixed_bytes)}"
+                          f" at batch {costs.batch}): use --vram {size_arg(costs.gpu_fixed_bytes)} or more, or --vram 0 "
                           "for an all-CPU plan")
     if hw.gpu_free_bytes and vram > hw.gpu_free_bytes and hw.source == "measured":
         notes.append(f"--vram {format_size(vram)} is more than the GPU's free memory now ({format_size(hw.gpu_free_bytes)})")

@@ -164,7 +164,7 @@ def test_ilp_matches_brute_force(name, block, layers, twins):
         costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=block, constants=TOY_CONSTANTS)
         full = model_bytes(costs)
         for frac in (0.25, 0.6):
-            vram = costs.workspace_bytes + frac * (full - costs.workspace_bytes)
+            vram = costs.gpu_fixed_bytes + frac * (full - costs.gpu_fixed_bytes)
             ram = 8 * GiB if trial else full * 0.8  # also a binding RAM budget
             best = _brute_force(costs, vram, ram)
             res = solve(costs, vram, ram, solver="cbc", gap=0.0, time_limit=20)
@@ -185,7 +185,7 @@ def test_highs_agrees_with_cbc():
     cfg = tiny_cfg("qwen2_moe")
     costs = build_costs(cfg, power_law_stats(cfg, rng), toy_hw(), weight_format("bf16"), ctx=64, block_size=8,
                         constants=TOY_CONSTANTS)
-    vram = costs.workspace_bytes + 0.4 * (model_bytes(costs) - costs.workspace_bytes)
+    vram = costs.gpu_fixed_bytes + 0.4 * (model_bytes(costs) - costs.gpu_fixed_bytes)
     a = solve(costs, vram, 8 * GiB, solver="cbc", gap=0.0)
     b = solve(costs, vram, 8 * GiB, solver="highs", gap=0.0)
     assert a.status == b.status == "optimal"
@@ -209,7 +209,7 @@ def test_budget_respected_and_monotonic(name):
     full = model_bytes(costs)
     prev = None
     modes = set()
-    for vram in [0] + list(np.linspace(costs.workspace_bytes, full * 1.05, 14)):
+    for vram in [0] + list(np.linspace(costs.gpu_fixed_bytes, full * 1.05, 14)):
         r = make_plan(cfg, stats, hw, _req(vram))
         modes.add(r.mode)
         assert r.evaluation.gpu_total <= max(vram, 0) or r.mode == "cpu"
@@ -267,6 +267,30 @@ def test_gpu_reserve_counts_cuda_context_and_stream_slots():
     assert r.mode == "hybrid" and r.evaluation.gpu_total <= vram and r.evaluation.gpu_bytes["workspace"] == ws(hw)
 
 
+def test_moe_router_and_shared_expert_stay_on_the_gpu():
+    """As the runtime keeps them (executors/moe.py): GPU bytes in any hybrid plan, whatever the
+    attention's placement; host bytes in an all-CPU plan; counted once either way."""
+    cfg = tiny_cfg("qwen2_moe", num_hidden_layers=3, intermediate_size=16)
+    stats = power_law_stats(cfg, np.random.default_rng(4))
+    fmt = weight_format("bf16")
+    moe_layers = [l for l in range(3) if cfg.ffn_kind(l) == "moe"]
+    h, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    want = len(moe_layers) * (h * cfg.num_experts + 3 * h * s + h) * 2  # router + shared expert + its gate, bf16
+    costs = build_costs(cfg, stats, toy_hw(), fmt, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    assert costs.moe_gpu_bytes == want and costs.gpu_fixed_bytes == costs.workspace_bytes + want
+    cpu_costs = build_costs(cfg, stats, toy_hw(cuda=False), fmt, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    hybrid = Placement.all_gpu(costs)
+    hybrid.mode = "hybrid"
+    hybrid.attn_gpu = [False] * 3
+    ev = evaluate(costs, hybrid)
+    assert ev.gpu_bytes["router_shared"] == want and ev.cpu_bytes.get("router_shared", 0) == 0
+    cpu_ev = evaluate(costs, Placement.all_cpu(costs))
+    assert cpu_ev.cpu_bytes["router_shared"] == want and cpu_ev.gpu_total == 0
+    # an all-CPU plan costs the same bytes and time as on a machine without a GPU
+    ref = evaluate(cpu_costs, Placement.all_cpu(cpu_costs))
+    assert cpu_ev.cpu_total == pytest.approx(ref.cpu_total) and cpu_ev.time_s == pytest.approx(ref.time_s, rel=1e-9)
+
+
 def test_infeasible_budgets_say_the_minimum():
     rng = np.random.default_rng(5)
     cfg = tiny_cfg("llama_relu", num_hidden_layers=3)
@@ -282,7 +306,7 @@ def test_infeasible_budgets_say_the_minimum():
     with pytest.raises(BudgetError, match=r"all-CPU plan: it needs --ram \d+KiB"):
         make_plan(cfg, stats, hw, _req(0, ram=64 * KiB, constants=consts))
     # RAM too small for what stays on the CPU at this VRAM; the message's minimums work
-    vram = costs.workspace_bytes + 0.3 * (full - costs.workspace_bytes)
+    vram = costs.gpu_fixed_bytes + 0.3 * (full - costs.gpu_fixed_bytes)
     ram = 0.3 * evaluate(costs, Placement.all_cpu(costs)).cpu_total
     with pytest.raises(BudgetError, match=r"cannot hold what stays on the CPU: with --vram \S+ it needs --ram (\S+); "
                                           r"with --ram \S+ it needs --vram (\S+)") as e:
@@ -325,7 +349,7 @@ def test_matches_greedy_where_costs_are_uniform():
     costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=consts)
     full = model_bytes(costs)
     for frac in (0.3, 0.5, 0.8):
-        vram = costs.workspace_bytes + frac * (full - costs.workspace_bytes)
+        vram = costs.gpu_fixed_bytes + frac * (full - costs.gpu_fixed_bytes)
         g_ev = evaluate(costs, greedy(costs, vram))
         res = solve(costs, vram, 8 * GiB, gap=0.0)
         assert evaluate(costs, res.placement).time_s == pytest.approx(g_ev.time_s, rel=1e-9)
@@ -367,7 +391,7 @@ def test_plan_artifact_roundtrip(tmp_path):
     stats = power_law_stats(cfg, rng)
     hw = toy_hw()
     costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=TOY_CONSTANTS)
-    req = _req(costs.workspace_bytes + 0.5 * (model_bytes(costs) - costs.workspace_bytes), explain=True)
+    req = _req(costs.gpu_fixed_bytes + 0.5 * (model_bytes(costs) - costs.gpu_fixed_bytes), explain=True)
     r = make_plan(cfg, stats, hw, req)
     meta = plan_json(r, req, fingerprint="abc123", model=tmp_path / "m", model_type=cfg.model_type, hw=hw, hw_file=None,
                      profile_source="test", sparsity=None)
