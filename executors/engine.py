@@ -20,7 +20,8 @@ from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_thread
 from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.hybrid import HybridFFN
-from hotcold.executors.moe import HostRouting, HybridMoE, check_experts, split_moe
+from hotcold.executors.expert_cache import ExpertCache
+from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_experts, split_moe
 from hotcold.executors.prefill import REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, pin_host, unpin_host
 from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
@@ -71,6 +72,7 @@ class HybridEngine:
             + (first.prefill_io.nbytes if first is not None else 0)
             + (next(iter(moes)).prefill_routing.nbytes if moes else 0),
             "stream_workspace_bytes": self.streamer.workspace_bytes if self.streamer else 0,
+            "expert_cache_bytes": next((m.cache.nbytes for m in moes if m.cache is not None), 0),
         }
 
     def close(self) -> None:
@@ -104,7 +106,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 attention_cpu: set[int] | frozenset = frozenset(),
                 predictor_cpu: set[int] | frozenset = frozenset(),
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
-                stream_slots_bytes: int = STREAM_SLOTS_BYTES) -> HybridEngine:
+                stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
+                prefetch_experts: int | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -120,6 +123,10 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     gpu_experts: per MoE layer, the experts placed on the fast tier; a missing layer has none (all on the CPU).
     stream_slots_bytes: fast-tier bytes of the two slots prefill streams cold rows through (the
       planner reserves the default, planner.costs.Constants.stream_slots_bytes).
+    expert_cache_bytes: fast-tier bytes for the MoE expert cache (0: none); prefetch_experts: how
+      many experts of the next MoE layer the look-ahead names per token (default 2 x top-k); the
+      look-ahead is the PredictorSet's corrected router where the profile trained one, else the
+      next layer's router.
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -203,8 +210,42 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     every = {**hybrid, **moe}
     if every:
         every[min(every)].first = True
+    if expert_cache_bytes and moe:
+        looks = predictors.lookahead if isinstance(predictors, PredictorSet) else {}
+        pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts)
     lm.device, lm.dtype = device, dtype
     return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe)
+
+
+def _expert_cache(model, moe: dict[int, HybridMoE], tier: FastTier, kind: str, nbytes: int,
+                  lookahead: dict[int, torch.Tensor], m: int | None) -> list[int]:
+    """Give the MoE layers one ExpertCache of nbytes and chain look-aheads between consecutive MoE
+    layers; page-lock their host experts on CUDA (returns the pointers to unpin)."""
+    any_cold = [h for h in moe.values() if h.cold is not None]
+    if not any_cold:
+        return []
+    hidden, dim = len(any_cold[0].expert_rows[0]), any_cold[0].dim
+    slots = nbytes // ExpertCache.slot_bytes(hidden, dim, kind)
+    if slots < 1:
+        raise ValueError(f"expert_cache_bytes {nbytes} holds no expert ({ExpertCache.slot_bytes(hidden, dim, kind)} "
+                         "bytes each)")
+    cache = ExpertCache(tier, int(slots), hidden, dim, kind)
+    order = sorted(moe)
+    for l in order:
+        moe[l].cache = cache
+    for a, b in zip(order, order[1:]):
+        src, dst = moe[a], moe[b]
+        k = dst.top_k
+        weight = lookahead.get(a, dst.router.weight).detach().to(tier.device, tier.dtype)  # [E, D]
+        dst.ahead_target = True
+        src.ahead = Lookahead(dst, model.layers[b].ffn_norm, weight, min(4 * k, m or 2 * k, weight.shape[0]))
+        model.layers[a].ffn_norm.register_forward_pre_hook(
+            lambda mod, args, h=src: setattr(h, "residual", args[0]))
+    pinned = []
+    if tier.cuda:
+        for h in any_cold:
+            pinned += pin_host(h.cold)
+    return pinned
 
 
 def random_hot(lm_or_config, fraction: float, seed: int = 0) -> dict[int, torch.Tensor]:

@@ -70,6 +70,17 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     attention_cpu = {l for l, on_gpu in enumerate(p.attention_gpu) if not on_gpu} if dev.type == "cuda" else set()
     predictor_cpu = {l for l, on_gpu in enumerate(p.predictor_gpu) if not on_gpu} if dev.type == "cuda" else set()
     cpu_dtype = {torch.float16: "f16", torch.float32: "bf16"}.get(dt, "bf16")
+    cache_bytes = int(p.meta["budget"].get("expert_cache_bytes", 0)) if dev.type == "cuda" else 0
+    if cache_bytes:
+        from hotcold.executors.expert_cache import ExpertCache
+
+        one = ExpertCache.slot_bytes(lm.config.moe_intermediate_size, lm.config.hidden_size, cpu_dtype)
+        if cache_bytes < one:
+            notes.append(f"the plan's expert cache ({cache_bytes} B) holds no expert ({one} B each): running without it")
+            cache_bytes = 0
+        else:
+            notes.append(f"expert cache: {cache_bytes // one} experts on the GPU, filled by look-ahead prefetch")
     engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
-                         attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts)
+                         attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts,
+                         expert_cache_bytes=cache_bytes)
     return RunSetup(lm, engine, p, notes)

@@ -136,11 +136,13 @@ class HostRouting:
             self.rows = rows
             self.ids, self.weights = self.alloc((rows, self.k), torch.int64), self.alloc((rows, self.k))
             self.ids_np, self.weights_np = self.ids.numpy(), self.weights.numpy()
+            self.extra = self.alloc((4 * self.k,), torch.int64)  # the look-ahead's guess (decode)
+            self.extra_np = self.extra.numpy()
         return self
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.k * (8 + 4)
+        return self.rows * self.k * (8 + 4) + (4 * self.k * 8 if self.rows else 0)
 
 
 def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
@@ -169,6 +171,7 @@ class MoEJob:
     ready: object = None
     keep: tuple = ()  # device tensors the pending copies read; held until the job is done
     io: object = None  # the HostRows that x and out view
+    skip: frozenset = frozenset()  # host experts the fast tier computes this time (found in the expert cache)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     pairs: int = 0  # (token, expert) pairs computed
@@ -183,7 +186,8 @@ class MoEJob:
         self.out.fill(0.0)
         c = self.cold
         if len(self.x) == 1:
-            chosen = sorted((int(self.pos[e]), float(w)) for e, w in zip(self.ids[0], self.weights[0]) if self.pos[e] >= 0)
+            chosen = sorted((int(self.pos[e]), float(w)) for e, w in zip(self.ids[0], self.weights[0])
+                            if self.pos[e] >= 0 and int(e) not in self.skip)
             for p, w in chosen:
                 self.scale[self.expert_rows[p]] = w
             if chosen:
@@ -203,6 +207,23 @@ class MoEJob:
         self.keep = ()
         if self.error is not None:
             raise RuntimeError(f"CPU executor failed: {self.error!r}") from self.error
+
+
+class Lookahead:
+    """Names the experts the next MoE layer (`target`) will likely pick, from this layer's residual:
+    `weight` [E, D] (the target's router, or the profile's corrected copy) applied after the
+    target's FFN norm; the top m (m <= 4k) experts, on the fast tier."""
+
+    def __init__(self, target: "HybridMoE", norm: nn.Module, weight: torch.Tensor, m: int):
+        self.target, self.norm, self.weight, self.m = target, norm, weight, m
+
+    def guess(self, residual: torch.Tensor | None) -> torch.Tensor | None:
+        # residual: [.., D] -> int64 [m] expert ids, or None before the first residual
+        if residual is None:
+            return None
+        r = residual.reshape(-1, residual.shape[-1])[-1:]  # [1, D]
+        logits = self.norm(r) @ self.weight.T.to(r.dtype)  # [1, E]
+        return logits.topk(self.m, dim=-1).indices[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +254,12 @@ class HybridMoE(FFN):
         self.prefill_io = prefill_io
         self.prefill_routing = prefill_routing or HostRouting(tier.host_empty, self.top_k, 0)
         self.first = False  # the engine's first hybrid layer counts tokens
+        # the expert cache (decode): set by make_hybrid. `ahead` names the next MoE layer's experts
+        self.cache = None  # ExpertCache shared by the MoE layers
+        self.ahead: Lookahead | None = None
+        self.residual: torch.Tensor | None = None  # this layer's residual [.., D], set by a hook on its FFN norm
+        self.named: set = set()  # experts of this layer the previous layer's look-ahead named (this step)
+        self.ahead_target = False  # a previous layer's look-ahead names this layer's experts
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, gpu_experts={len(self.fast.ids)}, cpu_experts={self.n_cold}, top_k={self.top_k}"
@@ -254,6 +281,8 @@ class HybridMoE(FFN):
             book.add(phase, tokens=n, forwards=1)
         g0 = tier.mark()
         weights, ids = route(self.router(x2), self.top_k, self.renormalise)  # [N, k] fp32, int64
+        if self.cache is not None and n == 1:
+            return self._forward_cached(x2, weights, ids, g0).reshape(shape)
         routing, ready, job = self._send(x2, weights, ids, phase)
         y = self._shared(x2)  # [N, D]
         if self.fast.ids:
@@ -267,6 +296,49 @@ class HybridMoE(FFN):
         if job is not None:
             y = self._receive(job, y, phase)
         return y.reshape(shape)
+
+    def _forward_cached(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g0) -> torch.Tensor:
+        """One token with the expert cache: routed host experts found in the cache run on the fast
+        tier, the rest on the CPU worker; then the next MoE layer's likely experts are prefetched."""
+        book, tier, cache = self.book, self.tier, self.cache
+        ahead_ids = self.ahead.guess(self.residual) if self.ahead is not None else None  # [m] on the fast tier
+        routing, ready, job = self._send(x2, weights, ids, "decode", submit=False, extra=ahead_ids)
+        y = self._shared(x2)  # [1, D]
+        w0 = now()
+        if ready is not None:
+            ready.synchronize()  # routing (and the look-ahead's guess) on the host
+        book.add("decode", wait_s=now() - w0)
+        routed_ids = [int(e) for e in routing.ids_np[0]]
+        host = [e for e in routed_ids if self.pos[e] >= 0]
+        cache.pinned = {(self.layer, e) for e in host}
+        hits = {e for e in host if cache.lookup((self.layer, e)) is not None}
+        if self.ahead_target:
+            book.add("decode", lookahead_named=sum(e in self.named for e in host), lookahead_routed=len(host))
+        if job is not None:
+            job.skip = frozenset(hits)
+            self.cpu.submit(job)
+        if ahead_ids is not None:  # copies for the next layer start now, beside this layer's compute
+            nxt = self.ahead.target
+            nxt.named = {int(e) for e in routing.extra_np[: len(ahead_ids)]}
+            for e in sorted(nxt.named):
+                if nxt.pos[e] >= 0:
+                    book.add("decode", experts_prefetched=int(cache.prefetch((nxt.layer, e), nxt.cold,
+                                                                             nxt.expert_rows[nxt.pos[e]])))
+        if self.fast.ids:
+            y = self._gpu_experts(x2, weights, routing.ids_np[:1], y, "decode")
+        for e in hits:
+            slot = cache.lookup((self.layer, e))
+            gate, up, down_t = cache.weights(slot)
+            h = self.fast.act(x2 @ gate.T) * (x2 @ up.T)  # [1, I]
+            k = routed_ids.index(e)
+            y = y + (h @ down_t) * weights[:, k, None].to(x2.dtype)
+            cache.release(slot)
+        book.add("decode", experts_gpu=len(hits), experts_cached=len(hits), layer_calls=1)
+        cache.pinned = set()
+        book.span("decode", "gpu_s", g0, tier.mark())
+        if job is not None:
+            y = self._receive(job, y, "decode")
+        return y
 
     def _shared(self, x2: torch.Tensor) -> torch.Tensor:
         """The sigmoid-gated shared expert (zeros without one). x2: [N, D] -> [N, D]."""
@@ -293,9 +365,11 @@ class HybridMoE(FFN):
 
     # ------------------------------------------------------------------ the CPU side
 
-    def _send(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, phase: str):
-        """Queue the D2H copies of the routing (and of x, when experts are cold) and hand the cold
-        experts' job to the worker. Returns (routing buffers, copy event, MoEJob or None)."""
+    def _send(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, phase: str, submit: bool = True,
+              extra: torch.Tensor | None = None):
+        """Queue the D2H copies of the routing (and of x, when experts are cold; and of `extra` ids,
+        the look-ahead's guess) and hand the cold experts' job to the worker (or return it unsubmitted).
+        Returns (routing buffers, copy event, MoEJob or None)."""
         n, tier = x2.shape[0], self.tier
         routing = self.decode_routing if n == 1 else self.prefill_routing.ensure(n)
         io = (self.decode_io if n == 1 else self.prefill_io.ensure(n)) if self.n_cold else None
@@ -306,13 +380,15 @@ class HybridMoE(FFN):
                 io.x[:n].copy_(xf, non_blocking=True)
             routing.ids[:n].copy_(ids, non_blocking=True)
             routing.weights[:n].copy_(weights, non_blocking=True)
+            if extra is not None:
+                routing.extra[: len(extra)].copy_(extra, non_blocking=True)
             self.book.span(phase, "transfer_s", t0, tier.mark(tier.copy))
             ready = tier.event(tier.copy)
         if io is None:
             return routing, ready, None
         job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, io.x_np[:n], routing.ids_np[:n],
                      routing.weights_np[:n], io.out_np[:n], ready=ready, keep=(xf, weights, ids), io=io)
-        return routing, ready, self.cpu.submit(job)
+        return routing, ready, self.cpu.submit(job) if submit else job
 
     def _receive(self, job: MoEJob, y: torch.Tensor, phase: str) -> torch.Tensor:
         """Wait for the worker; when it computed any expert, copy its sum to the fast tier and add."""
@@ -338,5 +414,5 @@ def random_experts(lm_or_config, fraction: float, seed: int = 0) -> dict[int, li
             for l in range(config.num_layers) if config.ffn_kind(l) == "moe"}
 
 
-__all__ = ["HybridMoE", "MoEJob", "MoEParts", "FastExperts", "HostRouting", "split_moe", "check_experts",
+__all__ = ["HybridMoE", "Lookahead", "MoEJob", "MoEParts", "FastExperts", "HostRouting", "split_moe", "check_experts",
            "random_experts"]

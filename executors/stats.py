@@ -40,6 +40,10 @@ class PhaseStats:
     cold_rows: int = 0  # cold neurons in host memory, summed over layer calls
     experts_gpu: int = 0  # MoE: (token, routed expert) pairs computed on the fast tier, over layers
     experts_cpu: int = 0  # MoE: (token, routed expert) pairs computed by the CPU worker, over layers
+    experts_cached: int = 0  # MoE: of experts_gpu, those found in the expert cache (decode)
+    experts_prefetched: int = 0  # MoE: experts copied into the expert cache ahead of their layer
+    lookahead_named: int = 0  # MoE: routed host experts (cached or not) the look-ahead had named
+    lookahead_routed: int = 0  # MoE: routed host experts in layers that follow a look-ahead
     regimes: dict = field(default_factory=dict)  # prefill: {"cpu": n, "stream": n} layer calls
 
 
@@ -103,8 +107,11 @@ class StatsBook:
             d["per_token" if phase == "decode" else "per_forward"] = {
                 **{k.replace("_s", "_ms"): 1e3 * getattr(st, k) / n for k in TIMES},
                 **{k: getattr(st, k) / n for k in ("rows_gpu", "rows_cpu", "rows_streamed", "experts_gpu",
-                                                    "experts_cpu")},
+                                                    "experts_cpu", "experts_cached", "experts_prefetched")},
             }
+            host = st.experts_cached + st.experts_cpu  # routed experts that live in host memory
+            d["cache_hit_rate"] = st.experts_cached / host if host and (st.experts_cached or st.experts_prefetched) else None
+            d["lookahead_recall"] = st.lookahead_named / st.lookahead_routed if st.lookahead_routed else None
             out[phase] = d
         return out
 

@@ -174,6 +174,11 @@ def _print_stats(setup, gen_stats) -> None:
                  f"wait {t['wait_ms']:.2f} ms, CPU attention/predictors {t['host_ms']:.2f} ms; rows per token GPU {t['rows_gpu']:.0f}, CPU {t['rows_cpu']:.0f}")
         if t.get("experts_gpu") or t.get("experts_cpu"):
             line += f"; experts per token GPU {t['experts_gpu']:.1f}, CPU {t['experts_cpu']:.1f}"
+            d = setup.engine.stats()["decode"]
+            if d.get("cache_hit_rate") is not None:
+                line += f"; expert cache hit rate {d['cache_hit_rate']:.0%}"
+            if d.get("lookahead_recall") is not None:
+                line += f", look-ahead recall {d['lookahead_recall']:.0%}"
     else:
         line += " (dense: no GPU/CPU split)"
     if setup.predicted_ms_per_token is not None:

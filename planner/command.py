@@ -72,6 +72,8 @@ def plan(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Solver threads (default: up to 8)."),
     workspace: Optional[str] = typer.Option(None, "--workspace", help="GPU workspace to keep free (default 256MiB "
                                                                       "plus per-token activations)."),
+    expert_cache: Optional[str] = typer.Option(None, "--expert-cache", help="MoE models: GPU memory within --vram for "
+                                               "the expert cache that look-ahead prefetch fills (e.g. 1GiB; default 0)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
     explain: bool = typer.Option(False, "--explain", help="Compare with the greedy hottest-neurons-first placement."),
     as_json: bool = typer.Option(False, "--json", help="Print plan.json instead of the table."),
@@ -119,6 +121,8 @@ def plan(
     constants = Constants()
     if workspace is not None:
         constants = dataclasses.replace(constants, workspace_bytes=parse_size(workspace, "--workspace"))
+    if expert_cache is not None:
+        constants = dataclasses.replace(constants, expert_cache_bytes=parse_size(expert_cache, "--expert-cache"))
     req = PlanRequest(vram=vram_b, ram=ram_b, ctx=ctx_n, fmt=fmt, batch=batch, block_size=block, solver=solver,
                       time_limit=time_limit, gap=gap, threads=threads, explain=explain, constants=constants)
     result = make_plan(cfg, stats, hw, req)
@@ -173,8 +177,8 @@ def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
     comp.add_column("GPU", justify="right")
     comp.add_column("CPU", justify="right")
     gpu, cpu = meta["bytes"]["gpu"], meta["bytes"]["cpu"]
-    for k in ("attention", "kv_cache", "ffn", "predictors", "router_shared", "lm_head", "embedding", "workspace",
-              "reserve", "total"):
+    for k in ("attention", "kv_cache", "ffn", "predictors", "router_shared", "expert_cache", "lm_head", "embedding",
+              "workspace", "reserve", "total"):
         if gpu.get(k) or cpu.get(k):
             comp.add_row(k.replace("router_shared", "MoE router/shared").replace("_", " ").replace("ffn", "FFN / experts"),
                          format_size(gpu.get(k, 0)) if gpu.get(k) else "-", format_size(cpu.get(k, 0)) if cpu.get(k) else "-")

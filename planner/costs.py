@@ -60,6 +60,7 @@ class Constants:
     workspace_per_token_bytes_factor: int = 16  # bytes x (hidden + ffn + vocab) per batch token (float32 temporaries)
     cuda_context_bytes: int = 512 * MiB  # bytes: CUDA context + cuBLAS workspace + kernels, when the probe has no figure
     stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
+    expert_cache_bytes: int = 0  # bytes: the MoE expert cache's slice (`hotcold plan --expert-cache`; MoE models only)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
     attn_gpu_kernels: int = 12  # norm, q/k/v, rope x2, cache write, sdpa, o, residual, ...
@@ -182,12 +183,13 @@ class ModelCosts:
     fmt: WeightFormat = FORMATS["bf16"]
     moe_gpu_bytes: float = 0.0  # MoE routers + shared experts, on the GPU in hybrid and GPU plans
     moe_cpu_delta_s: float = 0.0  # extra time when an all-CPU plan computes them on the CPU
+    expert_cache_bytes: float = 0.0  # the MoE expert cache's slice (hybrid plans)
 
     @property
     def gpu_fixed_bytes(self) -> float:
         """GPU bytes every plan that uses the GPU holds whatever it places: workspace (+ context,
         stream slots) and the MoE routers and shared experts."""
-        return self.workspace_bytes + self.moe_gpu_bytes
+        return self.workspace_bytes + self.moe_gpu_bytes + self.expert_cache_bytes
 
 
 # ------------------------------------------------------------------------------------------- building
@@ -346,6 +348,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         head_sync_s=(rt + B * h * tv / pcie + handoff) if has_gpu else 0.0,
         tied=bool(cfg.tie_word_embeddings), embed_bytes=embed_bytes, workspace_bytes=float(workspace),
         moe_gpu_bytes=moe_gpu_bytes, moe_cpu_delta_s=moe_cpu_delta_s,
+        expert_cache_bytes=float(c.expert_cache_bytes) if has_gpu and moe_gpu_bytes else 0.0,
         host_reserve_bytes=float(c.host_reserve_bytes),
         fixed_s=c.step_overhead_s + cfg.num_layers * c.layer_overhead_s,
         has_gpu=has_gpu, constants=c, block_size=block_size, batch=B, ctx=ctx, fmt=fmt)
@@ -416,7 +419,7 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
     """The cost model applied to a placement, written independently of the ILP (tests compare them)."""
     hybrid = p.mode == "hybrid"
     comps = ("attention", "kv_cache", "ffn", "predictors", "lm_head", "embedding", "workspace", "router_shared",
-             "reserve")
+             "expert_cache", "reserve")
     gpu = dict.fromkeys(comps, 0.0)
     cpu = dict.fromkeys(comps, 0.0)
     out = []
@@ -465,6 +468,7 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
     if p.mode != "cpu":
         gpu["workspace"] = costs.workspace_bytes
         gpu["router_shared"] = costs.moe_gpu_bytes
+        gpu["expert_cache"] = costs.expert_cache_bytes
     else:
         cpu["router_shared"] = costs.moe_gpu_bytes
         total += costs.moe_cpu_delta_s

@@ -225,7 +225,7 @@ def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
     model = add_tiny_tokenizer(make_tiny("qwen3_moe", tmp_path))
     r = run_cli("profile", model, "--tokens", "1024", "--seq-len", "64", "--samples", "256", "--device", device)
     assert r.returncode == 0, r.stderr
-    r = run_cli("plan", model, "--vram", "250KiB", "--workspace", "16KiB", "--ctx", "128",
+    r = run_cli("plan", model, "--vram", "282KiB", "--workspace", "16KiB", "--ctx", "128", "--expert-cache", "32KiB",
                 "--hardware", _slow_cpu_hardware(tmp_path / "hw.json"))
     assert r.returncode == 0, r.stderr
     plan = load_plan(model.parent / f"{model.name}.hotcold")
@@ -236,6 +236,9 @@ def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
     dense = run_cli(*args, "--no-plan")
     assert hybrid.returncode == 0 and dense.returncode == 0, hybrid.stderr + dense.stderr
     assert "hybrid" in hybrid.stderr and "experts per token" in hybrid.stderr
+    assert plan.meta["budget"]["expert_cache_bytes"] == 32 * 1024
+    if device == "cuda":  # the cache is a GPU feature: 2 experts of 12.7 KB
+        assert "expert cache: 2 experts" in hybrid.stderr and "expert cache hit rate" in hybrid.stderr
     assert json.loads(hybrid.stdout)["token_ids"] == json.loads(dense.stdout)["token_ids"]
 
 

@@ -291,6 +291,24 @@ def test_moe_router_and_shared_expert_stay_on_the_gpu():
     assert cpu_ev.cpu_total == pytest.approx(ref.cpu_total) and cpu_ev.time_s == pytest.approx(ref.time_s, rel=1e-9)
 
 
+def test_expert_cache_is_reserved_for_moe_models_only():
+    fmt = weight_format("bf16")
+    consts = dataclasses.replace(TOY_CONSTANTS, expert_cache_bytes=40 * KiB)
+    for name, want in (("mixtral", 40 * KiB), ("llama_relu", 0)):
+        cfg = tiny_cfg(name, num_hidden_layers=2)
+        stats = power_law_stats(cfg, np.random.default_rng(6))
+        base = build_costs(cfg, stats, toy_hw(), fmt, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+        costs = build_costs(cfg, stats, toy_hw(), fmt, ctx=64, block_size=8, constants=consts)
+        assert costs.gpu_fixed_bytes - base.gpu_fixed_bytes == want
+        assert build_costs(cfg, stats, toy_hw(cuda=False), fmt, ctx=64, block_size=8,
+                           constants=consts).expert_cache_bytes == 0  # no GPU, no cache
+        if want:
+            vram = costs.gpu_fixed_bytes + 0.3 * (model_bytes(costs) - costs.gpu_fixed_bytes)
+            r = make_plan(cfg, stats, toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6), _req(vram, constants=consts))
+            assert r.mode == "hybrid" and r.evaluation.gpu_bytes["expert_cache"] == want
+            assert r.evaluation.gpu_total <= vram
+
+
 def test_infeasible_budgets_say_the_minimum():
     rng = np.random.default_rng(5)
     cfg = tiny_cfg("llama_relu", num_hidden_layers=3)
