@@ -1,0 +1,889 @@
+"""CPU kernels over GGUF-quantised rows: GEMV / axpy / fused FFN that decode blocks as they read them.
+
+A `QuantMatrix` is R rows of C logical columns, each row a contiguous run of C / block_size GGUF
+blocks of one type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), held as uint8 [R, bytes_per_row]: exactly
+what `gguf.GGUFReader` exposes for a quantised tensor, so a memory-mapped file is used in place.
+The kernels never expand the matrix: each block is decoded in registers and multiplied by float32
+x (or accumulated into out), reading only the selected rows, 2 or 4 rows side by side (see "Rows side by
+side" below). Accumulation is float32. Same threading model as `cpu`: numba, `nogil`, thread count
+from `cpu.set_threads` in the calling thread.
+
+Offsets that are constant over a block (Q4_0's -8, Q4_1's min, the K-quants' mins, Q6_K's -32) are
+applied once per sub-block with precomputed sums of x over 16 elements, not per weight.
+
+Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the block):
+  Q8_0  34 B / 32:  d, qs int8[32]                       w = d * qs[i]
+  Q4_0  18 B / 32:  d, qs[16]                            w = d * (nib(i) - 8); nib(i): i < 16 low nibble
+                                                         of qs[i], else high nibble of qs[i - 16]
+  Q4_1  20 B / 32:  d, m, qs[16]                         w = d * nib(i) + m
+  Q4_K 144 B / 256: d, dmin, scales[12], qs[128]         8 sub-blocks of 32, 6-bit scale sc_s / min m_s:
+                    w = d * sc_s * q - dmin * m_s; sub-block 2c / 2c+1 = low / high nibbles of qs[32c:32c+32]
+  Q5_K 176 B / 256: d, dmin, scales[12], qh[32], qs[128] as Q4_K with a 5th bit (qh[l] >> s) & 1
+  Q6_K 210 B / 256: ql[128], qh[64], scales int8[16], d  16 sub-blocks of 16: w = d * sc_g * (q - 32)
+
+Q8 activations (`xq=True`, Q8_0 / Q4_0 only): x is quantised per 32-block to int8 with a float32
+scale, as llama.cpp does, and blocks are dotted in integers (int16 products, int32 sums). Measured
+(`tools/bench_quant.py`, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads): Q8_0 8.4 / 15.7
+float x against 9.5 / 19.0 xq; Q4_0 4.3 / 8.3 against 4.8 / 9.5. It costs accuracy: relative RMS
+error of y against the stored weights 0.0056 (Gaussian x) to 0.011 (x with outlier channels), 0 for
+float x. For Q4_0 that is lost in the weights' own error (total against float weights 0.0868 ->
+0.0869 / 0.0870), so Q4_0 uses xq by default; for Q8_0 it would double the total error (0.0055 ->
+0.0078 / 0.012), so Q8_0 keeps float x (`XQ_DEFAULT`). numba/LLVM emit no VNNI / pmaddubsw dot
+products from this code, which is where llama.cpp's integer path gains more.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from hotcold.sparse_ops.cpu import ACTS, _act, _f16_bits_to_f32, _rows_in_range, get_threads
+
+__all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "transpose_quantized",
+           "quantize_rows", "dequantize_rows", "random_matrix", "QTYPES", "DOWN_T_DEFAULT", "XQ_DEFAULT"]
+
+# name -> (ggml type id, elements per block, bytes per block)
+QTYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
+          "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+_NAME_OF_ID = {v[0]: k for k, v in QTYPES.items()}
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K = (QTYPES[k][0] for k in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+DOWN_T_DEFAULT = "Q8_0"  # type of the transposed W_down built at load time (see transpose_quantized)
+XQ_DEFAULT = frozenset({"Q4_0"})  # types whose GEMVs quantise x to Q8 by default (see module docstring)
+_JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)
+_BLOCK = 8  # rows per parallel task
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantMatrix
+
+def _qtype_name(qtype) -> str:
+    """'Q4_K' | ggml type id 12 | gguf.GGMLQuantizationType.Q4_K -> 'Q4_K'."""
+    name = getattr(qtype, "name", qtype)
+    if isinstance(name, (int, np.integer)) and int(name) in _NAME_OF_ID:
+        return _NAME_OF_ID[int(name)]
+    if isinstance(name, str) and name.upper() in QTYPES:
+        return name.upper()
+    raise ValueError(f"unsupported quantisation type {qtype!r}; supported: {', '.join(QTYPES)}")
+
+
+class QuantMatrix:
+    """R rows of `cols` logical columns stored as GGUF blocks of one type, uint8 [R, bytes_per_row].
+
+    data: uint8 [R, cols / block_size * block_bytes], C-contiguous rows (a memmap view is kept as is)
+    qtype: "Q8_0" | "Q4_0" | "Q4_1" | "Q4_K" | "Q5_K" | "Q6_K", a ggml type id or GGMLQuantizationType
+    shape: logical (R, cols)
+    """
+
+    def __init__(self, data: np.ndarray, qtype, shape: tuple[int, int]):
+        name = _qtype_name(qtype)
+        _, bs, ts = QTYPES[name]
+        if len(shape) != 2:
+            raise ValueError(f"shape must be (rows, cols), got {shape}")
+        r, c = int(shape[0]), int(shape[1])
+        if c <= 0 or c % bs:
+            raise ValueError(f"{name} needs cols to be a positive multiple of {bs}, got {c}")
+        want = (r, c // bs * ts)
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != want:
+            raise ValueError(f"{name} data for shape {(r, c)} must be a uint8 array of shape {want}, got "
+                             f"{getattr(data, 'dtype', type(data))} {getattr(data, 'shape', '')}")
+        if not data.flags.c_contiguous:
+            raise ValueError("data must be C-contiguous")
+        self.data, self.qtype, self.shape = data, name, (r, c)
+        self._id = QTYPES[name][0]
+        self._all_rows: np.ndarray | None = None
+
+    @classmethod
+    def from_gguf(cls, tensor) -> "QuantMatrix":
+        """From a `gguf.GGUFReader` tensor (its `data` is uint8 [rows, bytes_per_row]; `shape` is ggml's
+        [cols, rows]). No copy."""
+        ne = [int(v) for v in tensor.shape]
+        if len(ne) != 2:
+            raise ValueError(f"{tensor.name}: expected a 2-D tensor, got ggml shape {ne}")
+        return cls(tensor.data, tensor.tensor_type, (ne[1], ne[0]))
+
+    @classmethod
+    def quantize(cls, w: np.ndarray, qtype) -> "QuantMatrix":
+        """Quantise a float [R, C] array (see `quantize_rows`)."""
+        name = _qtype_name(qtype)
+        w = np.asarray(w, np.float32)
+        return cls(quantize_rows(w, name), name, w.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def block_size(self) -> int:
+        return QTYPES[self.qtype][1]
+
+    def row_bytes(self) -> int:
+        """Bytes a kernel reads per selected row."""
+        return self.data.shape[1]
+
+    def dequantize(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """float32 [K, cols] of rows (all when None), through gguf.quants (for tests / references)."""
+        data = self.data if rows is None else self.data[np.asarray(rows, np.int64)]
+        return dequantize_rows(data, self.qtype, self.cols)
+
+    def __repr__(self) -> str:
+        return f"QuantMatrix({self.qtype}, shape={self.shape}, {self.nbytes / 2**20:.1f} MiB)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Block decoding. wr: uint8 [bytes_per_row] (one row), b: block index, xs: float32 [C/16] sums of x
+# over 16 elements. *_dot return block b of the row · x; *_axpy do p[block b] += c * block b.
+#
+# Two things keep these loops vectorised (measured 5-8x faster than without them, Q4_0, 1 thread):
+# - `inline="always"`: one numba-level call per block costs more than the block's arithmetic;
+# - the loop lengths come from `n` (= 16, passed at run time by the kernels): with a constant trip
+#   count of 16 or 32, LLVM unrolls the loop fully and leaves it scalar;
+# - indices inside the loops are uint64 (`_U`): numba wraps negative signed indices, and where LLVM
+#   cannot prove an index >= 0 the loads become per-lane inserts (Q6_K: 2.5x slower).
+
+_INLINE = dict(nogil=True, fastmath=True, inline="always")
+_N16 = 16  # the run-time loop length handed to the kernels
+_U = np.uint64
+
+
+@njit(**_INLINE)
+def _f16(wr, o):
+    # fp16 stored little-endian at wr[o], wr[o + 1] -> float32
+    return _f16_bits_to_f32(np.uint16(np.uint32(wr[o]) | (np.uint32(wr[o + 1]) << 8)))
+
+
+@njit(**_INLINE)
+def _i8(v):
+    # uint8 byte -> its int8 value, as float32
+    return np.float32(np.int8(v))
+
+
+@njit(**_INLINE)
+def _u8f(v):
+    # small non-negative integer (int64 in numba) -> float32, through uint8 so that LLVM converts
+    # 16 lanes at a time (measured +23% on Q4_0)
+    return np.float32(np.uint8(v))
+
+
+@njit(**_INLINE)
+def _q8_0_dot(wr, b, x, xs, n):
+    o, xo = b * 34 + 2, b * 32
+    s = np.float32(0.0)
+    uo, ux = _U(o), _U(xo)
+    for l in range(_U(2 * n)):
+        s += _i8(wr[uo + l]) * x[ux + l]
+    return _f16(wr, o - 2) * s
+
+
+@njit(**_INLINE)
+def _q4_0_dot(wr, b, x, xs, n):
+    o, xo = b * 18 + 2, b * 32
+    s = np.float32(0.0)
+    uo, ux, ux16 = _U(o), _U(xo), _U(xo + 16)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        s += _u8f(q & 15) * x[ux + l] + _u8f(q >> 4) * x[ux16 + l]
+    return _f16(wr, o - 2) * (s - np.float32(8.0) * (xs[2 * b] + xs[2 * b + 1]))
+
+
+@njit(**_INLINE)
+def _q4_1_dot(wr, b, x, xs, n):
+    o, xo = b * 20 + 4, b * 32
+    s = np.float32(0.0)
+    uo, ux, ux16 = _U(o), _U(xo), _U(xo + 16)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        s += _u8f(q & 15) * x[ux + l] + _u8f(q >> 4) * x[ux16 + l]
+    return _f16(wr, o - 4) * s + _f16(wr, o - 2) * (xs[2 * b] + xs[2 * b + 1])
+
+
+@njit(**_INLINE)
+def _k_scale_min(wr, o, j):
+    # 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes at wr[o:o + 12]
+    if j < 4:
+        return np.float32(wr[o + j] & 63), np.float32(wr[o + j + 4] & 63)
+    sc = (wr[o + j + 4] & 15) | ((wr[o + j - 4] >> 6) << 4)
+    m = (wr[o + j + 4] >> 4) | ((wr[o + j] >> 6) << 4)
+    return np.float32(sc), np.float32(m)
+
+
+@njit(**_INLINE)
+def _q4_k_dot(wr, b, x, xs, n):
+    o, xo = b * 144, b * 256
+    acc = np.float32(0.0)
+    mins = np.float32(0.0)
+    for c in range(4):
+        sl, ml = _k_scale_min(wr, o + 4, 2 * c)
+        sh, mh = _k_scale_min(wr, o + 4, 2 * c + 1)
+        lo = np.float32(0.0)
+        hi = np.float32(0.0)
+        q0, x0, x32 = _U(o + 16 + 32 * c), _U(xo + 64 * c), _U(xo + 64 * c + 32)
+        for l in range(_U(2 * n)):
+            q = wr[q0 + l]
+            lo += _u8f(q & 15) * x[x0 + l]
+            hi += _u8f(q >> 4) * x[x32 + l]
+        acc += sl * lo + sh * hi
+        s16 = xo // 16 + 4 * c
+        mins += ml * (xs[s16] + xs[s16 + 1]) + mh * (xs[s16 + 2] + xs[s16 + 3])
+    return _f16(wr, o) * acc - _f16(wr, o + 2) * mins
+
+
+@njit(**_INLINE)
+def _q5_k_dot(wr, b, x, xs, n):
+    o, xo = b * 176, b * 256
+    acc = np.float32(0.0)
+    mins = np.float32(0.0)
+    for c in range(4):
+        sl, ml = _k_scale_min(wr, o + 4, 2 * c)
+        sh, mh = _k_scale_min(wr, o + 4, 2 * c + 1)
+        lo = np.float32(0.0)
+        hi = np.float32(0.0)
+        q0, h0, x0, x32 = _U(o + 48 + 32 * c), _U(o + 16), _U(xo + 64 * c), _U(xo + 64 * c + 32)
+        bl, bh = np.uint8(1 << (2 * c)), np.uint8(2 << (2 * c))  # 5th bit of sub-blocks 2c, 2c + 1 in qh
+        fl, fh = np.float32(16.0) / np.float32(bl), np.float32(16.0) / np.float32(bh)
+        for l in range(_U(2 * n)):
+            q = wr[q0 + l]
+            h = wr[h0 + l]
+            lo += (_u8f(q & 15) + _u8f(h & bl) * fl) * x[x0 + l]
+            hi += (_u8f(q >> 4) + _u8f(h & bh) * fh) * x[x32 + l]
+        acc += sl * lo + sh * hi
+        s16 = xo // 16 + 4 * c
+        mins += ml * (xs[s16] + xs[s16 + 1]) + mh * (xs[s16 + 2] + xs[s16 + 3])
+    return _f16(wr, o) * acc - _f16(wr, o + 2) * mins
+
+
+@njit(**_INLINE)
+def _q6_k_dot(wr, b, x, xs, n):
+    # element 128h + 32k + l (k < 4, l < 32): low 4 bits from ql[64h + l + 32 (k & 1)] (>> 4 if k >= 2),
+    # high 2 bits from qh[32h + l] >> 2k; scale of group 8h + 2k + l // 16
+    o, xo = b * 210, b * 256
+    acc = np.float32(0.0)
+    for h in range(2):
+        for half in range(2):
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            q0, h0 = _U(o + 64 * h + 16 * half), _U(o + 128 + 32 * h + 16 * half)
+            x0 = _U(xo + 128 * h + 16 * half)
+            for l in range(_U(n)):
+                a = wr[q0 + l]
+                c = wr[q0 + _U(32) + l]
+                hb = wr[h0 + l]
+                s0 += _u8f((a & 15) | ((hb & 3) << 4)) * x[x0 + l]
+                s1 += _u8f((c & 15) | ((hb & 12) << 2)) * x[x0 + _U(32) + l]
+                s2 += _u8f((a >> 4) | (hb & 48)) * x[x0 + _U(64) + l]
+                s3 += _u8f((c >> 4) | ((hb & 192) >> 2)) * x[x0 + _U(96) + l]
+            sc = o + 192 + 8 * h + half
+            x16 = xo // 16 + 8 * h + half
+            acc += (_i8(wr[sc]) * (s0 - np.float32(32.0) * xs[x16])
+                    + _i8(wr[sc + 2]) * (s1 - np.float32(32.0) * xs[x16 + 2])
+                    + _i8(wr[sc + 4]) * (s2 - np.float32(32.0) * xs[x16 + 4])
+                    + _i8(wr[sc + 6]) * (s3 - np.float32(32.0) * xs[x16 + 6]))
+    return _f16(wr, o + 208) * acc
+
+
+@njit(**_INLINE)
+def _q8_0_axpy(wr, b, c, p, n):
+    o, po = b * 34 + 2, b * 32
+    cd = c * _f16(wr, o - 2)
+    uo, up = _U(o), _U(po)
+    for l in range(_U(2 * n)):
+        p[up + l] += cd * _i8(wr[uo + l])
+
+
+@njit(**_INLINE)
+def _q4_0_axpy(wr, b, c, p, n):
+    o, po = b * 18 + 2, b * 32
+    cd = c * _f16(wr, o - 2)
+    c8 = np.float32(8.0) * cd
+    uo, up, up16 = _U(o), _U(po), _U(po + 16)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        p[up + l] += cd * _u8f(q & 15) - c8
+        p[up16 + l] += cd * _u8f(q >> 4) - c8
+
+
+@njit(**_INLINE)
+def _q4_1_axpy(wr, b, c, p, n):
+    o, po = b * 20 + 4, b * 32
+    cd, cm = c * _f16(wr, o - 4), c * _f16(wr, o - 2)
+    uo, up, up16 = _U(o), _U(po), _U(po + 16)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        p[up + l] += cd * _u8f(q & 15) + cm
+        p[up16 + l] += cd * _u8f(q >> 4) + cm
+
+
+@njit(**_INLINE)
+def _q4_k_axpy(wr, b, c, p, n):
+    o, po = b * 144, b * 256
+    cd, cm = c * _f16(wr, o), c * _f16(wr, o + 2)
+    for k in range(4):
+        sl, ml = _k_scale_min(wr, o + 4, 2 * k)
+        sh, mh = _k_scale_min(wr, o + 4, 2 * k + 1)
+        dl, dh, ol, oh = cd * sl, cd * sh, cm * ml, cm * mh
+        q0, p0, p32 = _U(o + 16 + 32 * k), _U(po + 64 * k), _U(po + 64 * k + 32)
+        for l in range(_U(2 * n)):
+            q = wr[q0 + l]
+            p[p0 + l] += dl * _u8f(q & 15) - ol
+            p[p32 + l] += dh * _u8f(q >> 4) - oh
+
+
+@njit(**_INLINE)
+def _q5_k_axpy(wr, b, c, p, n):
+    o, po = b * 176, b * 256
+    cd, cm = c * _f16(wr, o), c * _f16(wr, o + 2)
+    for k in range(4):
+        sl, ml = _k_scale_min(wr, o + 4, 2 * k)
+        sh, mh = _k_scale_min(wr, o + 4, 2 * k + 1)
+        dl, dh, ol, oh = cd * sl, cd * sh, cm * ml, cm * mh
+        q0, h0, p0, p32 = _U(o + 48 + 32 * k), _U(o + 16), _U(po + 64 * k), _U(po + 64 * k + 32)
+        bl, bh = np.uint8(1 << (2 * k)), np.uint8(2 << (2 * k))  # 5th bit of sub-blocks 2k, 2k + 1 in qh
+        fl, fh = np.float32(16.0) / np.float32(bl), np.float32(16.0) / np.float32(bh)
+        for l in range(_U(2 * n)):
+            q = wr[q0 + l]
+            h = wr[h0 + l]
+            p[p0 + l] += dl * (_u8f(q & 15) + _u8f(h & bl) * fl) - ol
+            p[p32 + l] += dh * (_u8f(q >> 4) + _u8f(h & bh) * fh) - oh
+
+
+@njit(**_INLINE)
+def _q6_k_axpy(wr, b, c, p, n):
+    o, po = b * 210, b * 256
+    cd = c * _f16(wr, o + 208)
+    for h in range(2):
+        for half in range(2):
+            sc = o + 192 + 8 * h + half
+            d0, d1 = cd * _i8(wr[sc]), cd * _i8(wr[sc + 2])
+            d2, d3 = cd * _i8(wr[sc + 4]), cd * _i8(wr[sc + 6])
+            q0, h0 = _U(o + 64 * h + 16 * half), _U(o + 128 + 32 * h + 16 * half)
+            p0 = _U(po + 128 * h + 16 * half)
+            for l in range(_U(n)):
+                a = wr[q0 + l]
+                e = wr[q0 + _U(32) + l]
+                hb = wr[h0 + l]
+                p[p0 + l] += d0 * (_u8f((a & 15) | ((hb & 3) << 4)) - np.float32(32.0))
+                p[p0 + _U(32) + l] += d1 * (_u8f((e & 15) | ((hb & 12) << 2)) - np.float32(32.0))
+                p[p0 + _U(64) + l] += d2 * (_u8f((a >> 4) | (hb & 48)) - np.float32(32.0))
+                p[p0 + _U(96) + l] += d3 * (_u8f((e >> 4) | ((hb & 192) >> 2)) - np.float32(32.0))
+
+
+# Q8 activations (Q8_0 / Q4_0 weights): xq int8 [C] and xd float32 [C/16] = (dx_b, dx_b * Σ xq over b)
+# per 32-block b, so that block b of x ≈ xq * dx_b. Integer products, one float multiply per block.
+
+@njit(**_INLINE)
+def _q8_0_dot_xq(wr, b, xq, xd, n):
+    o, xo = b * 34 + 2, b * 32
+    s = np.int32(0)
+    uo, ux = _U(o), _U(xo)
+    for l in range(_U(2 * n)):  # |product| <= 2^14: int16 lanes, int32 sum
+        s = np.int32(s + np.int16(np.int16(np.int8(wr[uo + l])) * np.int16(xq[ux + l])))
+    return _f16(wr, o - 2) * xd[2 * b] * np.float32(s)
+
+
+@njit(**_INLINE)
+def _q4_0_dot_xq(wr, b, xq, xd, n):
+    o, xo = b * 18 + 2, b * 32
+    s = np.int32(0)
+    uo, ux, ux16 = _U(o), _U(xo), _U(xo + 16)
+    for l in range(_U(n)):  # |product| <= 15 * 128: int16 lanes, int32 sum
+        q = wr[uo + l]
+        s = np.int32(s + np.int16(np.int16(q & 15) * np.int16(xq[ux + l]))
+                     + np.int16(np.int16(q >> 4) * np.int16(xq[ux16 + l])))
+    return _f16(wr, o - 2) * (xd[2 * b] * np.float32(s) - np.float32(8.0) * xd[2 * b + 1])
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _quantize_x(x):
+    # x: [C] float32 -> (xq int8 [C], xd float32 [C/16]) as described above
+    nb = x.shape[0] // 32
+    xq = np.empty(x.shape[0], np.int8)
+    xd = np.empty(2 * nb, np.float32)
+    for b in range(nb):
+        amax = np.float32(0.0)
+        for l in range(32):
+            amax = max(amax, abs(x[32 * b + l]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        s = 0
+        for l in range(32):
+            q = np.int32(np.round(x[32 * b + l] * inv))
+            xq[32 * b + l] = q
+            s += q
+        xd[2 * b] = d
+        xd[2 * b + 1] = d * np.float32(s)
+    return xq, xd
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _sums16(x):
+    # x: [C] -> float32 [C / 16] sums of 16 consecutive elements
+    xs = np.empty(x.shape[0] // 16, np.float32)
+    for i in range(xs.shape[0]):
+        s = np.float32(0.0)
+        for l in range(16):
+            s += x[16 * i + l]
+        xs[i] = s
+    return xs
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows side by side: 4 rows (Q8_0, Q4_0, Q4_1) or 2 rows (K-quants) advance block by block together.
+# Measured on the 2-core machine, 1 thread, rows read from DRAM (GB/s with 1 / 2 / 4 / 8 rows):
+# Q8_0 5.8 / 8.4 / 9.5 / 9.5, Q4_0 3.4 / 4.2 / 5.1 / 5.3, Q4_K 3.6 / 4.4 / 4.1 / 4.0, Q6_K 3.6 / 3.5 /
+# 2.9 / 2.2: the K-quants' larger blocks run out of registers first. Every unrolled row is one more
+# inlined copy of the block code, which is what numba's first compilation spends its time on.
+# `blk` is one of the block functions above, inlined; the type switch happens once per span.
+
+@njit(**_INLINE)
+def _dot_rows(blk, nb, w, rows, lo, hi, x, xs, n, out):
+    # out[j] = w[rows[j]] · x for j in [lo, hi), 2 rows side by side (an odd last row pairs with itself)
+    for j in range(lo, hi, 2):
+        j1 = min(j + 1, hi - 1)
+        w0, w1 = w[rows[j]], w[rows[j1]]
+        a0 = a1 = np.float32(0.0)
+        for b in range(nb):
+            a0 += blk(w0, b, x, xs, n)
+            a1 += blk(w1, b, x, xs, n)
+        out[j] = a0
+        out[j1] = a1
+
+
+@njit(**_INLINE)
+def _axpy_rows(blk, nb, w, rows, lo, hi, a, n, p):
+    # p += sum_{j in [lo, hi)} a[j] * w[rows[j]], 2 rows side by side (an odd last row pairs with a
+    # zero-weighted copy of itself)
+    for j in range(lo, hi, 2):
+        j1 = min(j + 1, hi - 1)
+        w0, w1 = w[rows[j]], w[rows[j1]]
+        c0, c1 = a[j], a[j1] if j1 > j else np.float32(0.0)
+        for b in range(nb):
+            blk(w0, b, c0, p, n)
+            blk(w1, b, c1, p, n)
+
+
+@njit(**_INLINE)
+def _dot_rows4(blk, nb, w, rows, lo, hi, x, xs, n, out):
+    # as _dot_rows, 4 rows side by side (the last rows of an incomplete group repeat the last one)
+    for j in range(lo, hi, 4):
+        j1, j2, j3 = min(j + 1, hi - 1), min(j + 2, hi - 1), min(j + 3, hi - 1)
+        w0, w1, w2, w3 = w[rows[j]], w[rows[j1]], w[rows[j2]], w[rows[j3]]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for b in range(nb):
+            a0 += blk(w0, b, x, xs, n)
+            a1 += blk(w1, b, x, xs, n)
+            a2 += blk(w2, b, x, xs, n)
+            a3 += blk(w3, b, x, xs, n)
+        out[j], out[j1], out[j2], out[j3] = a0, a1, a2, a3
+
+
+@njit(**_INLINE)
+def _axpy_rows4(blk, nb, w, rows, lo, hi, a, n, p):
+    # as _axpy_rows, 4 rows side by side (repeated rows of an incomplete group weigh 0)
+    z = np.float32(0.0)
+    for j in range(lo, hi, 4):
+        j1, j2, j3 = min(j + 1, hi - 1), min(j + 2, hi - 1), min(j + 3, hi - 1)
+        w0, w1, w2, w3 = w[rows[j]], w[rows[j1]], w[rows[j2]], w[rows[j3]]
+        c0 = a[j]
+        c1 = a[j1] if j1 == j + 1 else z
+        c2 = a[j2] if j2 == j + 2 else z
+        c3 = a[j3] if j3 == j + 3 else z
+        for b in range(nb):
+            blk(w0, b, c0, p, n)
+            blk(w1, b, c1, p, n)
+            blk(w2, b, c2, p, n)
+            blk(w3, b, c3, p, n)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
+    # out[j] = w[rows[j]] · x for j in [lo, hi); w: uint8 [R, bytes_per_row] of ggml type qt
+    if qt == Q4_K:
+        _dot_rows(_q4_k_dot, w.shape[1] // 144, w, rows, lo, hi, x, xs, n, out)
+    elif qt == Q6_K:
+        _dot_rows(_q6_k_dot, w.shape[1] // 210, w, rows, lo, hi, x, xs, n, out)
+    elif qt == Q5_K:
+        _dot_rows(_q5_k_dot, w.shape[1] // 176, w, rows, lo, hi, x, xs, n, out)
+    elif qt == Q4_0:
+        _dot_rows4(_q4_0_dot, w.shape[1] // 18, w, rows, lo, hi, x, xs, n, out)
+    elif qt == Q4_1:
+        _dot_rows4(_q4_1_dot, w.shape[1] // 20, w, rows, lo, hi, x, xs, n, out)
+    else:
+        _dot_rows4(_q8_0_dot, w.shape[1] // 34, w, rows, lo, hi, x, xs, n, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out):
+    # as _qgemv_span with Q8 activations (see _quantize_x); qt: Q8_0 or Q4_0
+    if qt == Q4_0:
+        _dot_rows4(_q4_0_dot_xq, w.shape[1] // 18, w, rows, lo, hi, xq, xd, n, out)
+    else:
+        _dot_rows4(_q8_0_dot_xq, w.shape[1] // 34, w, rows, lo, hi, xq, xd, n, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
+    # p += sum_{j in [lo, hi)} a[j] * w[rows[j]]
+    if qt == Q4_K:
+        _axpy_rows(_q4_k_axpy, w.shape[1] // 144, w, rows, lo, hi, a, n, p)
+    elif qt == Q6_K:
+        _axpy_rows(_q6_k_axpy, w.shape[1] // 210, w, rows, lo, hi, a, n, p)
+    elif qt == Q5_K:
+        _axpy_rows(_q5_k_axpy, w.shape[1] // 176, w, rows, lo, hi, a, n, p)
+    elif qt == Q4_0:
+        _axpy_rows4(_q4_0_axpy, w.shape[1] // 18, w, rows, lo, hi, a, n, p)
+    elif qt == Q4_1:
+        _axpy_rows4(_q4_1_axpy, w.shape[1] // 20, w, rows, lo, hi, a, n, p)
+    else:
+        _axpy_rows4(_q8_0_axpy, w.shape[1] // 34, w, rows, lo, hi, a, n, p)
+
+
+@njit(**_JIT)
+def _qgemv_rows_kernel(qt, w, rows, x, use_xq, n, out):
+    # w: uint8 [R, bytes_per_row], rows: [K], x: [C], out: [K] (overwritten); whole blocks of 8 per task
+    K = rows.shape[0]
+    nb = (K + _BLOCK - 1) // _BLOCK
+    if use_xq:
+        xq, xd = _quantize_x(x)
+        for b in prange(nb):
+            _qgemv_span_xq(qt, w, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), xq, xd, n, out)
+    else:
+        xs = _sums16(x)
+        for b in prange(nb):
+            _qgemv_span(qt, w, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, xs, n, out)
+
+
+@njit(**_JIT)
+def _qaxpy_rows_kernel(qt, w, rows, coeff, nt, n, out):
+    # out[C] += sum_j coeff[j] * w[rows[j]]: nt chunks of rows with their own partial sums, then reduced
+    K, C = rows.shape[0], out.shape[0]
+    part = np.zeros((nt, C), np.float32)
+    for c in prange(nt):
+        _qaxpy_span(qt, w, rows, c * K // nt, (c + 1) * K // nt, coeff, n, part[c])
+    for d in prange(C):
+        acc = np.float32(0.0)
+        for c in range(nt):
+            acc += part[c, d]
+        out[d] += acc
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _qgemv_any(qt, w, rows, lo, hi, x, xs, xq, xd, use_xq, n, out):
+    if use_xq and (qt == Q8_0 or qt == Q4_0):
+        _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out)
+    else:
+        _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out)
+
+
+@njit(**_JIT)
+def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, nt, n, out):
+    # One token, phases as cpu._ffn_one_kernel: (1) gate (or up) of the selected rows, (2) keep the
+    # rows whose activation is not 0, (3) gated: their up rows, (4) out += h @ down rows (per-thread
+    # partial sums, reduced). up and gate share type qu; down (W_down transposed) has type qd.
+    K, D = rows.shape[0], x.shape[0]
+    xs = _sums16(x)
+    if use_xq:
+        xq, xd = _quantize_x(x)
+    else:
+        xq, xd = np.empty(0, np.int8), np.empty(0, np.float32)
+    nb = (K + _BLOCK - 1) // _BLOCK
+    z = np.empty(K, np.float32)
+    f = gate if gated else up
+    for b in prange(nb):
+        _qgemv_any(qu, f, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, n, z)
+    keep = np.empty(K, np.int64)
+    h = np.empty(K, np.float32)
+    m = 0
+    for j in range(K):
+        a = _act(z[j], act)
+        if a != 0.0:
+            keep[m] = rows[j]
+            h[m] = a
+            m += 1
+    keep, h = keep[:m], h[:m]
+    if gated:
+        u = np.empty(m, np.float32)
+        nb2 = (m + _BLOCK - 1) // _BLOCK
+        for b in prange(nb2):
+            _qgemv_any(qu, up, keep, b * _BLOCK, min(m, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, n, u)
+        for j in range(m):
+            h[j] *= u[j]
+    nt = max(1, min(nt, m))
+    part = np.zeros((nt, D), np.float32)
+    for c in prange(nt):
+        _qaxpy_span(qd, down, keep, c * m // nt, (c + 1) * m // nt, h, n, part[c])
+    for d in prange(D):
+        acc = np.float32(0.0)
+        for c in range(nt):
+            acc += part[c, d]
+        out[d] += acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Python entry points
+
+def _as_rows(rows: np.ndarray, n: int) -> np.ndarray:
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if rows.ndim != 1:
+        raise ValueError(f"rows must be 1-D, got shape {rows.shape}")
+    if not _rows_in_range(rows, n):
+        raise IndexError(f"row index out of range [0, {n})")
+    return rows
+
+
+def _as_f32(a: np.ndarray, shape: tuple, name: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        raise ValueError(f"{name} must be float32, got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    return np.ascontiguousarray(a)
+
+
+def _check_out(out: np.ndarray, shape: tuple) -> np.ndarray:
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")
+    return out
+
+
+def _check_m(m, name: str = "m") -> None:
+    if not isinstance(m, QuantMatrix):
+        raise ValueError(f"{name} must be a QuantMatrix, got {type(m).__name__}")
+
+
+def qgemv_rows(m: QuantMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
+               xq: bool | None = None) -> np.ndarray:
+    """out[i] = m[rows[i]] · x. rows int [K]; x float32 [cols]; returns out float32 [K] (overwritten).
+
+    xq: quantise x to Q8 per 32-block and dot in integers (Q8_0 / Q4_0 only; None: when m's type
+    is in `XQ_DEFAULT`)."""
+    _check_m(m)
+    rows = _as_rows(rows, m.rows)
+    x = _as_f32(x, (m.cols,), "x")
+    out = np.empty(rows.shape[0], np.float32) if out is None else _check_out(out, rows.shape)
+    if xq is None:
+        xq = m.qtype in XQ_DEFAULT
+    if xq and m.qtype not in ("Q8_0", "Q4_0"):
+        raise ValueError(f"xq=True supports Q8_0 and Q4_0, not {m.qtype}")
+    if rows.shape[0]:
+        _qgemv_rows_kernel(m._id, m.data, rows, x, bool(xq), _N16, out)
+    return out
+
+
+def qgemv(m: QuantMatrix, x: np.ndarray, out: np.ndarray | None = None, xq: bool | None = None) -> np.ndarray:
+    """Dense out = m @ x over all rows. x float32 [cols] -> out float32 [rows]."""
+    _check_m(m)
+    if m._all_rows is None:
+        m._all_rows = np.arange(m.rows, dtype=np.int64)
+    return qgemv_rows(m, m._all_rows, x, out, xq)
+
+
+def qaxpy_rows(m: QuantMatrix, rows: np.ndarray, coeff: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[cols] += sum_i coeff[i] * m[rows[i]] (down projection with m = W_down transposed)."""
+    _check_m(m)
+    rows = _as_rows(rows, m.rows)
+    coeff = _as_f32(coeff, rows.shape, "coeff")
+    _check_out(out, (m.cols,))
+    k = rows.shape[0]
+    if k:
+        _qaxpy_rows_kernel(m._id, m.data, rows, coeff, min(get_threads(), k), _N16, out)
+    return out
+
+
+def qffn_rows(x: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMatrix, act: str,
+              gate: QuantMatrix | None = None, out: np.ndarray | None = None,
+              xq: bool | None = None) -> np.ndarray:
+    """Fused sparse FFN of one token over the selected neurons; returns out float32 [D] (+=).
+
+    x float32 [D]; up, gate [I, D] (same type); down_t [I, D], W_down transposed (any type, see
+    `transpose_quantized`). h_j = act(gate_j·x) * (up_j·x) when gate is given, else act(up_j·x);
+    out += sum_j h_j * down_t[j] over j in rows. act: relu | silu | gelu_tanh. xq: as in `qgemv_rows`,
+    for gate / up (None: when up's type is in `XQ_DEFAULT`; ignored for types other than Q8_0 / Q4_0).
+    """
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    _check_m(up, "up")
+    _check_m(down_t, "down_t")
+    n, d = up.shape
+    if down_t.shape != (n, d):
+        raise ValueError(f"down_t has shape {down_t.shape}, expected {(n, d)} like up (W_down transposed)")
+    if gate is not None:
+        _check_m(gate, "gate")
+        if gate.shape != (n, d) or gate.qtype != up.qtype:
+            raise ValueError(f"gate must be {up.qtype} {(n, d)} like up, got {gate.qtype} {gate.shape}")
+    x = _as_f32(x, (d,), "x")
+    rows = _as_rows(rows, n)
+    out = np.zeros(d, np.float32) if out is None else _check_out(out, (d,))
+    k = rows.shape[0]
+    if k:
+        g = gate if gate is not None else up
+        use_xq = up.qtype in XQ_DEFAULT if xq is None else bool(xq)
+        _qffn_one_kernel(x, rows, up._id, up.data, g.data, down_t._id, down_t.data, ACTS[act],
+                         gate is not None, use_xq, min(get_threads(), k), _N16, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantising (load time, numpy)
+
+def dequantize_rows(data: np.ndarray, qtype, cols: int) -> np.ndarray:
+    """uint8 [R, bytes_per_row] blocks -> float32 [R, cols], by gguf.quants.dequantize."""
+    import gguf
+
+    name = _qtype_name(qtype)
+    out = gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType[name])
+    return out.reshape(data.shape[0], cols).astype(np.float32, copy=False)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    # float [..., 1] -> uint8 [..., 2] little-endian fp16
+    return np.ascontiguousarray(v.astype(np.float16)).view(np.uint8)
+
+
+def _k_scales_pack(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    # 6-bit sc, m: uint8 [n, 8] -> uint8 [n, 12] in the layout _k_scale_min reads
+    out = np.empty((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return out
+
+
+def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
+
+
+def _quantize_k_asym(blocks: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    # blocks float32 [n, 256] -> (d, dmin float16-rounded [n, 1], sc, m uint8 [n, 8], q uint8 [n, 8, 32])
+    # per sub-block of 32: min_s = min(0, min x), scale_s = (max x - min_s) / levels; the 8 scales and
+    # mins go to 6 bits under one fp16 d / dmin; q = round((x + dmin m) / (d sc)) in [0, levels].
+    sub = blocks.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0)
+    scale = (sub.max(axis=2) - lo) / levels
+    d = (scale.max(axis=1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    dmin = ((-lo).max(axis=1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(_safe_div(scale, d)), 0, 63)
+    m = np.clip(np.round(_safe_div(-lo, dmin)), 0, 63)
+    step = (d * sc)[:, :, None]
+    q = np.clip(np.round(_safe_div(sub + (dmin * m)[:, :, None], step)), 0, levels)
+    return d, dmin, sc.astype(np.uint8), m.astype(np.uint8), q.astype(np.uint8)
+
+
+def _quantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _quantize_k_asym(blocks, 15)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _k_scales_pack(sc, m), qs], axis=1)
+
+
+def _quantize_q5_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _quantize_k_asym(blocks, 31)
+    low = q & 15
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    qh = np.zeros((q.shape[0], 32), np.uint8)
+    for s in range(8):
+        qh |= (q[:, s] >> 4) << s
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _k_scales_pack(sc, m), qh, qs], axis=1)
+
+
+def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    # 16 groups of 16, symmetric: scale_g = amax_g / 31 -> int8 under one fp16 d; q in [-32, 31]
+    n = blocks.shape[0]
+    grp = blocks.reshape(n, 16, 16)
+    scale = np.abs(grp).max(axis=2) / 31
+    d = (scale.max(axis=1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(_safe_div(scale, d)), -128, 127)
+    q = np.clip(np.round(_safe_div(grp, (d * sc)[:, :, None])), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(n, 2, 4, 32)  # [n, h, k, l]: element 128h + 32k + l
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4),
+                         (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], axis=2).reshape(n, 128)
+    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+          | ((q[:, :, 3] >> 4) << 6)).reshape(n, 64)
+    return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], axis=1)
+
+
+_K_QUANTISERS = {"Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
+
+
+def quantize_rows(w: np.ndarray, qtype) -> np.ndarray:
+    """float [R, C] -> uint8 [R, bytes_per_row] GGUF blocks of qtype.
+
+    Q8_0, Q4_0, Q4_1: gguf.quants.quantize (Q8_0 bit-exact with ggml's reference quantiser).
+    Q4_K, Q5_K, Q6_K: our simple round-to-nearest quantiser (gguf.quants cannot quantise them):
+    per sub-block min/max scales, 6-bit (K) or int8 (Q6_K) sub-scales under one fp16 super-scale.
+    It writes valid blocks that ggml and gguf.quants decode, but it is not llama.cpp's search-based
+    K-quant quantiser and does not match it bit for bit (its error is somewhat larger).
+    """
+    name = _qtype_name(qtype)
+    _, bs, ts = QTYPES[name]
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % bs:
+        raise ValueError(f"{name} needs a 2-D array with a multiple of {bs} columns, got {w.shape}")
+    if name in _K_QUANTISERS:
+        blocks = np.ascontiguousarray(w).reshape(-1, bs)
+        return _K_QUANTISERS[name](blocks).reshape(w.shape[0], w.shape[1] // bs * ts)
+    import gguf
+
+    return np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[name]))
+
+
+def transpose_quantized(m: QuantMatrix, kind=None, strip: int = 256) -> QuantMatrix:
+    """m [R, C] -> its transpose [C, R] quantised as `kind` (None: `DOWN_T_DEFAULT`; "same": m's type).
+
+    Built strip by strip of `strip` columns (a multiple of m's block size): dequantise the strip
+    [R, strip], transpose, requantise its rows. Memory is O(R * strip). R must be a multiple of kind's
+    block size. Used at load time for W_down, which GGUF stores as [D, I] while the sparse down
+    projection needs neuron j's D weights contiguous.
+
+    Requantising adds error; relative RMS error of the transposed copy against the dequantised
+    original (`tools/bench_quant.py --requant`; Gaussian [4096, 2048], then real ffn_down tensors):
+      kind   Q8_0    Q4_0   Q4_1   Q4_K   Q5_K   Q6_K   (as "same")
+      extra  0.0053  0.078  0.078  0.078  0.038  0.019  (Q8_0 kind: 0.005 for every source type)
+      SmolLM2-135M Q4_1 [576, 1536]: same 0.080-0.088, Q8_0 0.0056-0.0064
+      gemma-3-270m Q4_K / Q6_K [640, 2048]: same impossible (640 % 256 != 0), Q8_0 0.0058-0.0064
+    A same-type requantisation is a second, independent rounding (total error x1.4 for 4-bit types);
+    Q8_0 adds ~0.005, i.e. Q4_K's total error goes from 0.0784 to 0.0786. Hence DOWN_T_DEFAULT = Q8_0:
+    W_down's CPU copy is 1.9x the bytes of a 4.5-bit type, but these kernels are compute-bound on a
+    small CPU and Q8_0 rows decode fastest (qaxpy_rows per row about as fast as Q4_K, faster than
+    Q5_K / Q6_K), and it works for any D that is a multiple of 32."""
+    _check_m(m)
+    kind = m.qtype if kind == "same" else _qtype_name(DOWN_T_DEFAULT if kind is None else kind)
+    _, bs_in, ts_in = QTYPES[m.qtype]
+    _, bs_out, ts_out = QTYPES[kind]
+    r, c = m.shape
+    if r % bs_out:
+        raise ValueError(f"cannot store the transpose as {kind}: its rows have {r} elements, "
+                         f"not a multiple of {bs_out}")
+    if strip <= 0 or strip % bs_in:
+        raise ValueError(f"strip must be a positive multiple of {bs_in}, got {strip}")
+    out = np.empty((c, r // bs_out * ts_out), np.uint8)
+    for c0 in range(0, c, strip):
+        c1 = min(c, c0 + strip)
+        part = m.data[:, c0 // bs_in * ts_in: c1 // bs_in * ts_in]
+        dense = dequantize_rows(part, m.qtype, c1 - c0)  # [R, c1 - c0]
+        out[c0:c1] = quantize_rows(np.ascontiguousarray(dense.T), kind)
+    return QuantMatrix(out, kind, (c, r))
+
+
+def random_matrix(qtype, shape: tuple[int, int], seed: int = 0, scale: float = 0.01) -> QuantMatrix:
+    """Random valid blocks (random quant bytes, fp16 scale fields near `scale`) for tests / benchmarks."""
+    name = _qtype_name(qtype)
+    _, bs, ts = QTYPES[name]
+    r, c = shape
+    if c % bs:
+        raise ValueError(f"{name} needs cols to be a multiple of {bs}, got {c}")
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (r * (c // bs), ts), dtype=np.uint8)
+    fields = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(name, (0,))
+    for i, o in enumerate(fields):  # Q4_1's second field (m) is signed; the K mins are subtracted
+        v = scale * rng.uniform(0.5, 1.5, (blocks.shape[0], 1))
+        if name == "Q4_1" and i == 1:
+            v *= rng.choice([-8.0, 8.0], (blocks.shape[0], 1))
+        blocks[:, o:o + 2] = _f16_bytes(v)
+    return QuantMatrix(blocks.reshape(r, c // bs * ts), name, (r, c))

@@ -1,0 +1,354 @@
+"""hotcold.sparse_ops.quant against gguf.quants.dequantize + float64 numpy, for every GGUF type."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hotcold.sparse_ops import quant
+from hotcold.sparse_ops.quant import QuantMatrix
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
+TIGHT = 2e-5  # float32 accumulation, relative to Σ|w·x| (or Σ|c·w|)
+HOWS = ["empty", "one", "some", "unsorted", "full"]
+TORCH_ACT = {"relu": torch.relu, "silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
+
+
+def shapes(qtype: str) -> list[tuple[int, int]]:
+    """(rows, cols): cols a multiple of the block size, one and several blocks; rows not a multiple of 8."""
+    return [(19, 256), (45, 768)] if qtype in K_TYPES else [(19, 32), (45, 160)]
+
+
+def random_q(qtype: str, shape, seed: int, how: str = "bytes") -> QuantMatrix:
+    """Random bytes with sane fp16 scales, or quantised random normal floats."""
+    if how == "bytes":
+        return quant.random_matrix(qtype, shape, seed=seed)
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) / np.sqrt(shape[1])
+    return QuantMatrix.quantize(w, qtype)
+
+
+def selection(n: int, how: str, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dtype = np.int32 if seed % 2 else np.int64
+    if how == "empty":
+        return np.zeros(0, dtype)
+    if how == "one":
+        return np.array([n - 1], dtype)
+    if how == "full":
+        return np.arange(n, dtype=dtype)
+    if how == "unsorted":
+        return rng.permutation(n)[: n // 2 + 3].astype(dtype)
+    return np.sort(rng.choice(n, n // 3, replace=False)).astype(dtype)
+
+
+def deq(m: QuantMatrix) -> np.ndarray:
+    """Reference weights: gguf.quants.dequantize of the raw blocks, float64 [R, C]."""
+    w = gguf.quants.dequantize(m.data, gguf.GGMLQuantizationType[m.qtype])
+    return np.asarray(w, np.float64).reshape(m.shape)
+
+
+def assert_within(got, want, bound) -> None:
+    """Elementwise |got - want| <= bound."""
+    err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    bound = np.broadcast_to(bound, err.shape)
+    worst = int(np.argmax(err - bound)) if err.size else 0
+    assert np.all(err <= bound), f"error {err.flat[worst]:.3g} > bound {bound.flat[worst]:.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# QuantMatrix
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quantmatrix_properties_and_type_names(qtype):
+    bs, ts = quant.QTYPES[qtype][1:]
+    r, c = shapes(qtype)[1]
+    m = random_q(qtype, (r, c), 0)
+    assert (m.rows, m.cols, m.shape, m.qtype) == (r, c, (r, c), qtype)
+    assert m.nbytes == r * c // bs * ts == m.data.nbytes and m.row_bytes() == c // bs * ts
+    ggml = gguf.GGMLQuantizationType[qtype]
+    assert gguf.GGML_QUANT_SIZES[ggml] == (bs, ts)
+    for name in (ggml, int(ggml), qtype.lower()):
+        assert QuantMatrix(m.data, name, (r, c)).qtype == qtype
+    np.testing.assert_array_equal(m.dequantize([2, 0]), deq(m)[[2, 0]].astype(np.float32))
+
+
+def test_quantmatrix_rejects_bad_input():
+    data = np.zeros((4, 34), np.uint8)
+    QuantMatrix(data, "Q8_0", (4, 32))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantMatrix(np.zeros((4, 144), np.uint8), "Q4_K", (4, 128))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantMatrix(data, "Q8_0", (4, 48))
+    with pytest.raises(ValueError, match="uint8 array of shape"):
+        QuantMatrix(data, "Q8_0", (4, 64))  # bytes do not match the shape
+    with pytest.raises(ValueError, match="uint8"):
+        QuantMatrix(data.astype(np.int8), "Q8_0", (4, 32))
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantMatrix(data, "Q2_K", (4, 32))
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantMatrix(data, gguf.GGMLQuantizationType.F16, (4, 32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        QuantMatrix(np.zeros((4, 68), np.uint8)[:, ::2], "Q8_0", (4, 32))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.random_matrix("Q6_K", (2, 96))
+
+
+def test_memmap_and_gguf_reader_are_not_copied(tmp_path):
+    m = random_q("Q4_K", (24, 512), 1)
+    path = tmp_path / "w.bin"
+    m.data.tofile(path)
+    mm = np.memmap(path, np.uint8, "r", shape=m.data.shape)
+    qm = QuantMatrix(mm, "Q4_K", m.shape)
+    assert np.shares_memory(qm.data, mm)
+    x = np.random.default_rng(2).standard_normal(512).astype(np.float32)
+    np.testing.assert_array_equal(quant.qgemv(qm, x), quant.qgemv(m, x))
+
+    w = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")  # through gguf's own reader, as the loader does
+    w.add_tensor("blk.0.ffn_down.weight", m.data, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(tmp_path / "t.gguf")
+    qg = QuantMatrix.from_gguf(reader.tensors[0])
+    assert qg.shape == (24, 512) and qg.qtype == "Q4_K"
+    assert np.shares_memory(qg.data, reader.data)
+    np.testing.assert_array_equal(quant.qgemv(qg, x), quant.qgemv(m, x))
+
+
+# --------------------------------------------------------------------------------------------
+# qgemv_rows / qgemv / qaxpy_rows
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape_i", [0, 1])
+@pytest.mark.parametrize("how", HOWS)
+def test_qgemv_rows(qtype, shape_i, how):
+    r, c = shapes(qtype)[shape_i]
+    for src in ("bytes", "floats"):
+        m = random_q(qtype, (r, c), 3 + shape_i, src)
+        rows = selection(r, how, seed=shape_i)
+        x = np.random.default_rng(4).standard_normal(c).astype(np.float32)
+        got = quant.qgemv_rows(m, rows, x, xq=False)
+        assert got.dtype == np.float32 and got.shape == rows.shape
+        w = deq(m)[rows.astype(np.int64)]
+        assert_within(got, w @ x, TIGHT * (np.abs(w) @ np.abs(x)))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_qgemv_dense_and_out(qtype):
+    r, c = shapes(qtype)[1]
+    m = random_q(qtype, (r, c), 5)
+    x = np.random.default_rng(6).standard_normal(c).astype(np.float32)
+    out = np.full(r, 7.0, np.float32)
+    assert quant.qgemv_rows(m, np.arange(r), x, out, xq=False) is out  # overwritten, not accumulated
+    w = deq(m)
+    assert_within(out, w @ x, TIGHT * (np.abs(w) @ np.abs(x)))
+    np.testing.assert_allclose(quant.qgemv(m, x, xq=False), out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_xq_default_policy(qtype):
+    """xq=None means Q8 activations for the types in XQ_DEFAULT (Q4_0), float x for the others."""
+    assert quant.XQ_DEFAULT == {"Q4_0"}
+    r, c = shapes(qtype)[1]
+    m = random_q(qtype, (r, c), 5, "floats")
+    x = np.random.default_rng(6).standard_normal(c).astype(np.float32)
+    rows = selection(r, "unsorted")
+    use = qtype in quant.XQ_DEFAULT
+    np.testing.assert_array_equal(quant.qgemv_rows(m, rows, x), quant.qgemv_rows(m, rows, x, xq=use))
+    np.testing.assert_array_equal(quant.qgemv(m, x), quant.qgemv(m, x, xq=use))
+    g = random_q(qtype, (r, c), 7, "floats")
+    np.testing.assert_array_equal(quant.qffn_rows(x, rows, m, g, "silu", gate=g),
+                                  quant.qffn_rows(x, rows, m, g, "silu", gate=g, xq=use))
+    if qtype in ("Q8_0", "Q4_0"):  # the two paths really differ
+        assert not np.array_equal(quant.qgemv(m, x, xq=True), quant.qgemv(m, x, xq=False))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("how", ["one", "unsorted", "full"])
+def test_qgemv_rows_q8_activations(qtype, how):
+    r, c = 45, 160
+    m = random_q(qtype, (r, c), 7, "floats")
+    rows = selection(r, how, seed=1)
+    x = np.random.default_rng(8).standard_normal(c).astype(np.float32)
+    got = quant.qgemv_rows(m, rows, x, xq=True)
+    w = deq(m)[rows.astype(np.int64)]
+    # x is rounded to int8 per 32-block: |x - x̂| <= amax(block) / 254 per element
+    dx = np.repeat(np.abs(x).reshape(-1, 32).max(axis=1) / 254, 32)
+    bound = np.abs(w) @ dx * (1 + 1e-3) + TIGHT * (np.abs(w) @ np.abs(x))
+    assert_within(got, w @ x, bound)
+    assert np.abs(got - w @ x).max() > 0  # really the quantised-x path, not the float one
+    with pytest.raises(ValueError, match="Q8_0 and Q4_0"):
+        quant.qgemv_rows(random_q("Q4_K", (8, 256), 0), np.arange(8), np.zeros(256, np.float32), xq=True)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape_i", [0, 1])
+@pytest.mark.parametrize("how", HOWS)
+def test_qaxpy_rows(qtype, shape_i, how):
+    r, c = shapes(qtype)[shape_i]
+    m = random_q(qtype, (r, c), 9 + shape_i, "bytes" if shape_i else "floats")
+    rows = selection(r, how, seed=2 + shape_i)
+    rng = np.random.default_rng(10)
+    coeff = rng.standard_normal(rows.size).astype(np.float32)
+    coeff[::5] = 0.0  # rows with a zero coefficient may be skipped
+    out0 = rng.standard_normal(c).astype(np.float32)
+    out = out0.copy()
+    assert quant.qaxpy_rows(m, rows, coeff, out) is out
+    w = deq(m)[rows.astype(np.int64)]
+    slack = 1e-6 * np.abs(out0)  # rounding of out0 + delta in float32
+    assert_within(out - out0, coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)) + slack)
+    if how == "empty":
+        assert np.array_equal(out, out0)
+
+
+def test_bad_arguments_raise():
+    m = random_q("Q4_0", (8, 64), 0)
+    x = np.zeros(64, np.float32)
+    with pytest.raises(ValueError, match="float32"):
+        quant.qgemv_rows(m, [0], x.astype(np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        quant.qgemv_rows(m, [0], np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        quant.qgemv_rows(m, [0, 1], x, out=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="rows must be 1-D"):
+        quant.qgemv_rows(m, np.zeros((1, 1), np.int64), x)
+    with pytest.raises(ValueError, match="QuantMatrix"):
+        quant.qgemv(np.zeros((8, 64), np.float32), x)
+    for bad in ([8], [-1], [0, 3, 9]):
+        with pytest.raises(IndexError):
+            quant.qgemv_rows(m, np.array(bad), x)
+        with pytest.raises(IndexError):
+            quant.qaxpy_rows(m, np.array(bad), np.ones(len(bad), np.float32), np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="coeff"):
+        quant.qaxpy_rows(m, [0, 1], np.ones(3, np.float32), np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        quant.qaxpy_rows(m, [0], np.ones(1, np.float32), np.zeros(64, np.float64))
+    with pytest.raises(ValueError, match="act"):
+        quant.qffn_rows(x, [0], m, m, "tanh")
+    with pytest.raises(ValueError, match="down_t"):
+        quant.qffn_rows(x, [0], m, random_q("Q4_0", (8, 96), 0), "relu")
+    with pytest.raises(ValueError, match="gate"):
+        quant.qffn_rows(x, [0], m, m, "silu", gate=random_q("Q8_0", (8, 64), 0))
+
+
+# --------------------------------------------------------------------------------------------
+# fused FFN
+
+def ref_ffn(x, rows, up, down_t, act, gate=None) -> np.ndarray:
+    """Float64 reference on the selected rows of dequantised [I, D] weights."""
+    sel = rows.astype(np.int64)
+    xt = torch.from_numpy(x.astype(np.float64))
+    u = torch.from_numpy(up[sel]) @ xt
+    h = TORCH_ACT[act](torch.from_numpy(gate[sel]) @ xt) * u if gate is not None else TORCH_ACT[act](u)
+    return (h @ torch.from_numpy(down_t[sel])).numpy()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("act,gated", [("relu", False), ("silu", True), ("gelu_tanh", True)])
+@pytest.mark.parametrize("how", ["empty", "one", "some", "unsorted", "full"])
+def test_qffn_rows(qtype, act, gated, how):
+    n, d = 45, 256 if qtype in K_TYPES else 96
+    up, down_t = random_q(qtype, (n, d), 11, "floats"), random_q(qtype, (n, d), 12, "floats")
+    gate = random_q(qtype, (n, d), 13, "floats") if gated else None
+    rows = selection(n, how, seed=3)
+    x = np.random.default_rng(14).standard_normal(d).astype(np.float32)
+    out0 = np.random.default_rng(15).standard_normal(d).astype(np.float32)
+    out = out0.copy()
+    assert quant.qffn_rows(x, rows, up, down_t, act, gate=gate, out=out, xq=False) is out
+    U, D, G = deq(up), deq(down_t), deq(gate) if gated else None
+    want = ref_ffn(x, rows, U, D, act, G)
+    scale = max(np.abs(want).max(), np.abs(out0).max(), 1e-3)
+    assert_within(out - out0, want, 10 * TIGHT * scale)
+    if how == "empty":
+        assert np.array_equal(out, out0)
+    got = quant.qffn_rows(x, rows, up, down_t, act, gate=gate, xq=False)  # out None: zeros
+    assert_within(got, want, 10 * TIGHT * max(np.abs(want).max(), 1e-3))
+    if qtype in ("Q8_0", "Q4_0"):  # Q8 activations: x's rounding (~1% of |h|) on top
+        got = quant.qffn_rows(x, rows, up, down_t, act, gate=gate, xq=True)
+        assert_within(got, want, 0.03 * max(np.abs(want).max(), 1e-3))
+
+
+@pytest.mark.parametrize("qtype,down_type", [("Q4_K", "Q8_0"), ("Q4_0", "Q8_0"), ("Q6_K", "Q4_K")])
+def test_qffn_rows_down_of_another_type(qtype, down_type):
+    n, d = 40, 256
+    up, gate = random_q(qtype, (n, d), 16, "floats"), random_q(qtype, (n, d), 17, "floats")
+    down_t = random_q(down_type, (n, d), 18, "floats")
+    rows = selection(n, "unsorted", seed=4)
+    x = np.random.default_rng(19).standard_normal(d).astype(np.float32)
+    got = quant.qffn_rows(x, rows, up, down_t, "silu", gate=gate, xq=False)
+    want = ref_ffn(x, rows, deq(up), deq(down_t), "silu", deq(gate))
+    assert_within(got, want, 10 * TIGHT * np.abs(want).max())
+    x_q = quant.qffn_rows(x, rows, up, down_t, "silu", gate=gate, xq=True)  # Q8 x only for Q8_0 / Q4_0
+    assert_within(x_q, want, (0.02 if qtype == "Q4_0" else 10 * TIGHT) * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------------------------
+# quantising and the transposed W_down
+
+# RMS error of our quantisers relative to the RMS of the weights; measured on Gaussian 256 x 4096:
+# Q8_0 0.0053, Q4_0 0.086, Q4_1 0.078, Q4_K 0.078, Q5_K 0.038, Q6_K 0.019. Bounds with ~30% margin.
+RMS_BOUND = {"Q8_0": 0.008, "Q4_0": 0.11, "Q4_1": 0.105, "Q4_K": 0.105, "Q5_K": 0.05, "Q6_K": 0.026}
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quantize_rows_round_trip(qtype):
+    rng = np.random.default_rng(20)
+    w = rng.standard_normal((16, 512)).astype(np.float32) * rng.uniform(0.1, 3, (16, 1)).astype(np.float32)
+    w[3] = 0.0  # an all-zero row: no division by zero, decodes to zeros
+    w[5, :256] += 2.0  # a block far from zero: the min / offset path
+    m = QuantMatrix.quantize(w, qtype)
+    assert m.qtype == qtype and m.shape == w.shape and m.data.dtype == np.uint8
+    back = deq(m)  # decoded by gguf, so the block format must be right
+    assert not back[3].any()
+    rel = np.sqrt(((back - w) ** 2).mean(axis=1)) / np.sqrt((w ** 2).mean(axis=1).clip(1e-12))
+    rel[3] = 0.0
+    assert rel.max() <= RMS_BOUND[qtype], f"relative RMS error {rel.max():.4f}"
+    # elementwise: never worse than 1.5 steps of the coarsest grid of the row
+    levels = {"Q8_0": 254, "Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_K": 31, "Q6_K": 62}[qtype]
+    span = np.abs(w).max(axis=1, keepdims=True) * 2 + 2.0 * (np.arange(16) == 5)[:, None]
+    assert np.all(np.abs(back - w) <= 1.5 * span / levels + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quantize_rows_matches_gguf_reference_where_it_exists(qtype):
+    if qtype in K_TYPES:
+        with pytest.raises(NotImplementedError):
+            gguf.quants.quantize(np.zeros((1, 256), np.float32), gguf.GGMLQuantizationType[qtype])
+        return
+    w = np.random.default_rng(21).standard_normal((4, 64)).astype(np.float32)
+    ref = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    np.testing.assert_array_equal(quant.quantize_rows(w, qtype), ref)
+
+
+# Extra RMS error of transposing (dequantise + requantise), relative to the RMS of the weights.
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("kind", ["same", "Q8_0"])
+def test_transpose_quantized(qtype, kind):
+    d, i = 256, 512 + (256 if qtype in K_TYPES else 32)  # W_down [D, I]; I not a multiple of the strip
+    w = np.random.default_rng(22).standard_normal((d, i)).astype(np.float32) * 0.05
+    m = QuantMatrix.quantize(w, qtype)
+    t = quant.transpose_quantized(m, kind, strip=256)
+    want_type = qtype if kind == "same" else "Q8_0"
+    assert t.qtype == want_type and t.shape == (i, d)
+    a, b = deq(m).T, deq(t)
+    extra = np.sqrt(((b - a) ** 2).mean()) / np.sqrt((a ** 2).mean())
+    bound = RMS_BOUND[want_type]
+    assert extra <= bound, f"requantising added {extra:.4f} relative RMS error"
+    back = quant.transpose_quantized(t, qtype if kind == "same" else "Q8_0", strip=512)  # one strip
+    assert back.shape == (d, i) and back.qtype == want_type
+    assert np.sqrt(((deq(back) - deq(m)) ** 2).mean()) / np.sqrt((a ** 2).mean()) <= 1.5 * bound
+
+
+def test_transpose_quantized_default_and_errors():
+    m = QuantMatrix.quantize(np.random.default_rng(23).standard_normal((64, 256)).astype(np.float32), "Q4_K")
+    t = quant.transpose_quantized(m)
+    assert t.qtype == quant.DOWN_T_DEFAULT and t.shape == (256, 64)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.transpose_quantized(m, "same")  # its rows would have 64 elements
+    with pytest.raises(ValueError, match="strip"):
+        quant.transpose_quantized(m, "Q8_0", strip=100)
