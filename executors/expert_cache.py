@@ -30,16 +30,24 @@ _BITS_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16}
 MATS = ("gate", "up", "down_t")
 
 
+POLICIES = ("lru", "lfu")
+
+
 class ExpertCache:
-    """`slots` experts of `hidden` neurons x `dim` on the fast tier, least recently used evicted first.
+    """`slots` experts of `hidden` neurons x `dim` on the fast tier. policy "lru" evicts the least
+    recently used expert; "lfu" the least often routed one (counted by `routed`), ties least recent.
 
     prefetch(key, cold, rows) starts copying an expert's rows of a layer's stacked ColdFFN;
     lookup(key) -> slot or None; weights(slot) -> (gate, up, down_t) [I, D] in the compute dtype,
     ordered after the copy; release(slot) after the compute that reads it has been queued."""
 
-    def __init__(self, tier: FastTier, slots: int, hidden: int, dim: int, kind: str):
+    def __init__(self, tier: FastTier, slots: int, hidden: int, dim: int, kind: str, policy: str = "lru"):
         if slots < 1:
             raise ValueError("an expert cache needs at least one slot")
+        if policy not in POLICIES:
+            raise ValueError(f"expert cache policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.uses: dict = {}  # key -> times routed (every expert of the host, cached or not)
         self.tier, self.kind, self.n_slots, self.hidden, self.dim = tier, kind, slots, hidden, dim
         with torch.inference_mode(False):
             self.store = {m: torch.empty((slots, hidden, dim), dtype=_STORAGE_TORCH[kind], device=tier.device)
@@ -96,14 +104,20 @@ class ExpertCache:
         self.copied += 1
         return True
 
+    def routed(self, key) -> None:
+        """Count a routing of key (the LFU policy's frequency)."""
+        self.uses[key] = self.uses.get(key, 0) + 1
+
     def _victim(self) -> int | None:
         for slot in range(self.n_slots):  # an empty slot first
             if self.key_of[slot] is None:
                 return slot
-        for key, slot in self.slot_of.items():  # least recently used first
-            if key not in self.pinned:
-                return slot
-        return None
+        free = [(key, slot) for key, slot in self.slot_of.items() if key not in self.pinned]  # least recent first
+        if not free:
+            return None
+        if self.policy == "lfu":
+            return min(free, key=lambda ks: self.uses.get(ks[0], 0))[1]  # min keeps the first of equals
+        return free[0][1]
 
     def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slot's (gate, up, down_t), each [I, D] in the compute dtype, after its copy."""

@@ -311,6 +311,8 @@ class HybridMoE(FFN):
         routed_ids = [int(e) for e in routing.ids_np[0]]
         host = [e for e in routed_ids if self.pos[e] >= 0]
         cache.pinned = {(self.layer, e) for e in host}
+        for key in cache.pinned:
+            cache.routed(key)
         hits = {e for e in host if cache.lookup((self.layer, e)) is not None}
         if self.ahead_target:
             book.add("decode", lookahead_named=sum(e in self.named for e in host), lookahead_routed=len(host))

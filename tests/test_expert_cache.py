@@ -85,6 +85,27 @@ def test_cache_lru_pinned_and_contents(kind):
         ExpertCache(FastTier(torch.device("cpu"), torch.float32), 0, I, D, kind)
 
 
+def test_lfu_keeps_the_often_routed_expert():
+    E, I, D = 4, 8, 16
+    gen = torch.Generator().manual_seed(1)
+    cold = host_experts(torch.randn(E, I, D, generator=gen), torch.randn(E, I, D, generator=gen),
+                        torch.randn(E, D, I, generator=gen), list(range(E)), "silu", "f32")
+    rows = [np.arange(p * I, (p + 1) * I) for p in range(E)]
+    kept = {}
+    for policy in ("lru", "lfu"):
+        cache = ExpertCache(FastTier(torch.device("cpu"), torch.float32), 2, I, D, "f32", policy)
+        for _ in range(5):
+            cache.routed((0, 0))  # expert 0 is popular...
+        cache.prefetch((0, 0), cold, rows[0])
+        cache.prefetch((0, 1), cold, rows[1])  # ...but expert 1 was used more recently
+        cache.routed((0, 1))
+        cache.prefetch((0, 2), cold, rows[2])
+        kept[policy] = {e for e in range(E) if cache.lookup((0, e)) is not None}
+    assert kept == {"lru": {1, 2}, "lfu": {0, 2}}
+    with pytest.raises(ValueError, match="policy"):
+        ExpertCache(FastTier(torch.device("cpu"), torch.float32), 2, I, D, "f32", "fifo")
+
+
 def test_cache_too_small_for_one_expert(folder):
     lm = fresh(folder, "mixtral")
     with pytest.raises(ValueError, match="holds no expert"):
