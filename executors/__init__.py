@@ -3,10 +3,12 @@
 engine         make_hybrid(lm, hot, predictors, device, ...) -> HybridEngine (stats(), close())
 hybrid         HybridFFN: a block's FFN split between the fast tier and the CPU worker
 moe            HybridMoE: a block's MoE split: router, shared and GPU experts on the fast tier, the rest on the CPU
+expert_cache   ExpertCache: fast-tier slots for host experts, filled by the look-ahead's prefetch (decode)
+host_attention HostAttention, HostLinear: attention and dense products the plan puts on the CPU (run on the worker)
 gpu_executor   GPUExecutor: a layer's predictor and hot neurons on the fast tier; mask sources
 cpu_executor   CPUExecutor: the worker thread running the numba kernels over cold rows; host buffers
 weights        split_ffn: hot rows compacted on the fast tier, cold rows as HostMatrix in host memory
-prefill        prefill_regime (the cost rule), ColdStreamer (weights streamed layer by layer)
+prefill        prefill_regime (the cost rule), ColdStreamer (cold rows streamed in chunks through two slots)
 tier           FastTier: device, streams, events, pinned buffers ("GPU" may be the CPU device)
 stats          StatsBook: time in GPU work, CPU work, transfers, waiting; rows on each side
 """
