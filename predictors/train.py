@@ -23,11 +23,23 @@ def ffn_params(config, layer: int) -> int:
     return (2 if kind == "dense" else 3) * c.hidden_size * c.intermediate_size
 
 
+def sample_magnitude(ffn, x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """|h|, the down projection's input, of a dense/gated FFN on samples x [S, D] -> float16 [S, I]."""
+    dtype = next(ffn.parameters()).dtype
+    with torch.no_grad():
+        return torch.cat([ffn.activations(c.to(dtype)).abs().to(torch.float16) for c in x.split(chunk)])
+
+
 def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, budget: float = 0.04,
                      epochs: int = 20, device: str | torch.device = "cpu",
-                     progress: Callable[[str, int, int], None] | None = None) -> tuple[PredictorSet, dict]:
+                     progress: Callable[[str, int, int], None] | None = None, weighted_loss: bool | None = None,
+                     weighted_recall: bool = False, per_neuron: bool = False) -> tuple[PredictorSet, dict]:
     """Predictors for every layer with samples in the profile. `budget`: total neuron-predictor
-    parameters as a fraction of the dense/gated FFNs' parameters. Returns (predictors, metrics)."""
+    parameters as a fraction of the dense/gated FFNs' parameters. weighted_loss (None: on the layers
+    whose activity is a magnitude threshold, i.e. non-ReLU gated FFNs), weighted_recall, per_neuron: see
+    train_layer (|h| is recomputed from the sampled FFN inputs with the model's own weights, so the
+    profile need not store it). Returns (predictors, metrics)."""
+    options = dict(weighted_loss=weighted_loss, weighted_recall=weighted_recall, per_neuron=per_neuron)
     progress = progress or (lambda *a: None)
     c = lm.config
     dense_layers = [l for l in range(c.num_layers) if c.ffn_kind(l) != "moe" and l in profile.neuron_freq]
@@ -44,9 +56,16 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
         if samples is None or len(samples[0]) < 10:
             continue
         x, active = samples
-        p, m = train_layer(x.to(device), active.to(device), r, layer=l, recall=recall, epochs=epochs)
+        x, active = x.to(device), active.to(device)
+        wl = profile.threshold.get(l, 0.0) > 0 if weighted_loss is None else weighted_loss
+        # |h| costs a full FFN pass over the samples (a minute per 13B-shaped layer on 2 CPU cores):
+        # only where training needs it, or on a GPU (then the |h| recall is reported for every layer)
+        need = wl or weighted_recall or torch.device(device).type == "cuda"
+        mag = sample_magnitude(lm.model.layers[l].ffn, x.to(lm.device)).to(device) if need else None  # [S, I]
+        p, m = train_layer(x, active, r, layer=l, recall=recall, epochs=epochs, magnitude=mag, weighted_loss=wl,
+                           weighted_recall=weighted_recall, per_neuron=per_neuron)
         preds.neurons[l] = p.cpu()
-        layer_metrics.append(m.__dict__)
+        layer_metrics.append(dict(m.__dict__, weighted_loss=wl))
         progress("predictors", i + 1, len(dense_layers))
 
     lookahead = []
@@ -66,6 +85,7 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
     total = sum(p.n_params() for p in preds.neurons.values())
     metrics = {
         "recall_target": recall,
+        "options": options,
         "budget_fraction": budget,
         "total_params": total,
         "ffn_params_fraction": round(total / max(1, dense_ffn_params), 4),
@@ -74,7 +94,7 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
         "lookahead": lookahead,
     }
     if layer_metrics:
-        for key in ("recall", "precision", "predicted_active_fraction", "true_active_fraction"):
+        for key in ("recall", "weighted_recall", "precision", "predicted_active_fraction", "true_active_fraction"):
             metrics[f"mean_{key}"] = round(sum(m[key] for m in layer_metrics) / len(layer_metrics), 4)
     if lookahead:
         metrics["mean_lookahead_recall"] = round(sum(m["recall"] for m in lookahead) / len(lookahead), 4)

@@ -13,19 +13,21 @@ from hotcold.artifacts import ArtifactError
 from hotcold.models.loader import load_model
 from hotcold.predictors.artifact import PredictorSet, load_predictors, save_predictors
 from hotcold.predictors.lookahead import fit_lookahead, topk_recall
-from hotcold.predictors.neurons import NeuronPredictor, choose_ranks, threshold_for_recall, train_layer
+from hotcold.predictors.neurons import (NeuronPredictor, choose_ranks, magnitude_loss_weight, neuron_thresholds,
+                                        set_neuron_thresholds, threshold_for_recall, train_layer)
 from hotcold.predictors.sparse import predicted_sparse
 from tiny_models import add_tiny_tokenizer, make_tiny
 
 
-def planted(n=3000, dim=48, neurons=96, rank=4, seed=0):
-    """Inputs and masks where neuron i fires iff a rank-4 linear function of x exceeds its bias."""
+def planted(n=3000, dim=48, neurons=96, rank=4, seed=0, margin=False):
+    """Inputs and masks where neuron i fires iff a rank-4 linear function of x exceeds its bias
+    (margin: also return that function minus the bias, [n, neurons], a stand-in for |h|)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=g)
     u, v = torch.randn(dim, rank, generator=g), torch.randn(rank, neurons, generator=g)
     bias = torch.linspace(-2.5, 1.0, neurons) * (rank**0.5) * (dim**0.5)  # from rare to common neurons
-    active = (x @ u @ v + bias) > 0
-    return x, active
+    score = x @ u @ v + bias
+    return (x, score > 0, score) if margin else (x, score > 0)
 
 
 def test_planted_pattern_is_learned():
@@ -51,6 +53,96 @@ def test_threshold_for_recall_exact():
     assert t == pytest.approx(0.1, abs=1e-5)
     t = threshold_for_recall(logits, truth, 1.0)
     assert bool((logits > t)[truth].all())
+
+
+def test_weighted_threshold_for_recall_exact():
+    logits = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.7, 0.2, 0.8, 0.4]])
+    truth = torch.tensor([[True, True, False, True], [True, False, True, False]])
+    weight = torch.tensor([[1.0, 1.0, 50.0, 1.0], [1.0, 9.0, 6.0, 9.0]])
+    # positives by logit: 0.1 (w 1), 0.3 (1), 0.7 (1), 0.8 (6), 0.9 (1); total 10
+    assert threshold_for_recall(logits, truth, 0.8, weight) == pytest.approx(0.3)  # may miss 2: 0.1 and 0.3
+    assert threshold_for_recall(logits, truth, 0.85, weight) == pytest.approx(0.1)  # may miss 1.5: 0.1 only
+    assert threshold_for_recall(logits, truth, 0.3, weight) == pytest.approx(0.7)  # may miss 7, not the 6 at 0.8
+    # unit weights give the count rule
+    for r in (0.5, 0.8, 1.0):
+        assert threshold_for_recall(logits, truth, r, torch.ones_like(logits)) == pytest.approx(
+            threshold_for_recall(logits, truth, r), abs=1e-5)
+
+
+def test_neuron_thresholds_reach_recall_per_neuron():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2000, 6, generator=g) + torch.arange(6.0)  # neurons on different logit scales
+    truth = torch.rand(2000, 6, generator=g) < torch.sigmoid(logits - 2)
+    truth[:, 5] = False
+    truth[:3, 5] = True  # too few positives: the fallback
+    weight = torch.rand(2000, 6, generator=g) ** 4 * 100
+    for w in (None, weight):
+        t = neuron_thresholds(logits, truth, 0.9, w, min_positives=40, fallback=123.0)
+        pred = logits > t
+        ww = torch.ones_like(logits) if w is None else w
+        caught = (ww * truth * pred).sum(0) / (ww * truth).sum(0)  # [I]
+        assert bool((caught[:5] >= 0.9).all())
+        assert bool((caught[:5] < 0.93).all())  # largest thresholds: not trivially all caught
+        assert float(t[5]) == 123.0
+    # a neuron never active is never selected when no fallback is given
+    t = neuron_thresholds(logits, torch.zeros_like(truth), 0.9)
+    assert not bool((logits > t).any())
+
+
+def test_per_neuron_thresholds_fold_into_bias_and_hold_out():
+    x, active = planted(n=4000)
+    p, m = train_layer(x, active, rank=16, recall=0.9, epochs=20, per_neuron=True)
+    assert float(p.threshold) == 0.0  # the rule is forward(x) > 0: a runtime needs no threshold vector
+    assert m.recall >= 0.87  # held-out
+    # every neuron with enough held-out positives is caught about 90% of the time
+    test = x[-1000:]
+    pred, truth = p.predict(test), active[-1000:]
+    n_pos = truth.sum(0)
+    per_neuron = (pred & truth).sum(0)[n_pos >= 100] / n_pos[n_pos >= 100]
+    assert len(per_neuron) > 20 and float(per_neuron.min()) >= 0.8
+    # folding is exact: bias - t with threshold 0 decides as threshold t would
+    q = NeuronPredictor(48, 96, 4)
+    t = torch.randn(96)
+    with torch.no_grad():
+        before = q(x[:50]) > t
+    set_neuron_thresholds(q, t)
+    assert torch.equal(q.predict(x[:50]), before)
+
+
+def test_weighted_recall_holds_out():
+    """An |h|-weighted threshold catches its share of the positives' total |h| on held-out samples."""
+    x, active, score = planted(n=4000, margin=True)
+    magnitude = score.clamp(min=0) ** 2  # large far from the boundary, as |h| is: easy positives weigh most
+    p, m = train_layer(x, active, rank=16, recall=0.95, epochs=20, magnitude=magnitude, weighted_recall=True)
+    assert 0.93 <= m.weighted_recall <= 0.975
+    assert m.recall < 0.9  # the weighted rule may miss many light positives (the count rule would catch 95%)
+    p, m = train_layer(x, active, rank=16, recall=0.95, epochs=20, magnitude=magnitude, weighted_recall=True,
+                       weighted_loss=True, per_neuron=True)
+    assert m.weighted_recall >= 0.92
+    with pytest.raises(ValueError, match="magnitude"):
+        train_layer(x, active, rank=16, weighted_loss=True)
+
+
+def test_magnitude_loss_weight():
+    active = torch.tensor([[True, False], [True, True], [False, True]])
+    magnitude = torch.tensor([[1.0, 9.0], [3.0, 2.0], [5.0, 1000.0]])
+    w = magnitude_loss_weight(magnitude, active, power=1.0, cap=1.9)
+    # per neuron: |h| over the mean active |h| (2 and 501), capped; 0 where inactive
+    assert torch.allclose(w.float(), torch.tensor([[0.5, 0.0], [1.5, 2 / 501], [0.0, 1.9]]), rtol=1e-3)
+    w = magnitude_loss_weight(magnitude, active)  # default: |h|^2 over its mean (5 and 500002), cap 100
+    assert torch.allclose(w.float(), torch.tensor([[0.2, 0.0], [1.8, 4 / 500002], [0.0, 2.0]]), rtol=1e-3)
+    assert torch.allclose(magnitude_loss_weight(magnitude * 1e30, active).float(), w.float())  # no overflow
+
+
+def test_weighted_loss_catches_heavy_positives():
+    """With too little rank for every neuron's pattern, the |h|-weighted loss favours the positives that
+    carry |h|: at the same count recall it catches more of their total |h| (held-out)."""
+    x, active = planted(n=4000)
+    magnitude = active * (1 + 30 * (x[:, :1] > 1.0).float())  # heavy where x0 > 1, a quarter of the samples
+    _, plain = train_layer(x, active, rank=4, recall=0.8, epochs=20, magnitude=magnitude)
+    _, weighted = train_layer(x, active, rank=4, recall=0.8, epochs=20, magnitude=magnitude, weighted_loss=True)
+    assert abs(weighted.recall - plain.recall) < 0.03
+    assert weighted.weighted_recall > plain.weighted_recall + 0.04
 
 
 def test_choose_ranks_within_budget_and_by_difficulty():
@@ -123,6 +215,7 @@ def test_cli_profile_trains_predictors_and_run_sparse(tiny, tmp_path):
     pm = meta["predictors"]
     assert len(pm["layers"]) == 3 and pm["total_params"] > 0 and pm["cpu_ms_per_token"] > 0
     assert all(0 <= m["recall"] <= 1 and m["rank"] >= 16 for m in pm["layers"])
+    assert not any(m["weighted_loss"] for m in pm["layers"])  # ReLU: active = fired, plain BCE
     assert (art / "predictors.safetensors").is_file()
     r = run_cli("run", str(model), "--prompt", "The value of", "-n", "5", "--temperature", "0", "--sparse",
                 "--ignore-eos")
@@ -130,6 +223,16 @@ def test_cli_profile_trains_predictors_and_run_sparse(tiny, tmp_path):
     assert "of FFN neurons computed" in r.stderr
     r = run_cli("perplexity", str(model), "--sparse", "--ctx", "64", "--chunks", "2", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["sparse"] is True
+
+
+def test_cli_profile_gated_trains_with_magnitude_weights(tiny, tmp_path):
+    out = tmp_path / "art"
+    r = run_cli("profile", str(tiny("llama")), "--tokens", "512", "--seq-len", "64", "--sparsity", "0.5",
+                "--heldout-tokens", "128", "--samples", "256", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    pm = json.loads((out / "profile.json").read_text())["predictors"]
+    assert all(m["weighted_loss"] for m in pm["layers"])  # gated, |h| > threshold: |h|^2-weighted BCE
+    assert all(0 < m["weighted_recall"] <= 1 for m in pm["layers"]) and 0 < pm["mean_weighted_recall"] <= 1
 
 
 def test_run_sparse_without_predictors_is_a_clear_error(tiny):

@@ -1,10 +1,11 @@
 """Perplexity of dense, oracle-sparse and predictor-sparse forwards, on held-out text, in one table.
 
-    python tools/eval_predictors.py [MODEL ...] [--tokens 32768] [--eval-tokens 4096] [--threads 2]
+    python tools/eval_predictors.py [MODEL ...] [--tokens 32768] [--eval-tokens 4096] [--threads 2] [--retrain]
 
 Without MODEL: SmolLM2-135M (Q4_1), Gemma 3 270M (Q4_K_M) and a tiny random OPT (ReLU). Each model
 is profiled first (`hotcold profile --tokens N --out WORK/name`, predictors included) unless WORK
-already has its artifacts. Held-out text: the `--eval-tokens` of Python's documentation just before
+already has its artifacts (`--retrain`: then only its predictors are trained again, from that profile,
+with the current defaults). Held-out text: the `--eval-tokens` of Python's documentation just before
 the profile's own held-out tail, so neither the counting/training tokens nor the perplexity-budget
 tokens are scored.
   oracle-sparse: each FFN keeps exactly the neurons active per the profile (|h| > threshold)
@@ -61,6 +62,19 @@ def ensure_profile(model: Path, out: Path, tokens: int, threads: int) -> None:
     subprocess.run(cmd, check=True)
 
 
+def retrain(model: Path, art: Path, threads: int, recall: float, budget: float) -> None:
+    """Train the predictors of an existing profile again (current defaults), as `hotcold profile` would."""
+    from rich.console import Console
+
+    from hotcold.models.loader import load_model
+    from hotcold.profiler.command import _train_predictors
+
+    torch.set_num_threads(threads)
+    lm = load_model(model, "cpu", "float32")
+    print(f"retraining the predictors of {art}", file=sys.stderr)
+    _train_predictors(lm, [art / "profile.safetensors", art / "profile.json"], recall, budget, Console(stderr=True))
+
+
 def evaluate(model: Path, art: Path, eval_tokens: int, ctx: int) -> dict:
     from hotcold.models.loader import load_model
     from hotcold.models.perplexity import calibration_text, perplexity
@@ -90,7 +104,8 @@ def evaluate(model: Path, art: Path, eval_tokens: int, ctx: int) -> dict:
     return {
         "model": lm.name, "mode": prof.meta["mode"], "sparsity": prof.meta["summary"]["sparsity"],
         "ppl_dense": dense, "ppl_oracle": oracle, "ppl_predictor": predicted,
-        "recall": pm.get("mean_recall"), "predicted_active": pm.get("mean_predicted_active_fraction"),
+        "recall": pm.get("mean_recall"), "weighted_recall": pm.get("mean_weighted_recall"),
+        "predicted_active": pm.get("mean_predicted_active_fraction"),
         "true_active": pm.get("mean_true_active_fraction"), "computed_fraction": computed,
         "predictor_params_fraction": pm.get("ffn_params_fraction"), "eval_tokens": len(text),
     }
@@ -105,6 +120,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "hotcold-eval-predictors")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--retrain", action="store_true", help="train the predictors again from existing profiles")
+    ap.add_argument("--recall", type=float, default=0.95, help="with --retrain: the predictors' target recall")
+    ap.add_argument("--budget", type=float, default=0.04, help="with --retrain: predictor size / FFN parameters")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -112,17 +130,19 @@ def main() -> None:
     rows = []
     for m in models:
         art = args.work / f"{m.stem if m.is_file() else m.name}.artifacts"
+        if args.retrain and (art / "profile.safetensors").exists():
+            retrain(m, art, args.threads, args.recall, args.budget)
         ensure_profile(m, art, args.tokens, args.threads)
         rows.append(evaluate(m, art, args.eval_tokens, args.ctx))
     head = (f"{'model':<32} {'mode':<9} {'sparsity':>8} {'ppl dense':>10} {'oracle':>14} {'predictor':>14} "
-            f"{'recall':>6} {'pred/true active':>16} {'computed':>8}")
+            f"{'recall':>6} {'w.rec':>6} {'pred/true active':>16} {'computed':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
         d = r["ppl_dense"]
         print(f"{r['model']:<32} {r['mode']:<9} {r['sparsity']:>8.1%} {d:>10.3f} "
               f"{r['ppl_oracle']:>7.3f} {r['ppl_oracle'] / d - 1:>+6.2%} {r['ppl_predictor']:>7.3f} "
-              f"{r['ppl_predictor'] / d - 1:>+6.2%} {r['recall']:>6.3f} "
+              f"{r['ppl_predictor'] / d - 1:>+6.2%} {r['recall']:>6.3f} {r['weighted_recall'] or float('nan'):>6.3f} "
               f"{r['predicted_active']:>7.1%}/{r['true_active']:>7.1%} {r['computed_fraction']:>8.1%}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
