@@ -45,8 +45,9 @@ class HostAttention(nn.Module):
 
     With a `worker` (the engine's CPUExecutor) the work runs on that thread: numba's and torch's
     OpenMP thread teams belong to the thread that starts them, and a second team in the main thread
-    spinning beside the worker's ran CPU attention at a quarter of the memory bandwidth on the
-    16-core H200 host. `book` (a StatsBook) gets the time as `host_s`."""
+    spinning beside the worker's slowed both (8 13B-shaped layers with every attention on the CPU,
+    16-core H200 host: 106.7 ms per token from the main thread, 59.3 on the worker). `book` (a
+    StatsBook) gets the time as `host_s`."""
 
     def __init__(self, attn: Attention, dtype: torch.dtype, threads: int, worker=None, book=None):
         super().__init__()
