@@ -313,7 +313,8 @@ class HybridMoE(FFN):
         cache.pinned = {(self.layer, e) for e in host}
         for key in cache.pinned:
             cache.routed(key)
-        hits = {e for e in host if cache.lookup((self.layer, e)) is not None}
+        slots = {e: cache.lookup((self.layer, e)) for e in host}
+        hits = {e: slot for e, slot in slots.items() if slot is not None}  # expert -> cache slot
         if self.ahead_target:
             book.add("decode", lookahead_named=sum(e in self.named for e in host), lookahead_routed=len(host))
         if job is not None:
@@ -328,8 +329,7 @@ class HybridMoE(FFN):
                                                                              nxt.expert_rows[nxt.pos[e]])))
         if self.fast.ids:
             y = self._gpu_experts(x2, weights, routing.ids_np[:1], y, "decode")
-        for e in hits:
-            slot = cache.lookup((self.layer, e))
+        for e, slot in hits.items():
             gate, up, down_t = cache.weights(slot)
             h = self.fast.act(x2 @ gate.T) * (x2 @ up.T)  # [1, I]
             k = routed_ids.index(e)

@@ -75,18 +75,27 @@ class ColdFFN:
 
 def _host_rows(w: torch.Tensor, rows: torch.Tensor, kind: str) -> HostMatrix:
     """w[rows] as a host matrix of `kind`, converted BLOCK_ROWS rows at a time. w: [N, D] (any device)."""
-    n, d = len(rows), w.shape[1]
+    blocks = (w.index_select(0, rows[a:a + BLOCK_ROWS]) for a in range(0, len(rows), BLOCK_ROWS))
+    return _host_matrix(blocks, len(rows), w.shape[1], kind)
+
+
+def _host_matrix(parts, n: int, d: int, kind: str) -> HostMatrix:
+    """A host matrix [n, D] of `kind` filled from `parts` (tensors [k, D] on any device, n rows in
+    all), converting one part at a time so that no second copy of the whole matrix is held."""
     if kind == "i8":
-        q = np.empty((n, d), np.int8)
-        scale = np.empty(n, np.float32)
-        for a in range(0, n, BLOCK_ROWS):
-            q[a:a + BLOCK_ROWS], scale[a:a + BLOCK_ROWS] = quantize_i8(w.index_select(0, rows[a:a + BLOCK_ROWS]))
+        q, scale = np.empty((n, d), np.int8), np.empty(n, np.float32)
+        a = 0
+        for w in parts:
+            q[a:a + len(w)], scale[a:a + len(w)] = quantize_i8(w)
+            a += len(w)
         return HostMatrix(q, "i8", scale)
     with torch.inference_mode(False):
         out = torch.empty((n, d), dtype=CPU_KINDS[kind])
     advise_hugepages(out)  # before the first touch
-    for a in range(0, n, BLOCK_ROWS):
-        out[a:a + BLOCK_ROWS] = w.index_select(0, rows[a:a + BLOCK_ROWS]).to("cpu", out.dtype)
+    a = 0
+    for w in parts:
+        out[a:a + len(w)] = w.to("cpu", out.dtype)
+        a += len(w)
     return HostMatrix.from_torch(out, kind)  # shares out's memory
 
 
@@ -169,23 +178,7 @@ def host_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ids: 
     matrix, so one kernel call computes several experts. gate, up: [E, I, D]; down: [E, D, I]."""
     if cpu_kind not in CPU_KINDS:
         raise ValueError(f"cpu_dtype must be one of {tuple(CPU_KINDS)}, got {cpu_kind!r}")
-    n = len(ids) * up.shape[1]
-    mats = {k: _stack_rows([w(e) for e in ids], cpu_kind)
+    n, d = len(ids) * up.shape[1], up.shape[2]
+    mats = {k: _host_matrix((w(e) for e in ids), n, d, cpu_kind)
             for k, w in (("gate", lambda e: gate[e]), ("up", lambda e: up[e]), ("down_t", lambda e: down[e].t()))}
     return ColdFFN(idx=np.arange(n, dtype=np.int64), up_bias=None, act=act, **mats)
-
-
-def _stack_rows(parts: list[torch.Tensor], kind: str) -> HostMatrix:
-    """The [I, D] parts one after the other as a host matrix [len * I, D] of `kind` (one part at a time)."""
-    i, d = parts[0].shape
-    if kind == "i8":
-        q, scale = np.empty((len(parts) * i, d), np.int8), np.empty(len(parts) * i, np.float32)
-        for p, w in enumerate(parts):
-            q[p * i:(p + 1) * i], scale[p * i:(p + 1) * i] = quantize_i8(w)
-        return HostMatrix(q, "i8", scale)
-    with torch.inference_mode(False):
-        out = torch.empty((len(parts) * i, d), dtype=CPU_KINDS[kind])
-    advise_hugepages(out)
-    for p, w in enumerate(parts):
-        out[p * i:(p + 1) * i] = w.to("cpu", out.dtype)
-    return HostMatrix.from_torch(out, kind)  # shares out's memory

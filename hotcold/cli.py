@@ -169,12 +169,12 @@ def _print_stats(setup, gen_stats) -> None:
     measured = 1000 / gen_stats.decode_tok_per_s if gen_stats.decode_tok_per_s else float("nan")
     line = f"[stats] decode {measured:.2f} ms/token measured"
     if setup.engine is not None:
-        t = setup.engine.stats()["decode"]["per_token"]
+        d = setup.engine.stats()["decode"]
+        t = d["per_token"]
         line += (f": GPU {t['gpu_ms']:.2f} ms, CPU {t['cpu_ms']:.2f} ms, transfer {t['transfer_ms']:.2f} ms, "
                  f"wait {t['wait_ms']:.2f} ms, CPU attention/predictors {t['host_ms']:.2f} ms; rows per token GPU {t['rows_gpu']:.0f}, CPU {t['rows_cpu']:.0f}")
         if t.get("experts_gpu") or t.get("experts_cpu"):
             line += f"; experts per token GPU {t['experts_gpu']:.1f}, CPU {t['experts_cpu']:.1f}"
-            d = setup.engine.stats()["decode"]
             if d.get("cache_hit_rate") is not None:
                 line += f"; expert cache hit rate {d['cache_hit_rate']:.0%}"
             if d.get("lookahead_recall") is not None:

@@ -27,13 +27,11 @@ from hotcold.executors.moe import HybridMoE, MoEJob, random_experts
 from hotcold.models.generate import Generator
 from hotcold.models.loader import LoadedModel, load_model
 from hotcold.models.sampling import SamplingParams
-from hotcold.models.transformer import KVCache
+from test_executors import T, assert_close, decode_logits, tokens  # the same decode path and tolerance
 from tiny_models import add_tiny_tokenizer, make_tiny
 
 MOE = ["qwen2_moe", "mixtral", "qwen3_moe"]
 PLACEMENTS = {"cold": 0.0, "mixed": 0.5, "fast": 1.0}  # fraction of each layer's experts on the fast tier
-T = 10
-TOL = 2e-5  # float32 everywhere: relative to the largest |logit|
 HF_TOL = 1e-4  # absolute, as tests/test_models.py compares our dense forward with transformers
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,23 +61,6 @@ def hf_logits(folder: Path, family: str, toks: torch.Tensor) -> torch.Tensor:
     hf = transformers.AutoModelForCausalLM.from_pretrained(make_tiny(family, folder), dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(toks.cpu()).logits
-
-
-def tokens(n: int = T, seed: int = 0, device="cpu") -> torch.Tensor:
-    return torch.randint(3, 160, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
-
-
-def decode_logits(lm: LoadedModel, toks: torch.Tensor) -> torch.Tensor:
-    """Logits [1, T, V] computed one token at a time through the KV cache (the decode path)."""
-    cache = KVCache(lm.config, toks.shape[1] + 1, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
-    with torch.inference_mode():
-        return torch.cat([lm.model(toks[:, i:i + 1], i, cache) for i in range(toks.shape[1])], dim=1)
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = TOL) -> None:
-    err = (got.float() - want.float()).abs().max().item()
-    scale = want.abs().max().item()
-    assert err <= tol * scale, f"max error {err:.3g} > {tol:g} * {scale:.3g}"
 
 
 def moe_layers(lm: LoadedModel) -> list[int]:
