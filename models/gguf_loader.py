@@ -29,11 +29,13 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from hotcold.errors import ModelFileError, UnsupportedModelError
+from hotcold.sparse_ops.quant import QTYPES, QuantMatrix
 
 __all__ = [
     "GGUFFile",
     "SUPPORTED_TENSOR_TYPES",
     "canonical_name",
+    "kept_quantized",
     "hf_config_from_metadata",
     "llama3_rope_scaling",
     "permute_rotary",
@@ -101,6 +103,16 @@ _LAYER_NAMES = {
 _SKIPPED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _GGUF_MAGIC = b"GGUF"
+
+
+# Canonical names never kept in blocks: small matrices the fast tier reads as plain tensors.
+_ALWAYS_DENSE = ("router.weight", "shared_gate.weight", "embed_positions.weight")
+
+
+def kept_quantized(name: str, ggml_type: str, ndim: int) -> bool:
+    """Whether the loader keeps canonical tensor `name` of `ggml_type` in blocks when asked to: the
+    matrices (2-D, or 3-D expert stacks) of a type the CPU kernels compute on."""
+    return ggml_type in QTYPES and ndim >= 2 and not name.endswith(_ALWAYS_DENSE)
 
 
 def canonical_name(gguf_name: str) -> str | None:
@@ -528,10 +540,14 @@ class GGUFFile:
         freqs = None if rope_freqs is None else self._dequantize(rope_freqs)  # [Dh/2]
         return hf_config_from_metadata(self.metadata, self.tensor_shapes(), freqs, source=self.path)
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, "torch.Tensor | QuantMatrix"]]:
         """Yield (canonical name, tensor) one at a time, dequantised into `dtype`.
 
-        All names and types are checked before the first tensor is yielded.
+        keep_quantized: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K (`kept_quantized`)
+        come as `QuantMatrix` views of the mapped file instead (no copy; llama q/k rows are
+        un-permuted into a copy), 3-D expert stacks as [E * rows, cols]. All names and types are
+        checked before the first tensor is yielded.
         """
         plan = [(t, self._canonical(t)) for t in self._reader.tensors]
         for t, name in plan:
@@ -541,9 +557,28 @@ class GGUFFile:
         for t, name in plan:
             if name is None:
                 continue
+            if keep_quantized and kept_quantized(name, t.tensor_type.name, len(t.shape)):
+                yield name, self._quant_matrix(t, heads)
+                continue
             w = self._convert(t, heads)
             yield name, torch.from_numpy(w).to(dtype)
             self._release(t)
+
+    def kept_names(self) -> list[str]:
+        """Canonical names of the tensors `tensors(keep_quantized=True)` yields as QuantMatrix."""
+        return [n for t in self._reader.tensors if (n := self._canonical(t)) is not None
+                and kept_quantized(n, t.tensor_type.name, len(t.shape))]
+
+    def _quant_matrix(self, t: Any, heads: tuple[int, int]) -> QuantMatrix:
+        """Tensor t's blocks as a QuantMatrix [rows, cols] (experts stacked: [E * rows, cols])."""
+        ne = [int(v) for v in t.shape]  # ggml order: ne0 = cols
+        data = t.data.reshape(-1, t.data.shape[-1])  # uint8 [rows, bytes per row], a view
+        key = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
+        if self.architecture == "llama" and key in ("attn_q.weight", "attn_k.weight"):
+            rows = np.arange(data.shape[0]).reshape(-1, 1)
+            perm = unpermute_rotary(rows, heads[0] if key == "attn_q.weight" else heads[1])[:, 0]
+            data = np.ascontiguousarray(data[perm])
+        return QuantMatrix(data, t.tensor_type.name, (int(np.prod(ne[1:])), ne[0]))
 
     def _release(self, t: Any) -> None:
         """Drop tensor t's file pages from this process's resident set once it has been converted: the

@@ -239,15 +239,24 @@ class Experts(nn.Module):
         self.gate = nn.Parameter(torch.empty(n, hidden, dim))
         self.up = nn.Parameter(torch.empty(n, hidden, dim))
         self.down = nn.Parameter(torch.empty(n, dim, hidden))
+        self.act_name = act
         self.act = activation_fn(act)
+
+    @property
+    def n(self) -> int:
+        return self.gate.shape[0]
 
     def activations(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's down-projection input. x: [N, D] -> h: [N, I]."""
         return self.act(x @ self.gate[e].T) * (x @ self.up[e].T)
 
+    def down_proj(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert e's down projection. h: [N, I] -> [N, D]."""
+        return h @ self.down[e].T
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         # x: [N, D] -> [N, D]
-        return self.activations(e, x) @ self.down[e].T
+        return self.down_proj(e, self.activations(e, x))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from hotcold.errors import HotcoldError, ModelFileError
 from hotcold.models.config import ModelConfig, config_from_hf
@@ -72,10 +73,16 @@ def fingerprint(config: dict, inventory: list[tuple[str, list[int], str]]) -> st
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Allocate the module without initialising weights; rotary tables are recomputed."""
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 quantized: frozenset[str] = frozenset()) -> Transformer:
+    """Allocate the module without initialising weights; rotary tables are recomputed. The modules
+    owning the canonical tensors named in `quantized` get no storage: `_fill` puts quantised
+    modules in their place."""
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
+        for owner in sorted({_owner(n) for n in quantized}):
+            shapes = {k: tuple(v.shape) for k, v in model.get_submodule(owner).named_parameters(recurse=False)}
+            _set_module(model, owner, _Pending(shapes))
     model = model.to_empty(device=device)
     for m in model.modules():
         if isinstance(m, Rotary):
@@ -83,8 +90,56 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
     return model
 
 
-def _fill(model: Transformer, tensors, source: str) -> None:
-    """Copy (name, expert, tensor) triples into the model's parameters; check coverage and shapes."""
+class _Pending(nn.Module):
+    """Stand-in for a module whose weights arrive in blocks: collects them until `_fill` builds it."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        super().__init__()
+        self.shapes = shapes  # part -> the config's shape for it
+        self.parts: dict[str, object] = {}
+
+
+def _owner(name: str) -> str:
+    """The module owning canonical tensor `name` ('layers.0.attn.q.weight' -> 'layers.0.attn.q';
+    'layers.0.ffn.experts.gate' -> 'layers.0.ffn.experts')."""
+    return name.rsplit(".", 1)[0]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _build_quantized(model: Transformer, pending: dict[str, _Pending], dtype: torch.dtype, source: str) -> None:
+    """Replace each _Pending module by the quantised module its parts make."""
+    from hotcold.models.quantized import QuantEmbedding, QuantExperts, QuantLinear
+
+    for owner, p in pending.items():
+        parts = p.parts
+        if owner == "embed":
+            module = QuantEmbedding(parts["weight"], dtype)
+        elif owner.endswith("experts"):
+            missing = [k for k in ("gate", "up", "down") if k not in parts]
+            if missing:
+                raise ModelFileError(f"{source}: tensor for '{owner}.{missing[0]}' is missing; "
+                                     "the config does not match the weights")
+            cfg = model.config
+            module = QuantExperts(parts["gate"], parts["up"], parts["down"], cfg.num_experts, cfg.activation)
+        else:
+            if "weight" not in parts:
+                raise ModelFileError(f"{source}: tensor for '{owner}.weight' is missing; "
+                                     "the config does not match the weights")
+            bias = parts.get("bias")
+            module = QuantLinear(parts["weight"], None if bias is None else bias.float())
+        _set_module(model, owner, module)
+
+
+def _fill(model: Transformer, tensors, source: str, dtype: torch.dtype = torch.float32) -> None:
+    """Copy (name, expert, tensor) triples into the model's parameters; check coverage and shapes.
+    A QuantMatrix goes to the _Pending module that owns it (see `_empty_model`)."""
+    from hotcold.sparse_ops.quant import QuantMatrix
+
+    pending = {n: m for n, m in model.named_modules() if isinstance(m, _Pending)}
     params = dict(model.named_parameters())
     filled: set[str] = set()
     expert_rows: dict[str, set[int]] = {}
@@ -92,6 +147,17 @@ def _fill(model: Transformer, tensors, source: str) -> None:
     for name, expert, tensor in tensors:
         if name == "lm_head.weight" and tied:
             continue  # some checkpoints store the tied head too
+        owner = _owner(name)
+        if owner in pending:
+            part = name.rsplit(".", 1)[1]
+            want = pending[owner].shapes.get(part)
+            if isinstance(tensor, QuantMatrix) and want is not None and len(want) == 3:
+                want = (want[0] * want[1], want[2])  # experts stacked: [E * rows, cols]
+            if want is None or tuple(tensor.shape) != want:
+                raise ModelFileError(f"{source}: tensor '{name}' has shape {list(tensor.shape)} but the config "
+                                     f"implies {list(want or ())}; the config does not match the weights")
+            pending[owner].parts[part] = tensor
+            continue
         if name.endswith("experts.gate_up_proj"):  # transformers v5 fused layout [E, 2I, D]
             base = name[: -len("gate_up_proj")]
             gate, up = tensor.chunk(2, dim=1)
@@ -113,6 +179,7 @@ def _fill(model: Transformer, tensors, source: str) -> None:
     if missing:
         raise ModelFileError(f"{source}: tensor for '{missing[0]}' is missing ({len(missing)} missing in all); "
                              "the config does not match the weights")
+    _build_quantized(model, pending, dtype, source)
 
 
 def _copy(params: dict, name: str, expert: int | None, tensor: torch.Tensor, source: str) -> None:
@@ -159,11 +226,21 @@ def _existing(path: str | Path) -> Path:
     return path
 
 
-def load_model(path: str | Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load an HF folder or a GGUF file. Raises HotcoldError subclasses with one-line messages."""
+def load_model(path: str | Path, device: str | None = None, dtype: str | None = None,
+               quantized: bool | None = None, quantize: str | None = None) -> LoadedModel:
+    """Load an HF folder or a GGUF file. Raises HotcoldError subclasses with one-line messages.
+
+    quantized: keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices in their blocks, mapped from the
+    file (models/quantized.py); None: on the CPU, yes. quantize: q8_0 | q4_0 | q4_k quantises an HF
+    checkpoint's matrices the same way at load (CPU only)."""
     path = _existing(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if quantized is None:
+        quantized = dev.type == "cpu"
+    if (quantized or quantize) and dev.type != "cpu":
+        raise HotcoldError("quantised weights stay in host memory: load them with --device cpu "
+                           "(a plan puts their GPU part on the GPU)")
     if path.is_dir():
         from hotcold.models import hf_loader
 
@@ -171,6 +248,10 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         config = config_from_hf(raw, source=str(path / "config.json"))
         model = _empty_model(config, dev, dt)
         _fill(model, hf_loader.iter_tensors(path, config.sandwich_norms), str(path))
+        if quantize:
+            from hotcold.models.quantized import quantize_model
+
+            quantize_model(model, quantize)
         tokenizer = None
         if (path / "tokenizer.json").is_file():
             from hotcold.models.tokenizer import Tokenizer
@@ -183,8 +264,14 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         gguf = GGUFFile(path)
         raw = gguf.hf_config()
         config = config_from_hf(raw, source=str(path))
-        model = _empty_model(config, dev, dt)
-        _fill(model, ((n, None, t) for n, t in gguf.tensors(torch.float32)), str(path))
+        if quantize:
+            raise HotcoldError(f"--quantize applies to HF checkpoints; {path.name} is a GGUF file and runs in "
+                               "its own quantisation")
+        kept = frozenset(gguf.kept_names()) if quantized else frozenset()
+        if config.tie_word_embeddings:
+            kept -= {"lm_head.weight"}
+        model = _empty_model(config, dev, dt, kept)
+        _fill(model, ((n, None, t) for n, t in gguf.tensors(torch.float32, keep_quantized=quantized)), str(path), dt)
         from hotcold.models.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)

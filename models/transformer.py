@@ -102,8 +102,12 @@ class Transformer(nn.Module):
             x = self.norm(x)
         if hasattr(self, "project_out"):
             x = self.project_out(x)
-        w = self.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = (x @ w.T).float()
+        if not self.config.tie_word_embeddings:
+            logits = self.lm_head(x).float()
+        elif hasattr(self.embed, "logits"):  # QuantEmbedding: the tied head multiplies from its blocks
+            logits = self.embed.logits(x)
+        else:
+            logits = (x @ self.embed.weight.T).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

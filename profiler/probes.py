@@ -172,7 +172,7 @@ class ProbedFFN(nn.Module):
 
     def _moe(self, x: torch.Tensor) -> torch.Tensor:
         m = self.inner
-        n_experts = m.experts.gate.shape[0]
+        n_experts = m.experts.n
         weights, ids = route(m.router(x), m.top_k, m.renormalise)  # [N, k]
         if self.recorder is not None:
             self.recorder.routed(self.layer, ids, n_experts)
@@ -181,7 +181,7 @@ class ProbedFFN(nn.Module):
             h, active = self._sparsify(m.experts.activations(e, xe))
             if self.recorder is not None:
                 self.recorder.expert(self.layer, e, active, n_experts)
-            return h @ m.experts.down[e].T
+            return m.experts.down_proj(e, h)
 
         return m.add_shared(x, m.mix(x, weights, ids, expert_fn))
 

@@ -430,8 +430,18 @@ def _check_out(out: np.ndarray, shape: tuple) -> np.ndarray:
     return out
 
 
+def _quant(m) -> bool:
+    """Whether m holds GGUF blocks (sparse_ops.quant.QuantMatrix): the entry points below hand those
+    to quant's kernels, so callers use one API for both storages."""
+    return type(m).__name__ == "QuantMatrix"
+
+
 def gemv_rows(m: HostMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """out[j] = m[rows[j]] · x. rows int [K]; x float32 [D]; returns out float32 [K] (overwritten)."""
+    if _quant(m):
+        from hotcold.sparse_ops.quant import qgemv_rows
+
+        return qgemv_rows(m, rows, x, out)
     n, d = m.shape
     rows = _as_rows(rows, n)
     x = _as_f32(x, (d,), "x")
@@ -443,6 +453,10 @@ def gemv_rows(m: HostMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray | 
 
 def gemv(m: HostMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Dense out = m @ x over all N rows (for CPU-placed dense layers). x [D] -> out [N]."""
+    if _quant(m):
+        from hotcold.sparse_ops.quant import qgemv
+
+        return qgemv(m, x, out)
     if m._all_rows is None:
         m._all_rows = np.arange(m.shape[0], dtype=np.int64)
     return gemv_rows(m, m._all_rows, x, out)
@@ -450,6 +464,10 @@ def gemv(m: HostMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndar
 
 def axpy_rows(m: HostMatrix, rows: np.ndarray, coeff: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[D] += sum_j coeff[j] * m[rows[j]]  (down projection with m = W_down transposed, [I, D])."""
+    if _quant(m):
+        from hotcold.sparse_ops.quant import qaxpy_rows
+
+        return qaxpy_rows(m, rows, coeff, out)
     n, d = m.shape
     rows = _as_rows(rows, n)
     coeff = _as_f32(coeff, rows.shape, "coeff")
@@ -472,7 +490,17 @@ def ffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: Host
     else h = act(up_i·x + up_bias_i); then out += sum_i h_i * row_scale_i * down_t[i]. act: relu |
     silu | gelu_tanh. row_scale: float32 [N] per matrix row, or None (1): e.g. the routing weight
     of the MoE expert a row belongs to, when several experts are stacked in one matrix.
+    QuantMatrix operands (all of up, gate, down_t) go to `quant.qffn_rows(_batch)`.
     """
+    if _quant(up):
+        from hotcold.sparse_ops.quant import qffn_rows, qffn_rows_batch
+
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        if X.ndim == 2 and X.shape[0] == 1:
+            o = None if out is None else _check_out(out, X.shape).reshape(-1)
+            res = qffn_rows(X[0], rows, up, down_t, act, gate, o, up_bias=up_bias, row_scale=row_scale)
+            return res.reshape(1, -1) if out is None else out
+        return qffn_rows_batch(X, rows, up, down_t, act, gate, up_bias, out, row_scale)
     if act not in ACTS:
         raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
     n, d = up.shape

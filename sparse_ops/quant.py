@@ -39,7 +39,7 @@ from numba import njit, prange
 
 from hotcold.sparse_ops.cpu import ACTS, _act, _f16_bits_to_f32, _rows_in_range, get_threads
 
-__all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "transpose_quantized",
+__all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize", "transpose_quantized",
            "quantize_rows", "dequantize_rows", "random_matrix", "QTYPES", "DOWN_T_DEFAULT", "XQ_DEFAULT"]
 
 # name -> (ggml type id, elements per block, bytes per block)
@@ -581,7 +581,8 @@ def _qgemv_any(qt, w, rows, lo, hi, x, xs, xq, xd, use_xq, n, out):
 
 
 @njit(**_JIT)
-def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, nt, n, out):
+def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, use_bias, scale, use_scale,
+                     nt, n, out):
     # One token, phases as cpu._ffn_one_kernel: (1) gate (or up) of the selected rows, (2) keep the
     # rows whose activation is not 0, (3) gated: their up rows, (4) out += h @ down rows (per-thread
     # partial sums, reduced). up and gate share type qu; down (W_down transposed) has type qd.
@@ -600,7 +601,8 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, nt, n,
     h = np.empty(K, np.float32)
     m = 0
     for j in range(K):
-        a = _act(z[j], act)
+        v = z[j] + bias[rows[j]] if use_bias else z[j]
+        a = _act(v, act)
         if a != 0.0:
             keep[m] = rows[j]
             h[m] = a
@@ -613,6 +615,9 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, nt, n,
             _qgemv_any(qu, up, keep, b * _BLOCK, min(m, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, n, u)
         for j in range(m):
             h[j] *= u[j]
+    if use_scale:
+        for j in range(m):
+            h[j] *= scale[keep[j]]
     nt = max(1, min(nt, m))
     part = np.zeros((nt, D), np.float32)
     for c in prange(nt):
@@ -623,6 +628,13 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, nt, n,
             acc += part[c, d]
         out[d] += acc
 
+
+@njit(**_JIT)
+def _qdequant_kernel(qt, w, rows, n, out):
+    # out[j] = w[rows[j]] as float32 (out zeroed by the caller); one row at a time through the axpy code
+    one = np.ones(1, np.float32)
+    for j in prange(rows.shape[0]):
+        _qaxpy_span(qt, w, rows[j:j + 1], 0, 1, one, n, out[j])
 
 # ---------------------------------------------------------------------------------------------
 # Python entry points
@@ -698,13 +710,16 @@ def qaxpy_rows(m: QuantMatrix, rows: np.ndarray, coeff: np.ndarray, out: np.ndar
 
 def qffn_rows(x: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMatrix, act: str,
               gate: QuantMatrix | None = None, out: np.ndarray | None = None,
-              xq: bool | None = None) -> np.ndarray:
+              xq: bool | None = None, up_bias: np.ndarray | None = None,
+              row_scale: np.ndarray | None = None) -> np.ndarray:
     """Fused sparse FFN of one token over the selected neurons; returns out float32 [D] (+=).
 
     x float32 [D]; up, gate [I, D] (same type); down_t [I, D], W_down transposed (any type, see
-    `transpose_quantized`). h_j = act(gate_j·x) * (up_j·x) when gate is given, else act(up_j·x);
-    out += sum_j h_j * down_t[j] over j in rows. act: relu | silu | gelu_tanh. xq: as in `qgemv_rows`,
-    for gate / up (None: when up's type is in `XQ_DEFAULT`; ignored for types other than Q8_0 / Q4_0).
+    `transpose_quantized`). h_j = act(gate_j·x) * (up_j·x) when gate is given, else
+    act(up_j·x + up_bias_j); out += sum_j h_j * row_scale_j * down_t[j] over j in rows (row_scale
+    float32 [I] or None: e.g. the routing weight of the expert a row belongs to). act: relu | silu |
+    gelu_tanh. xq: as in `qgemv_rows`, for gate / up (None: when up's type is in `XQ_DEFAULT`;
+    ignored for types other than Q8_0 / Q4_0).
     """
     if act not in ACTS:
         raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
@@ -724,10 +739,74 @@ def qffn_rows(x: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMat
     if k:
         g = gate if gate is not None else up
         use_xq = up.qtype in XQ_DEFAULT if xq is None else bool(xq)
+        bias = _NONE if (up_bias is None or gate is not None) else _as_f32(up_bias, (n,), "up_bias")
+        scale = _NONE if row_scale is None else _as_f32(row_scale, (n,), "row_scale")
         _qffn_one_kernel(x, rows, up._id, up.data, g.data, down_t._id, down_t.data, ACTS[act],
-                         gate is not None, use_xq, min(get_threads(), k), _N16, out)
+                         gate is not None, use_xq, bias, bias is not _NONE, scale, scale is not _NONE,
+                         min(get_threads(), k), _N16, out)
     return out
 
+
+_NONE = np.zeros(1, np.float32)
+BATCH_CHUNK_BYTES = 16 << 20  # float32 rows decoded at once by qffn_rows_batch
+
+
+def qffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMatrix, act: str,
+                    gate: QuantMatrix | None = None, up_bias: np.ndarray | None = None,
+                    out: np.ndarray | None = None, row_scale: np.ndarray | None = None) -> np.ndarray:
+    """`qffn_rows` for T tokens sharing one selection: X float32 [T, D] -> out float32 [T, D] (+=).
+
+    The selected rows are decoded `BATCH_CHUNK_BYTES` of float32 at a time (each block once per
+    call, whatever T) and multiplied with torch's GEMM, so prefill reads the blocks once."""
+    import torch
+
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    n, d = up.shape
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != d:
+        raise ValueError(f"X must be [T, {d}], got {X.shape}")
+    rows = _as_rows(rows, n)
+    out = np.zeros((X.shape[0], d), np.float32) if out is None else _check_out(out, (X.shape[0], d))
+    if rows.shape[0] == 0 or X.shape[0] == 0:
+        return out
+    fn = {"relu": torch.relu, "silu": torch.nn.functional.silu,
+          "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[act]
+    x, y = torch.from_numpy(X), torch.from_numpy(out)
+    step = max(1, BATCH_CHUNK_BYTES // (4 * d))
+    for a in range(0, rows.shape[0], step):
+        r = rows[a:a + step]
+        z = x @ torch.from_numpy(qdequantize(gate if gate is not None else up, r)).T  # [T, k]
+        if gate is not None:
+            h = fn(z) * (x @ torch.from_numpy(qdequantize(up, r)).T)
+        else:
+            h = fn(z + torch.from_numpy(up_bias[r]).float()) if up_bias is not None else fn(z)
+        if row_scale is not None:
+            h = h * torch.from_numpy(np.asarray(row_scale, np.float32)[r])
+        y += h @ torch.from_numpy(qdequantize(down_t, r))  # [T, D]
+    return out
+
+
+def qdequantize(m: QuantMatrix, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 [K, cols] of m's rows (all when None), decoded in parallel by the kernels' block code
+    (gguf.quants' numpy decoder, `QuantMatrix.dequantize`, is the independent reference). out, when
+    given, must be float32 [K, cols] C-contiguous; it is overwritten."""
+    _check_m(m)
+    if rows is None:
+        if m._all_rows is None:
+            m._all_rows = np.arange(m.rows, dtype=np.int64)
+        rows = m._all_rows
+    rows = _as_rows(rows, m.rows)
+    shape = (rows.shape[0], m.cols)
+    if out is None:
+        out = np.zeros(shape, np.float32)
+    else:
+        if out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+        out[:] = 0.0
+    if rows.shape[0]:
+        _qdequant_kernel(m._id, m.data, rows, _N16, out)
+    return out
 
 # ---------------------------------------------------------------------------------------------
 # Quantising (load time, numpy)

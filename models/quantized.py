@@ -1,0 +1,263 @@
+"""Layers whose weights stay in GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in host memory.
+
+A quantised GGUF file is used in place: each `QuantMatrix` is a view of the memory-mapped file,
+never expanded wholesale. The modules here replace `nn.Linear`, `nn.Embedding` and the stacked
+MoE `Experts` of the reference model on the CPU:
+
+- one token (decode) multiplies straight from the blocks (`sparse_ops.quant.qgemv`, numba);
+- several tokens (prefill) decode the blocks `CHUNK_BYTES` of float32 rows at a time and multiply
+  with torch (each block is decoded once per call, then reused by every token).
+
+`dequantized(module, device, dtype)` turns them into ordinary modules for a GPU. `quantize_model`
+builds the same modules from an HF checkpoint's float weights (`--quantize q8_0|q4_0|q4_k`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from hotcold.models.layers import activation_fn
+from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
+
+__all__ = ["QuantLinear", "QuantEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
+           "QUANTIZE_TYPES", "is_quantized", "quant_bytes"]
+
+GEMV_TOKENS = 4  # up to this many tokens per call: one block-decoding GEMV per token
+CHUNK_BYTES = 32 << 20  # float32 rows decoded at once for several tokens
+QUANTIZE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}  # --quantize choices
+
+
+def _rows_per_chunk(cols: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * cols))
+
+
+def qlinear(m: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for W = m [out, in] in blocks. x: [..., in] (CPU) -> [..., out] float32."""
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, m.cols).float().contiguous()  # [N, in]
+    n = xf.shape[0]
+    if n <= GEMV_TOKENS:
+        out = np.empty((n, m.rows), np.float32)
+        xn = xf.numpy()
+        for t in range(n):
+            qgemv(m, xn[t], out[t])
+        y = torch.from_numpy(out)
+    else:
+        y = torch.empty((n, m.rows), dtype=torch.float32)
+        step = _rows_per_chunk(m.cols)
+        for a in range(0, m.rows, step):
+            b = min(m.rows, a + step)
+            w = torch.from_numpy(qdequantize(m, np.arange(a, b, dtype=np.int64)))  # [b - a, in]
+            y[:, a:b] = xf @ w.T
+    return y.reshape(*lead, m.rows)
+
+
+class QuantLinear(nn.Module):
+    """nn.Linear over a QuantMatrix weight [out, in] in host memory (bias, if any, a float tensor)."""
+
+    def __init__(self, qweight: QuantMatrix, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.qweight = qweight
+        self.out_features, self.in_features = qweight.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight, float32 [out, in] (a fresh copy: for code that needs dense rows)."""
+        return torch.from_numpy(qdequantize(self.qweight))
+
+    def dequantize(self, rows=None) -> torch.Tensor:
+        """float32 [K, in] of the given rows (all when None)."""
+        idx = None if rows is None else np.asarray(torch.as_tensor(rows).cpu(), np.int64)
+        return torch.from_numpy(qdequantize(self.qweight, idx))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = qlinear(self.qweight, x)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.qweight.qtype}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding [V, D] in blocks: looks rows up by decoding them; as a tied head, a QuantLinear."""
+
+    def __init__(self, qweight: QuantMatrix, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.qweight = qweight
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.from_numpy(qdequantize(self.qweight))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [...] -> [..., D] in self.dtype
+        ids = tokens.reshape(-1).cpu().numpy().astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        out = torch.from_numpy(qdequantize(self.qweight, ids))
+        return out.reshape(*tokens.shape, self.embedding_dim).to(self.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Tied output head: x [..., D] -> [..., V] float32."""
+        return qlinear(self.qweight, x)
+
+
+class QuantExperts(nn.Module):
+    """E gated experts in blocks: gate, up QuantMatrix [E*I, D] (expert e's rows at [e*I, (e+1)*I));
+    down QuantMatrix [E*D, I] (expert e's W_down at rows [e*D, (e+1)*D)), as GGUF stacks them."""
+
+    def __init__(self, gate: QuantMatrix, up: QuantMatrix, down: QuantMatrix, n: int, act: str):
+        super().__init__()
+        self.n, self.hidden, self.dim = n, gate.rows // n, gate.cols
+        if up.shape != gate.shape or down.shape != (n * self.dim, self.hidden):
+            raise ValueError(f"expert matrices do not match: gate {gate.shape}, up {up.shape}, down {down.shape}")
+        self.qgate, self.qup, self.qdown = gate, up, down
+        self.act_name = act
+        self.act = activation_fn(act)
+
+    def matrix(self, which: str, e: int) -> QuantMatrix:
+        """Expert e's gate | up [I, D] or down [D, I] as a QuantMatrix view (no copy)."""
+        m = {"gate": self.qgate, "up": self.qup, "down": self.qdown}[which]
+        k = m.rows // self.n
+        return QuantMatrix(m.data[e * k:(e + 1) * k], m.qtype, (k, m.cols))
+
+    def activations(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's down-projection input. x: [N, D] -> h: [N, I] float32."""
+        return self.act(qlinear(self.matrix("gate", e), x)) * qlinear(self.matrix("up", e), x)
+
+    def down_proj(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert e's down projection. h: [N, I] -> [N, D] in h's dtype."""
+        return qlinear(self.matrix("down", e), h).to(h.dtype)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, D] -> [N, D]
+        return self.down_proj(e, self.activations(e, x)).to(x.dtype)
+
+    def dense(self, which: str) -> torch.Tensor:
+        """Dequantised stack: gate/up [E, I, D], down [E, D, I], float32."""
+        m = {"gate": self.qgate, "up": self.qup, "down": self.qdown}[which]
+        return torch.from_numpy(qdequantize(m)).reshape(self.n, m.rows // self.n, m.cols)
+
+    gate = property(lambda self: self.dense("gate"))
+    up = property(lambda self: self.dense("up"))
+    down = property(lambda self: self.dense("down"))
+
+    def extra_repr(self) -> str:
+        return f"{self.n} experts, {self.dim} -> {self.hidden}, {self.qgate.qtype}/{self.qdown.qtype}"
+
+
+QUANT_MODULES = (QuantLinear, QuantEmbedding, QuantExperts)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether any of model's weights are held in blocks."""
+    return any(isinstance(m, QUANT_MODULES) for m in model.modules())
+
+
+def quant_bytes(module: nn.Module) -> int:
+    """Bytes of the blocks held by module's quantised submodules."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            total += m.qweight.nbytes
+        elif isinstance(m, QuantExperts):
+            total += m.qgate.nbytes + m.qup.nbytes + m.qdown.nbytes
+    return total
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def dequantize_module(m: nn.Module, device, dtype: torch.dtype) -> nn.Module:
+    """An ordinary module (nn.Linear | nn.Embedding | Experts) with m's dequantised weights on device."""
+    from hotcold.models.layers import Experts
+
+    if isinstance(m, QuantLinear):
+        out = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        out.weight = nn.Parameter(_chunked(m.qweight, device, dtype), requires_grad=False)
+        if m.bias is not None:
+            out.bias = nn.Parameter(m.bias.detach().to(device, dtype), requires_grad=False)
+        return out
+    if isinstance(m, QuantEmbedding):
+        out = nn.Embedding(m.num_embeddings, m.embedding_dim, device="meta")
+        out.weight = nn.Parameter(_chunked(m.qweight, device, dtype), requires_grad=False)
+        return out
+    if isinstance(m, QuantExperts):
+        out = Experts.__new__(Experts)
+        nn.Module.__init__(out)
+        out.act, out.act_name = m.act, m.act_name
+        for which in ("gate", "up", "down"):
+            q = {"gate": m.qgate, "up": m.qup, "down": m.qdown}[which]
+            w = _chunked(q, device, dtype).reshape(m.n, q.rows // m.n, q.cols)
+            setattr(out, which, nn.Parameter(w, requires_grad=False))
+        return out
+    return m
+
+
+def _chunked(q: QuantMatrix, device, dtype: torch.dtype) -> torch.Tensor:
+    """q dequantised into a new [rows, cols] tensor on device, CHUNK_BYTES of float32 at a time."""
+    with torch.inference_mode(False):
+        out = torch.empty(q.shape, dtype=dtype, device=device)
+    step = _rows_per_chunk(q.cols)
+    for a in range(0, q.rows, step):
+        b = min(q.rows, a + step)
+        out[a:b] = torch.from_numpy(qdequantize(q, np.arange(a, b, dtype=np.int64))).to(device, dtype)
+    return out
+
+
+def dequantize_model(model: nn.Module, device, dtype: torch.dtype) -> nn.Module:
+    """Replace every quantised submodule of model by its dequantised counterpart on device (in place)."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, QUANT_MODULES):
+            _set(model, name, dequantize_module(m, device, dtype))
+    return model
+
+
+def _quantizable(w: torch.Tensor, qtype: str) -> bool:
+    return w.shape[-1] % QTYPES[qtype][1] == 0
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, kind: str) -> list[str]:
+    """Quantise model's matrices in place (HF checkpoints: `--quantize q8_0|q4_0|q4_k`): linear
+    layers, the embedding and stacked experts become blocks of that type; matrices whose input size
+    is not a multiple of the block size stay as they are. Returns the names of those left."""
+    from hotcold.models.layers import Experts
+
+    if kind not in QUANTIZE_TYPES:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_TYPES)}, got {kind!r}")
+    qtype = QUANTIZE_TYPES[kind]
+    left = []
+    for name, m in list(model.named_modules()):
+        if name.endswith(("router", "shared_gate")) or ".predictor" in name:
+            continue  # tiny, and read by fast-tier code as plain tensors
+        if isinstance(m, nn.Linear):
+            if not _quantizable(m.weight, qtype):
+                left.append(name)
+                continue
+            bias = None if m.bias is None else m.bias.detach().float().clone()
+            _set(model, name, QuantLinear(QuantMatrix.quantize(m.weight.float().numpy(), qtype), bias))
+        elif isinstance(m, nn.Embedding) and name == "embed":
+            if not _quantizable(m.weight, qtype):
+                left.append(name)
+                continue
+            _set(model, name, QuantEmbedding(QuantMatrix.quantize(m.weight.float().numpy(), qtype), m.weight.dtype))
+        elif isinstance(m, Experts):
+            E, I, D = m.gate.shape
+            if not (_quantizable(m.gate, qtype) and _quantizable(m.down, qtype)):
+                left.append(name)
+                continue
+            q = {w: QuantMatrix.quantize(getattr(m, w).float().reshape(-1, getattr(m, w).shape[-1]).numpy(), qtype)
+                 for w in ("gate", "up", "down")}
+            _set(model, name, QuantExperts(q["gate"], q["up"], q["down"], E, m.act_name))
+    return left
+
