@@ -1,5 +1,5 @@
-"""tools/bench.py: its pure parts (sizes, statistics, table, llama.cpp layer offload, argument checks)
-and one real run of hotcold against llama.cpp on SmolLM2."""
+"""tools/bench.py: its pure parts (sizes, statistics, table, llama.cpp layer and expert offload, argument checks),
+llama.cpp with an MoE model's experts on the CPU, and one real run of hotcold against llama.cpp on SmolLM2."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -172,6 +173,195 @@ def test_read_gguf_layout_of_smollm2(smollm2_path):
     assert layout.kv_bytes_per_token == [3 * (64 + 64) * 2] * 30  # 3 KV heads of 64, K + V in f16
     budget = sum(layout.layer_bytes[-10:]) + 10 * layout.kv_bytes_per_token[0] * 256
     assert bench.llama_gpu_layers(layout, 256, budget) == 10
+    assert layout.expert_bytes == [0] * 30 and not layout.moe
+
+
+# -- llama.cpp with an MoE model's experts on the CPU (--n-cpu-moe) ---------------------------
+
+
+def _moe_layout(experts=(20, 20, 20)):
+    """3 layers of 30 bytes, `experts` of them routed experts; output 5; 1 byte of KV per token and layer."""
+    return bench.GgufLayout(n_layer=3, layer_bytes=[30] * 3, output_bytes=5, kv_bytes_per_token=[1] * 3,
+                            expert_bytes=list(experts))
+
+
+def test_llama_cpu_moe_layers_keeps_the_first_layers_experts_on_the_cpu():
+    layout, n_ctx = _moe_layout(), 2  # the rest: 3 * 10 + 5 + 3 * 2 = 41 bytes, experts 20 a layer
+    assert layout.moe
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 10**9) == 0
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 101) == 0  # everything, exactly
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 100) == 1
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 81) == 1
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 80) == 2
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 61) == 2
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 60) == 3
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 41) == 3  # every layer's experts on the CPU
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 40) is None  # the rest alone does not fit
+    assert bench.llama_cpu_moe_layers(layout, n_ctx, 0) is None
+    assert bench.llama_cpu_moe_layers(layout, 21, 100) == 3  # a long context's KV: 30 + 5 + 3 * 21 = 98
+    assert bench.llama_cpu_moe_layers(layout, 22, 100) is None  # 30 + 5 + 3 * 22 = 101
+    # llama.cpp counts from layer 0 (--n-cpu-moe N = layers 0..N-1), not the biggest experts first
+    uneven = _moe_layout((10, 30, 20))
+    assert bench.llama_cpu_moe_layers(uneven, n_ctx, 91) == 1
+    assert bench.llama_cpu_moe_layers(uneven, n_ctx, 90) == 2  # dropping layer 1 alone would fit, N=1 does not
+    dense = bench.GgufLayout(n_layer=3, layer_bytes=[30] * 3, output_bytes=5, kv_bytes_per_token=[1] * 3)
+    assert not dense.moe and bench.llama_cpu_moe_layers(dense, n_ctx, 101) == 0
+    assert bench.llama_cpu_moe_layers(dense, n_ctx, 100) is None
+
+
+def test_llama_offload_rules_and_notes():
+    layout, n_ctx, reserve = _moe_layout(), 2, 1000
+    o = bench.llama_offload(layout, n_ctx, 1080, reserve)  # 80 bytes left: experts of layers 0 and 1 on the CPU
+    assert (o.n_gpu_layers, o.n_cpu_moe) == (4, 2)
+    assert o.note.startswith("llama.cpp n_gpu_layers=4 of 3 (+1 = output layer) with the routed experts of the "
+                             "first 2 layers on the CPU (--n-cpu-moe 2)") and "less 1000 B" in o.note
+    o = bench.llama_offload(layout, n_ctx, 1040, reserve)  # not even N = 3: the whole-layer rule, said so
+    assert (o.n_gpu_layers, o.n_cpu_moe) == (bench.llama_gpu_layers(layout, n_ctx, 40), None) == (1, None)
+    assert o.note.startswith("llama.cpp (MoE, but even with every layer's routed experts on the CPU the rest does "
+                             "not fit: whole layers) n_gpu_layers=1 of 3 (+1 = output layer), the most whose")
+    o = bench.llama_offload(layout, n_ctx, 1080, reserve, "layers")
+    assert (o.n_gpu_layers, o.n_cpu_moe) == (2, None)
+    assert "(MoE, --llama-moe-offload layers: whole layers) n_gpu_layers=2" in o.note
+    o = bench.llama_offload(layout, n_ctx, None, 0)  # no budget: everything on the GPU, experts included
+    assert (o.n_gpu_layers, o.n_cpu_moe) == (4, 0) and o.note == "llama.cpp n_gpu_layers=4 of 3 (+1 = output layer)"
+    dense = bench.GgufLayout(n_layer=3, layer_bytes=[30] * 3, output_bytes=5, kv_bytes_per_token=[1] * 3)
+    o = bench.llama_offload(dense, n_ctx, 1080, reserve)  # dense models: as before
+    assert (o.n_gpu_layers, o.n_cpu_moe) == (2, None)
+    assert o.note == ("llama.cpp n_gpu_layers=2 of 3 (+1 = output layer), the most whose weights + KV fit in "
+                      "1.1 KiB less 1000 B for its CUDA context and compute buffers (hotcold's planner keeps the "
+                      "same out of the budget)")
+    assert bench.llama_offload(dense, n_ctx, None, 0).n_cpu_moe is None
+
+
+def test_llama_cpu_moe_patterns_match_the_first_layers_routed_experts_only():
+    import re
+
+    names = ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight",
+             "blk.0.ffn_up_exps.bias", "blk.1.ffn_gate_up_exps.weight", "blk.1.ffn_down_chexps.weight",
+             "blk.1.ffn_up_shexp.weight", "blk.1.ffn_gate_inp.weight", "blk.1.ffn_up.weight", "blk.1.attn_q.weight",
+             "blk.2.ffn_up_exps.weight", "blk.10.ffn_up_exps.weight", "blk.12.ffn_down_exps.weight"]
+    pats = bench.llama_cpu_moe_patterns(2)
+    assert pats == [r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps", r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps"]
+    hit = [n for n in names if any(re.search(p, n) for p in pats)]  # llama.cpp: std::regex_search, same syntax
+    assert hit == names[:6]
+    assert bench.llama_cpu_moe_patterns(0) == []
+
+
+@pytest.mark.parametrize("device,vram,mode,want", [
+    ("cuda", 1080, "experts", (4, 2)),  # every layer on the GPU, experts of layers 0 and 1 on the CPU
+    ("cuda", 1080, "layers", (2, None)),  # the whole-layer rule on request
+    ("cuda", 1040, "experts", (1, None)),  # not even N = 3 fits: whole layers
+    ("cuda", None, "experts", (4, 0)),  # no budget: everything on the GPU
+    ("cpu", None, "experts", (0, None)),  # no GPU: as before
+])
+def test_bench_passes_the_split_to_llama_cpp_and_records_it(tmp_path, monkeypatch, capsys, device, vram, mode, want):
+    """bench() on a (fake) GPU machine: the split reaches llama.cpp's spec, settings and notes; children faked."""
+    specs = []
+
+    def fake_spawn(spec, workdir, tag, threads, poll_vram, timeout):
+        specs.append(spec)
+        if spec["kind"] == "probe":
+            return {"prompt_ids": [1, 2, 3], "cuda": True, "llama_gpu_offload": True, "gpu_name": "fake"}
+        return _run(100, 10, 0.03, 1)
+
+    monkeypatch.setattr(bench, "spawn", fake_spawn)
+    monkeypatch.setattr(bench, "read_gguf_layout", lambda path: _moe_layout())
+    monkeypatch.setattr(bench, "gpu_reserve_bytes", lambda: 1000)
+    args = _args(device=device, vram_bytes=vram, llama_moe_offload=mode, repeats=1, prompt_tokens=1, tokens=1,
+                 json=str(tmp_path / "b.json"), markdown=False, timeout=60)  # n_ctx = 1 + 1 + 8 = 10 > 2: KV 30
+    paths = bench.ModelPaths(None, Path("m.gguf"), Path("m.gguf"), "m.gguf")
+    if device == "cuda" and vram:
+        args.vram_bytes += 3 * (10 - 2)  # the hand-made budgets assume n_ctx 2: add the 8 extra tokens' KV
+    bench.bench(args, paths, [bench.Engine("llama.cpp", "llama.cpp")])
+    (spec,) = [s for s in specs if s["kind"] == "llama.cpp"]
+    assert (spec["n_gpu_layers"], spec["n_cpu_moe"]) == want
+    rep = json.loads((tmp_path / "b.json").read_text())
+    assert rep["settings"]["llama_n_gpu_layers"] == want[0]
+    if device == "cuda":
+        assert rep["settings"]["llama_n_cpu_moe"] == want[1] and rep["settings"]["llama_moe_offload"] == mode
+        assert sum(n.startswith("llama.cpp ") for n in rep["notes"]) == 1
+        assert (f"--n-cpu-moe {want[1]}" in " ".join(rep["notes"])) == bool(vram and want[1])
+    else:
+        assert "llama_n_cpu_moe" not in rep["settings"] and not any(n.startswith("llama.cpp ") for n in rep["notes"])
+
+
+def _make_gguf(out: Path, preset: str, *args: str) -> Path:
+    made = subprocess.run([sys.executable, str(REPO / "tools" / "make_model.py"), preset, "--out", str(out),
+                           "--format", "gguf", "--quiet", *args], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    return out / "model.gguf"
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_gguf(tmp_path_factory) -> Path:
+    """A 3-layer qwen3moe GGUF (8 experts of 64 a layer, f16): blk.N.ffn_{gate,up,down}_exps.weight."""
+    return _make_gguf(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", "tiny-qwen3-moe", "--layers", "3")
+
+
+@pytest.mark.slow
+def test_read_gguf_layout_of_a_moe_gguf(tiny_moe_gguf):
+    import gguf
+
+    layout = bench.read_gguf_layout(tiny_moe_gguf)
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(tiny_moe_gguf)).tensors}
+    assert layout.n_layer == 3 and layout.moe
+    for i in range(3):
+        exps = [sizes[f"blk.{i}.ffn_{k}_exps.weight"] for k in ("gate", "up", "down")]
+        assert layout.expert_bytes[i] == sum(exps) == 3 * 8 * 64 * 64 * 2
+        assert layout.layer_bytes[i] == sum(v for k, v in sizes.items() if k.startswith(f"blk.{i}."))
+    assert bench.llama_cpu_moe_layers(layout, 64, sum(layout.layer_bytes) + layout.output_bytes
+                                      + 64 * sum(layout.kv_bytes_per_token) - 1) == 1
+
+
+def _llama_spec(gguf: Path, **kw) -> dict:
+    return {"model": {"gguf": str(gguf)}, "prompt_ids": list(range(1, 17)), "tokens": 8, "threads": 1, "n_ctx": 64,
+            "warmup": False, **kw}
+
+
+@pytest.mark.slow
+def test_llama_cpp_with_experts_on_the_cpu_generates_the_same_tokens(tiny_moe_gguf, capsys):
+    """On a CPU build the CPU buffer type is the only one, so --n-cpu-moe must not change a greedy token; llama.cpp's
+    own log names each overridden tensor, and only the first N layers' experts."""
+    import llama_cpp
+
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+    plain = bench.run_llama_cpp(_llama_spec(tiny_moe_gguf))
+    assert "overridden_tensors" not in plain and len(plain["token_ids"]) == 8
+    capsys.readouterr()
+    two = bench.run_llama_cpp(_llama_spec(tiny_moe_gguf, n_cpu_moe=2, verbose=True))
+    log = capsys.readouterr().err
+    assert two["token_ids"] == plain["token_ids"]
+    assert (two["n_cpu_moe"], two["overridden_tensors"]) == (2, 6)
+    overridden = re.findall(r"tensor (\S+) \(.*\) buffer type overridden to CPU", log)
+    assert sorted(overridden) == sorted(f"blk.{i}.ffn_{k}_exps.weight" for i in (0, 1) for k in ("gate", "up", "down"))
+    every = bench.run_llama_cpp(_llama_spec(tiny_moe_gguf, n_cpu_moe=3))
+    assert every["token_ids"] == plain["token_ids"] and every["overridden_tensors"] == 9
+    assert llama_cpp.llama_cpp.llama_model_default_params is default_params  # put back after loading
+
+
+@pytest.mark.slow
+def test_llama_cpp_expert_overrides_fail_loudly(tiny_moe_gguf, smollm2_path, monkeypatch):
+    import types
+
+    import llama_cpp
+
+    with pytest.raises(RuntimeError, match="put no tensor on the CPU for --n-cpu-moe 2"):  # a dense model
+        bench.run_llama_cpp(_llama_spec(smollm2_path, n_cpu_moe=2, tokens=2))
+    real, default_params = llama_cpp.llama_cpp, llama_cpp.llama_cpp.llama_model_default_params
+
+    class Bypass:  # a llama-cpp-python whose Llama would not build its params through the module attribute
+        def __getattr__(self, name):
+            return default_params if name == "llama_model_default_params" else getattr(real, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(llama_cpp.llama, "llama_cpp", Bypass())
+        with pytest.raises(RuntimeError, match="did not build its model params"):
+            bench.run_llama_cpp(_llama_spec(tiny_moe_gguf, n_cpu_moe=1, tokens=2))
+    with monkeypatch.context() as m:
+        m.setattr(real, "_lib", types.SimpleNamespace())  # a build without the symbol
+        with pytest.raises(RuntimeError, match="ggml_backend_cpu_buffer_type not found"):
+            bench.run_llama_cpp(_llama_spec(tiny_moe_gguf, n_cpu_moe=1, tokens=2))
+    assert real.llama_model_default_params is default_params
 
 
 # -- inputs and argument checks -------------------------------------------------------------

