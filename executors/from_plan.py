@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hotcold.errors import HotcoldError
 from hotcold.models.loader import LoadedModel, describe_model, load_model, resolve_device, resolve_dtype
 
 
@@ -30,8 +31,10 @@ class RunSetup:
 
 
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
-                 dtype: str | None = None, threads: int | None = None, stats: bool = False) -> RunSetup:
-    """Load `path` per its plan (`plan` names one; otherwise the model's own, if any)."""
+                 dtype: str | None = None, threads: int | None = None, stats: bool = False,
+                 quantize: str | None = None) -> RunSetup:
+    """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
+    `load_model` (HF checkpoints quantised at load, CPU)."""
     from hotcold.planner.plan import find_plan, load_plan
 
     info = describe_model(path)
@@ -39,10 +42,13 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     if plan_path is None:
         notes = ["no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
                  "split it between GPU and CPU)"] if use_plan else []
-        return RunSetup(load_model(path, device, dtype), notes=notes)
+        return RunSetup(load_model(path, device, dtype, quantize=quantize), notes=notes)
     p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
     if p.mode == "gpu":
+        if quantize:
+            raise HotcoldError("--quantize keeps weights in host memory; this model's plan puts all of it on the GPU "
+                               "(re-plan, or drop --quantize)")
         setup = RunSetup(load_model(path, device, dtype), plan=p, notes=[f"plan {plan_path}: the whole model on the GPU"])
         return setup
     notes = [f"plan {plan_path}: {p.mode}, predicted {p.meta['predicted']['tokens_per_s']:.1f} tok/s"]
@@ -53,7 +59,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         notes.append("the plan splits between GPU and CPU but no CUDA GPU is in use: the CPU is the fast tier")
     dt = resolve_dtype(dtype, dev)
     # Load on the host in the compute dtype; make_hybrid moves the fast tier's part to the device.
-    lm = load_model(path, "cpu", str(dt).removeprefix("torch."))
+    lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantize=quantize)
     from hotcold.executors.engine import make_hybrid
     from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN
     from hotcold.predictors.artifact import find_predictors, load_predictors
@@ -72,9 +78,12 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     cpu_dtype = {torch.float16: "f16", torch.float32: "bf16"}.get(dt, "bf16")
     cache_bytes = int(p.meta["budget"].get("expert_cache_bytes", 0)) if dev.type == "cuda" else 0
     if cache_bytes:
-        from hotcold.executors.expert_cache import ExpertCache
+        from hotcold.executors.expert_cache import ExpertCache, slot_kind
+        from hotcold.models.quantized import QuantExperts
 
-        one = ExpertCache.slot_bytes(lm.config.moe_intermediate_size, lm.config.hidden_size, cpu_dtype)
+        quant = any(isinstance(m, QuantExperts) for m in lm.model.modules())
+        one = ExpertCache.slot_bytes(lm.config.moe_intermediate_size, lm.config.hidden_size,
+                                     slot_kind(cpu_dtype, dt, quant))
         if cache_bytes < one:
             notes.append(f"the plan's expert cache ({cache_bytes} B) holds no expert ({one} B each): running without it")
             cache_bytes = 0

@@ -25,6 +25,8 @@ ModelArg = typer.Argument(None, help="HF model folder or .gguf file (default: th
 DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's choice).")
+QuantizeOpt = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: q8_0, q4_0 or q4_k "
+                                                    "(CPU; GGUF files keep their own quantisation).")
 
 
 def _version(value: bool) -> None:
@@ -41,14 +43,15 @@ def _root(
     _state["debug"] = debug
 
 
-def _load(model: Optional[Path], device: Optional[str], dtype: Optional[str], threads: Optional[int] = None):
+def _load(model: Optional[Path], device: Optional[str], dtype: Optional[str], threads: Optional[int] = None,
+          quantize: Optional[str] = None):
     import torch
 
     from hotcold.models.loader import default_model_path, load_model
 
     if threads:
         torch.set_num_threads(threads)
-    return load_model(model if model is not None else default_model_path(), device, dtype)
+    return load_model(model if model is not None else default_model_path(), device, dtype, quantize=quantize)
 
 
 SparseOpt = typer.Option(False, "--sparse", help="Compute each FFN only over the neurons its predictor expects to "
@@ -113,13 +116,14 @@ def run(
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
+    quantize: Optional[str] = QuantizeOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streamed to the terminal, or chat interactively without --prompt."""
     from hotcold.models.generate import Generator
     from hotcold.models.sampling import SamplingParams
 
-    setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats)
+    setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats, quantize)
     lm = setup.lm
     try:
         if lm.tokenizer is None:
@@ -142,7 +146,8 @@ def run(
         setup.close()
 
 
-def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtype, threads, stats: bool):
+def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtype, threads, stats: bool,
+          quantize: Optional[str] = None):
     """The model per its plan (or dense), with the notes saying which printed to stderr."""
     import torch
 
@@ -154,7 +159,7 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
     if dense and plan is not None:
         raise HotcoldError("--plan cannot be combined with --no-plan or --sparse")
     setup = open_for_run(model if model is not None else default_model_path(), plan, not dense, device, dtype,
-                         threads, stats)
+                         threads, stats, quantize)
     return setup
 
 
@@ -251,6 +256,7 @@ def perplexity(
     dtype: Optional[str] = DtypeOpt,
     sparse: bool = SparseOpt,
     threads: Optional[int] = ThreadsOpt,
+    quantize: Optional[str] = QuantizeOpt,
     as_json: bool = typer.Option(False, "--json", help='Print {"ppl", "tokens_scored", "ctx"} as JSON.'),
 ) -> None:
     """Perplexity over non-overlapping windows, as llama-perplexity computes it."""
@@ -258,7 +264,7 @@ def perplexity(
 
     from hotcold.models.perplexity import calibration_text, perplexity as compute
 
-    lm = _load(model, device, dtype, threads)
+    lm = _load(model, device, dtype, threads, quantize)
     if lm.tokenizer is None:
         raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; perplexity needs a tokenizer")
     text = _read_text(data) if data else calibration_text()

@@ -238,6 +238,11 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
     dt = resolve_dtype(dtype, dev)
     if quantized is None:
         quantized = dev.type == "cpu"
+    if quantize is not None:
+        from hotcold.models.quantized import QUANTIZE_TYPES
+
+        if quantize not in QUANTIZE_TYPES:
+            raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
     if (quantized or quantize) and dev.type != "cpu":
         raise HotcoldError("quantised weights stay in host memory: load them with --device cpu "
                            "(a plan puts their GPU part on the GPU)")

@@ -31,6 +31,8 @@ def serve(
     no_plan: bool = typer.Option(False, "--no-plan", help="Ignore any plan: serve the dense model."),
     model_name: Optional[str] = typer.Option(None, "--model-name",
                                              help="Model id in /v1/models (default: the model file or folder name)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: "
+                                                                    "q8_0, q4_0 or q4_k (CPU)."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn
@@ -48,7 +50,12 @@ def serve(
 
     _log_to_console()
     log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
-    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype), max_concurrency, ctx)
+    if quantize is not None:
+        from hotcold.models.quantized import QUANTIZE_TYPES
+
+        if quantize not in QUANTIZE_TYPES:  # before the server starts
+            raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
+    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype, quantize), max_concurrency, ctx)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
                                            log_level="info", timeout_graceful_shutdown=5))
     engine.start(on_fatal=lambda: setattr(server, "should_exit", True))
@@ -60,11 +67,11 @@ def serve(
         raise HotcoldError(engine.load_error)
 
 
-def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype):
+def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None):
     """The model per its plan (hybrid) or dense, saying which in the log."""
     from hotcold.executors.from_plan import open_for_run
 
-    setup = open_for_run(path, plan, not no_plan, device, dtype)
+    setup = open_for_run(path, plan, not no_plan, device, dtype, quantize=quantize)
     for note in setup.notes:
         log.info("%s", note)
     return setup.lm
