@@ -7,7 +7,8 @@ expert_cache   ExpertCache: fast-tier slots for host experts, filled by the look
 host_attention HostAttention, HostLinear: attention and dense products the plan puts on the CPU (run on the worker)
 gpu_executor   GPUExecutor: a layer's predictor and hot neurons on the fast tier; mask sources
 cpu_executor   CPUExecutor: the worker thread running the numba kernels over cold rows; host buffers
-weights        split_ffn: hot rows compacted on the fast tier, cold rows as HostMatrix in host memory
+weights        split_ffn: hot rows compacted on the fast tier, cold rows as HostMatrix (or, for a quantised
+               model, QuantMatrix GGUF blocks) in host memory
 prefill        prefill_regime (the cost rule), ColdStreamer (cold rows streamed in chunks through two slots)
 tier           FastTier: device, streams, events, pinned buffers ("GPU" may be the CPU device)
 stats          StatsBook: time in GPU work, CPU work, transfers, waiting; rows on each side

@@ -20,7 +20,7 @@ from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_thread
 from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.hybrid import HybridFFN
-from hotcold.executors.expert_cache import ExpertCache
+from hotcold.executors.expert_cache import ExpertCache, slot_kind
 from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_experts, split_moe
 from hotcold.executors.prefill import REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, pin_host, unpin_host
 from hotcold.executors.stats import StatsBook
@@ -28,6 +28,7 @@ from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
+from hotcold.models.quantized import QuantEmbedding, dequantize_model
 from hotcold.predictors.artifact import PredictorSet
 
 
@@ -88,7 +89,12 @@ class HybridEngine:
 
 
 def _move_rest(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Everything left in the model to device; floating parameters to dtype (rotary tables stay fp32)."""
+    """Everything left in the model to device; floating parameters to dtype (rotary tables stay fp32).
+
+    Quantised modules (QuantLinear / QuantEmbedding, models/quantized.py) are dequantised onto a
+    CUDA tier; on a CPU tier they stay in their blocks and compute with the block kernels (qgemv)."""
+    if device.type != "cpu":
+        dequantize_model(model, device, dtype)
     model.to(device)
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
@@ -96,6 +102,8 @@ def _move_rest(model: nn.Module, device: torch.device, dtype: torch.dtype) -> No
     for m in model.modules():
         if isinstance(m, Rotary):
             m.reset(device)
+        elif isinstance(m, QuantEmbedding):
+            m.dtype = dtype  # the rows it looks up come out in the tier's dtype
 
 
 @torch.no_grad()
@@ -113,7 +121,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
     predictors: a PredictorSet (layers without a predictor compute every neuron), "oracle" (the true
       active set |h| > thresholds[l], default 0; tests only), or None (every neuron, dense).
-    device / dtype: the fast tier (default: lm's). cpu_dtype: storage of cold rows, f32 | bf16 | f16 | i8.
+    device / dtype: the fast tier (default: lm's). cpu_dtype: storage of cold rows, f32 | bf16 | f16 | i8
+      (a quantised model's cold rows keep their GGUF blocks, W_down transposed as Q8_0: cpu_dtype does not apply).
     threads: numba threads of the CPU worker. prefill: "auto" (prefill_regime decides per layer and
       prompt length), "cpu" or "stream". costs: the rates prefill_regime weighs (default: H200 host).
     stats: time GPU work and transfers with CUDA events (worker times and CPU rows are always kept).
@@ -162,7 +171,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     parts = {}
     for l in layers:
         ffn = model.layers[l].ffn
-        n = ffn.up.weight.shape[0]
+        n = ffn.up.out_features  # I (a QuantLinear's weight property would decode it all)
         hot_idx = check_hot(hot.get(l, torch.zeros(0, dtype=torch.int64)), n)
         is_hot = torch.zeros(n, dtype=torch.bool)
         is_hot[hot_idx] = True
@@ -196,7 +205,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if host_attn:
         lm.layer_devices = [torch.device("cpu") if l in host_attn else device for l in range(len(model.layers))]
 
-    colds = {l: c for l, (_, c) in parts.items() if c.n}
+    colds = {l: c for l, (_, c) in parts.items() if c.n and not c.quantized}  # quantised: never streamed
     streamer = ColdStreamer(tier, colds, sorted(colds), stream_slots_bytes) if colds and prefill != "cpu" else None
     pinned: list[int] = []
     if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
@@ -224,10 +233,12 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
 def _expert_cache(model, moe: dict[int, HybridMoE], tier: FastTier, kind: str, nbytes: int,
                   lookahead: dict[int, torch.Tensor], m: int | None, policy: str = "lru") -> list[int]:
     """Give the MoE layers one ExpertCache of nbytes and chain look-aheads between consecutive MoE
-    layers; page-lock their host experts on CUDA (returns the pointers to unpin)."""
+    layers; page-lock their host experts on CUDA (returns the pointers to unpin). Slots store `kind`,
+    or the tier dtype for quantised host experts (see slot_kind)."""
     any_cold = [h for h in moe.values() if h.cold is not None]
     if not any_cold:
         return []
+    kind = slot_kind(kind, tier.dtype, any_cold[0].cold.quantized)
     hidden, dim = len(any_cold[0].expert_rows[0]), any_cold[0].dim
     slots = nbytes // ExpertCache.slot_bytes(hidden, dim, kind)
     if slots < 1:

@@ -12,7 +12,9 @@ ordered before the use by an event, never by blocking the host); the others run 
                                  └─ no: CPU worker
 
 Slots hold the host storage as is (fp16/bf16 bits, f32, or int8 with row scales) and are widened to
-the compute dtype when used. Every key is (layer, expert).
+the compute dtype when used. Quantised host experts (GGUF blocks) are decoded on the host, by the
+thread that prefetches, into the compute dtype's storage (see `slot_kind`): the fast tier has no
+block kernels. Every key is (layer, expert).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import ColdFFN
+from hotcold.sparse_ops.quant import QuantMatrix, qdequantize
 
 _STORAGE_TORCH = {"f32": torch.float32, "bf16": torch.int16, "f16": torch.int16, "i8": torch.int8}
 _BITS_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16}
@@ -31,6 +34,13 @@ MATS = ("gate", "up", "down_t")
 
 
 POLICIES = ("lru", "lfu")
+_KIND_OF_DTYPE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def slot_kind(cpu_kind: str, dtype: torch.dtype, quantized: bool) -> str:
+    """The storage kind of the cache's slots: the host experts' (cpu_kind), or for quantised host
+    experts the compute dtype's (they are decoded when copied)."""
+    return _KIND_OF_DTYPE.get(dtype, "f32") if quantized else cpu_kind
 
 
 class ExpertCache:
@@ -95,14 +105,27 @@ class ExpertCache:
                 tier.copy.wait_event(self.free[slot])  # the slot's previous expert is no longer read
             for j, name in enumerate(MATS):
                 m = getattr(cold, name)
-                data = m.data.view(np.int16) if m.data.dtype == np.uint16 else m.data
-                self.store[name][slot].copy_(torch.from_numpy(data[a:b]), non_blocking=True)
-                if m.scale is not None:
+                self.store[name][slot].copy_(self._host_rows(m, a, b), non_blocking=True)
+                if getattr(m, "scale", None) is not None:
                     self.scale[slot, j].copy_(torch.from_numpy(m.scale[a:b]), non_blocking=True)
             self.ready[slot] = tier.event(tier.copy)
         self.slot_of[key], self.key_of[slot] = slot, key
         self.copied += 1
         return True
+
+    def _host_rows(self, m, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of a host matrix in the slots' storage, on the host: a HostMatrix's own memory,
+        or a QuantMatrix's rows decoded (a fresh pageable tensor: a copy from pageable memory has
+        read its source when it returns)."""
+        if isinstance(m, QuantMatrix):
+            if self.kind == "i8":
+                raise ValueError("quantised host experts need a float cache kind (see slot_kind)")
+            w = torch.from_numpy(qdequantize(m, np.arange(a, b, dtype=np.int64)))  # [I, D] float32
+            if self.kind in _BITS_DTYPE:
+                return w.to(_BITS_DTYPE[self.kind]).view(torch.int16)
+            return w
+        data = m.data.view(np.int16) if m.data.dtype == np.uint16 else m.data
+        return torch.from_numpy(data[a:b])
 
     def routed(self, key) -> None:
         """Count a routing of key (the LFU policy's frequency)."""
@@ -141,4 +164,4 @@ class ExpertCache:
         return n
 
 
-__all__ = ["ExpertCache"]
+__all__ = ["ExpertCache", "slot_kind"]

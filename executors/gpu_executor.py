@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotcold.executors.stats import now
-from hotcold.executors.weights import HotFFN
+from hotcold.executors.weights import HotFFN, fast_rows
 from hotcold.models.layers import DenseFFN, GatedFFN, project
 from hotcold.predictors.neurons import NeuronPredictor
 from hotcold.sparse_ops.gpu import activation, hot_ffn
@@ -83,13 +83,13 @@ class LearnedMask:
 
 
 class OracleMask:
-    """The true active set, |h| > threshold, from full up/gate (+bias) weights permuted hot-first."""
+    """The true active set, |h| > threshold, from full up/gate (+bias) weights permuted hot-first
+    (a quantised FFN's rows dequantised: float h, where the CPU kernels may round x to Q8)."""
 
     def __init__(self, ffn: DenseFFN | GatedFFN, perm: torch.Tensor, act: str, threshold: float, device, dtype):
-        p = perm.to(ffn.up.weight.device)
-        self.up = _plain(ffn.up.weight[p], device, dtype)
-        self.gate = _plain(ffn.gate.weight[p], device, dtype) if isinstance(ffn, GatedFFN) else None
-        self.bias = None if self.gate is not None else _plain(ffn.up.bias[p], device, dtype)
+        self.up = fast_rows(ffn.up, perm, device, dtype)
+        self.gate = fast_rows(ffn.gate, perm, device, dtype) if isinstance(ffn, GatedFFN) else None
+        self.bias = None if self.gate is not None else _plain(ffn.up.bias[perm.to(ffn.up.bias.device)], device, dtype)
         self.act, self.threshold = activation(act), threshold
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

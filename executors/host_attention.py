@@ -16,23 +16,30 @@ from torch import nn
 
 from hotcold.executors.stats import now
 from hotcold.models.layers import Attention, Rotary
+from hotcold.models.quantized import QuantLinear
 from hotcold.sparse_ops.cpu import HostMatrix, gemv, set_threads
 
 
 class HostLinear(nn.Module):
     """A CPU nn.Linear whose one-token products run in numba's `gemv` over the same memory (float32,
-    fp16 or bf16 weights); several tokens go through torch."""
+    fp16 or bf16 weights; a QuantLinear's GGUF blocks, which `gemv` hands to the block kernels);
+    several tokens go through torch (a QuantLinear's own chunked dequantise + matmul)."""
 
-    def __init__(self, linear: nn.Linear, threads: int):
+    def __init__(self, linear: nn.Linear | QuantLinear, threads: int):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias  # [N, D], [N] or None
-        self.host = HostMatrix.from_torch(self.weight.data)  # shares the weight's memory
+        self.quant = linear if isinstance(linear, QuantLinear) else None
+        self.bias = linear.bias  # [N] or None
+        if self.quant is not None:
+            self.host = linear.qweight  # QuantMatrix [N, D]
+        else:
+            self.weight = linear.weight  # [N, D]
+            self.host = HostMatrix.from_torch(self.weight.data)  # shares the weight's memory
         self.threads = threads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., D] -> [..., N]
         if x.numel() != x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
+            return self.quant(x) if self.quant is not None else F.linear(x, self.weight, self.bias)
         set_threads(self.threads)  # numba's count is per calling thread
         y = torch.from_numpy(gemv(self.host, x.reshape(-1).float().numpy()))  # [N] float32
         if self.bias is not None:
@@ -51,7 +58,8 @@ class HostAttention(nn.Module):
 
     def __init__(self, attn: Attention, dtype: torch.dtype, threads: int, worker=None, book=None):
         super().__init__()
-        self.attn = attn.to("cpu", dtype)
+        self.attn = attn.to("cpu", dtype)  # quantised projections stay in their blocks
+        self.dtype = dtype
         for name in ("q", "k", "v", "o"):
             setattr(self.attn, name, HostLinear(getattr(self.attn, name), threads))
         for m in self.attn.modules():
@@ -62,7 +70,7 @@ class HostAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D] on the fast tier -> [B, T, D] there; cache_kv: host buffers
         t0 = now()
-        args = (x.to("cpu", self.attn.q.weight.dtype), positions.to("cpu"), cache_kv, start)
+        args = (x.to("cpu", self.dtype), positions.to("cpu"), cache_kv, start)
         y = self.worker.call(self.attn, *args) if self.worker is not None else self.attn(*args)
         y = y.to(x.device, x.dtype)
         if self.book is not None and self.book.enabled:

@@ -81,8 +81,9 @@ class HybridFFN(FFN):
         return y.reshape(shape)
 
     def regime(self, n: int) -> str:
-        """Where the cold part runs for n tokens: always "cpu" for one token."""
-        if n == 1 or self.streamer is None or self.prefill == "cpu":
+        """Where the cold part runs for n tokens: always "cpu" for one token, and for a quantised
+        cold part (not streamed, see prefill.py)."""
+        if n == 1 or self.streamer is None or self.prefill == "cpu" or not self.streamer.streams(self.layer):
             return "cpu"
         if self.prefill == "stream":
             return "stream"

@@ -28,9 +28,11 @@ from torch import nn
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows
 from hotcold.executors.stats import StatsBook, now
 from hotcold.executors.tier import FastTier
-from hotcold.executors.weights import ColdFFN, host_experts
+from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts
 from hotcold.models.layers import FFN, MoEFFN, activation_fn, route
+from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_model, dequantize_module, quant_bytes
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
+from hotcold.sparse_ops.quant import qdequantize
 
 # ---------------------------------------------------------------------------------------------
 # Weights: the fast tier's experts and the host's
@@ -65,13 +67,33 @@ def check_experts(ids, n: int) -> list[int]:
     return out
 
 
-def _stack(w: torch.Tensor, ids: list[int], device, dtype) -> torch.Tensor:
-    """w[ids] on device in dtype, one expert at a time. w: [E, A, B] -> [G, A, B]."""
+def _stack(ex, which: str, ids: list[int], device, dtype) -> torch.Tensor:
+    """Experts ids' `which` (gate | up: [I, D]; down: [D, I]) stacked on device in dtype, one expert
+    at a time (QuantExperts: each expert's blocks decoded). -> [G, I, D] or [G, D, I]."""
+    quant = isinstance(ex, QuantExperts)
+    if quant:
+        shape = (ex.dim, ex.hidden) if which == "down" else (ex.hidden, ex.dim)
+    else:
+        shape = getattr(ex, which).shape[1:]
     with torch.inference_mode(False):
-        out = torch.empty((len(ids), *w.shape[1:]), dtype=dtype, device=device)
+        out = torch.empty((len(ids), *shape), dtype=dtype, device=device)
     for g, e in enumerate(ids):
-        out[g] = w[e].to(device, dtype)
+        w = torch.from_numpy(qdequantize(ex.matrix(which, e))) if quant else getattr(ex, which)[e]
+        out[g] = w.to(device, dtype)
     return out
+
+
+def _to_tier(m: nn.Module | None, device, dtype) -> nn.Module | None:
+    """m on device in dtype (in place where it can be). Off the CPU, quantised (sub)modules are
+    dequantised; on the CPU they stay in their blocks."""
+    if m is None:
+        return None
+    if torch.device(device).type != "cpu":
+        if isinstance(m, QUANT_MODULES):
+            m = dequantize_module(m, device, dtype)
+        else:
+            dequantize_model(m, device, dtype)
+    return m.to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -91,7 +113,8 @@ class MoEParts:
     @property
     def fast_bytes(self) -> int:
         mods = [m for m in (self.router, self.shared, self.shared_gate) if m is not None]
-        return self.fast.nbytes + sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+        return self.fast.nbytes + sum(p.numel() * p.element_size() for m in mods for p in m.parameters()) \
+            + sum(quant_bytes(m) for m in mods)  # blocks of quantised modules on a CPU tier
 
     @property
     def host_bytes(self) -> int:
@@ -101,22 +124,26 @@ class MoEParts:
 @torch.no_grad()
 def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str = "bf16") -> MoEParts:
     """Split a MoEFFN: router, shared expert and the GPU experts to device (dtype), the other experts
-    to host memory in cpu_kind. The caller drops `moe` afterwards; the parts share no memory with its
-    experts (router and shared expert are the same modules, moved)."""
+    to host memory in cpu_kind. Quantised experts (QuantExperts) stay quantised on the host
+    (`host_quant_experts`; cpu_kind does not apply) and are dequantised for the fast tier. The
+    caller drops `moe` afterwards; the parts share no memory with its experts (router and shared
+    expert are the same modules, moved, or their dequantised copies off the CPU)."""
     ex = moe.experts
-    n_exp, hidden = ex.gate.shape[:2]  # gate: [E, I, D]
+    quant = isinstance(ex, QuantExperts)
+    n_exp, hidden = (ex.n, ex.hidden) if quant else ex.gate.shape[:2]  # gate: [E, I, D]
     on_gpu = check_experts(gpu_experts, n_exp)
     cold_ids = [e for e in range(n_exp) if e not in on_gpu]
-    cold = host_experts(ex.gate, ex.up, ex.down, cold_ids, act, cpu_kind) if cold_ids else None
+    cold = None
+    if cold_ids:
+        cold = host_quant_experts(ex, cold_ids, act) if quant else \
+            host_experts(ex.gate, ex.up, ex.down, cold_ids, act, cpu_kind)
     pos = np.full(n_exp, -1, np.int64)
     pos[cold_ids] = np.arange(len(cold_ids))
-    fast = FastExperts(on_gpu, *(_stack(w, on_gpu, device, dtype) for w in (ex.gate, ex.up, ex.down)),
+    fast = FastExperts(on_gpu, *(_stack(ex, w, on_gpu, device, dtype) for w in ("gate", "up", "down")),
                        act=activation_fn(act))
-    shared, shared_gate = getattr(moe, "shared", None), getattr(moe, "shared_gate", None)
-    for m in (moe.router, shared, shared_gate):
-        if m is not None:
-            m.to(device=device, dtype=dtype)  # in place
-    return MoEParts(moe.router, shared, shared_gate, fast, cold, pos, hidden, moe.top_k, moe.renormalise)
+    router, shared, shared_gate = (_to_tier(getattr(moe, k, None), device, dtype)
+                                   for k in ("router", "shared", "shared_gate"))
+    return MoEParts(router, shared, shared_gate, fast, cold, pos, hidden, moe.top_k, moe.renormalise)
 
 
 # ---------------------------------------------------------------------------------------------

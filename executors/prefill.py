@@ -8,6 +8,9 @@ computed for the union of the predicted masks (every token the same rows), in on
             computes them.
 `prefill_regime` is the one cost function that chooses; the planner's cost model replaces it later.
 On the CPU device streaming is meaningless: always "cpu" (a test may still force "stream").
+Quantised cold parts (GGUF blocks, `ColdFFN.quantized`) are not streamed: the fast tier has no
+block kernels, so they always take the "cpu" regime (the worker decodes each block once per chunk
+of tokens, `qffn_rows_batch`); the streamer leaves them out (`ColdStreamer.streams`).
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ class ColdStreamer:
 
     def __init__(self, tier: FastTier, colds: dict[int, ColdFFN], order: list[int],
                  slots_bytes: int = STREAM_SLOTS_BYTES):
+        if any(c.quantized for c in colds.values()):
+            raise ValueError("quantised cold parts are computed by the CPU worker, not streamed")
         self.tier, self.colds = tier, colds
         ref = max(colds.values(), key=lambda c: c.n)  # every layer has the same D and storage kinds
         self._ref = ref
@@ -149,6 +154,10 @@ class ColdStreamer:
 
     def chunks(self, layer: int) -> range:
         return self._chunks[layer]
+
+    def streams(self, layer: int) -> bool:
+        """Whether the layer's cold rows go through the streamer (quantised ones do not)."""
+        return layer in self._chunks
 
     def rows(self, k: int) -> tuple[int, int]:
         """Chunk k's cold rows [a, b) within its layer."""

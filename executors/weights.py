@@ -5,6 +5,12 @@ transposed so each neuron's weights are rows ([n, D]). Cold rows are `HostMatrix
 storage kind (f32 | bf16 | f16 | i8), contiguous per neuron, for the numba kernels. Conversion goes
 in blocks of rows, so building never holds more than one extra block beside the original. A MoE
 expert on the CPU is a ColdFFN of all its neurons (`host_expert`).
+
+Quantised models (models/quantized.py: QuantLinear, QuantExperts) stay quantised on the CPU: the
+cold up/gate rows are a copy of their GGUF blocks (`QuantMatrix`, whatever `cpu_kind` says) and
+W_down transposed is requantised to `DOWN_T_DEFAULT` (Q8_0, see `transpose_quantized`), so host
+memory is about the file's size. The hot part on the fast tier is dequantised into the tier dtype,
+BLOCK_ROWS rows (or, for W_down's columns, `_COL_CHUNK_BYTES` of float32) at a time.
 """
 
 from __future__ import annotations
@@ -18,10 +24,14 @@ import numpy as np
 import torch
 
 from hotcold.models.layers import DenseFFN, GatedFFN
+from hotcold.models.quantized import QuantExperts, QuantLinear
 from hotcold.sparse_ops.cpu import HostMatrix, quantize_i8
+from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, qdequantize, quantize_rows
 
 CPU_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i8": None}
 BLOCK_ROWS = 2048
+_COL_CHUNK_BYTES = 32 << 20  # float32 rows of a quantised W_down decoded at once to take its hot columns
+_STRIP = 1024  # columns of a quantised W_down decoded at once to transpose its cold columns
 
 
 @dataclass
@@ -46,21 +56,27 @@ class HotFFN:
 
 @dataclass
 class ColdFFN:
-    """Cold neurons in host memory. up/gate/down_t: HostMatrix [C, D]; up_bias: float32 [C]."""
+    """Cold neurons in host memory. up/gate/down_t: [C, D], all HostMatrix or all QuantMatrix (a
+    quantised model: up/gate in the file's block type, down_t Q8_0); up_bias: float32 [C]."""
 
     idx: np.ndarray  # int64 [C] neuron indices, ascending
-    up: HostMatrix
-    gate: HostMatrix | None
-    down_t: HostMatrix
+    up: HostMatrix | QuantMatrix
+    gate: HostMatrix | QuantMatrix | None
+    down_t: HostMatrix | QuantMatrix
     up_bias: np.ndarray | None
     act: str
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the rows are GGUF blocks (the sparse_ops entry points dispatch on it)."""
+        return isinstance(self.up, QuantMatrix)
 
     @property
     def n(self) -> int:
         return len(self.idx)
 
     @property
-    def mats(self) -> list[HostMatrix]:
+    def mats(self) -> list[HostMatrix | QuantMatrix]:
         return [m for m in (self.up, self.gate, self.down_t) if m is not None]
 
     @property
@@ -142,17 +158,29 @@ def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype,
               cpu_kind: str = "bf16") -> tuple[HotFFN, ColdFFN, torch.Tensor | None]:
     """Split an FFN into (hot part on device, cold part in host memory, down bias on device or None).
 
-    The caller drops `ffn` afterwards; the returned parts share no memory with it (except a cold
-    f32 part of an f32 CPU model, which is a fresh compacted copy too)."""
+    A quantised FFN (`ffn.up` a QuantLinear) keeps its cold part quantised (see `_split_quantized`;
+    cpu_kind does not apply). The caller drops `ffn` afterwards; the returned parts share no memory
+    with it (except a cold f32 part of an f32 CPU model, which is a fresh compacted copy too)."""
     if cpu_kind not in CPU_KINDS:
         raise ValueError(f"cpu_dtype must be one of {tuple(CPU_KINDS)}, got {cpu_kind!r}")
-    up = ffn.up.weight  # [I, D]
-    n = up.shape[0]
+    n = ffn.up.out_features  # I
     hot = check_hot(hot_idx, n)
     is_hot = torch.zeros(n, dtype=torch.bool)
     is_hot[hot] = True
     cold = torch.nonzero(~is_hot).flatten()
     gated = isinstance(ffn, GatedFFN)
+    if isinstance(ffn.up, QuantLinear):
+        hot_part, cold_part = _split_quantized(ffn, hot, cold, gated, act, device, dtype)
+    else:
+        hot_part, cold_part = _split_float(ffn, hot, cold, gated, act, device, dtype, cpu_kind)
+    down_bias = None if ffn.down.bias is None else ffn.down.bias.to(device, dtype).clone()
+    return hot_part, cold_part, down_bias
+
+
+def _split_float(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, act: str, device, dtype,
+                 cpu_kind: str) -> tuple[HotFFN, ColdFFN]:
+    """Float weights: hot rows to device in dtype, cold rows to HostMatrix of cpu_kind."""
+    up = ffn.up.weight  # [I, D]
     mats = {"up": up, "gate": ffn.gate.weight if gated else None, "down_t": ffn.down.weight.t()}  # each [I, D]
     src_dev = up.device
     hot_d, cold_d = hot.to(src_dev), cold.to(src_dev)
@@ -167,8 +195,130 @@ def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype,
         up_bias=None if gated else ffn.up.bias[cold_d].float().cpu().numpy().copy(),
         act=act,
     )
-    down_bias = None if gated else ffn.down.bias.to(device, dtype).clone()
-    return hot_part, cold_part, down_bias
+    return hot_part, cold_part
+
+
+def _split_quantized(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, act: str, device,
+                     dtype) -> tuple[HotFFN, ColdFFN]:
+    """A QuantLinear FFN: hot rows of up/gate and hot columns of W_down dequantised to device in
+    dtype; cold rows of up/gate copied in their blocks (gate requantised to up's type if it differs,
+    as the fused kernel needs one type), cold columns of W_down transposed to DOWN_T_DEFAULT."""
+    lins = {"up": ffn.up, "gate": ffn.gate if gated else None}
+    qtype = ffn.up.qweight.qtype
+    c = cold.numpy().astype(np.int64)
+    hot_part = HotFFN(
+        idx=hot.to(device),
+        **{k: None if m is None else fast_rows(m, hot, device, dtype) for k, m in lins.items()},
+        down_t=_fast_cols(ffn.down, hot, device, dtype),
+        up_bias=None if gated else ffn.up.bias[hot].to(device, dtype),
+    )
+    cold_part = ColdFFN(
+        idx=c,
+        **{k: None if m is None else _cold_quant_rows(m, c, qtype) for k, m in lins.items()},
+        down_t=_cold_quant_down_t(ffn.down, c),
+        up_bias=None if gated else ffn.up.bias[cold].float().numpy().copy(),
+        act=act,
+    )
+    return hot_part, cold_part
+
+
+def fast_rows(lin, rows: torch.Tensor, device, dtype) -> torch.Tensor:
+    """Rows of lin's weight (nn.Linear or QuantLinear: only those rows decoded) on device in dtype,
+    [K, D], a fresh tensor (not an inference tensor)."""
+    if not isinstance(lin, QuantLinear):
+        return _device_rows(lin.weight, rows.to(lin.weight.device), device, dtype)
+    with torch.inference_mode(False):
+        out = torch.empty((len(rows), lin.in_features), dtype=dtype, device=device)
+    for a in range(0, len(rows), BLOCK_ROWS):
+        out[a:a + BLOCK_ROWS] = lin.dequantize(rows[a:a + BLOCK_ROWS]).to(device, dtype)
+    return out
+
+
+def _fast_cols(down, cols: torch.Tensor, device, dtype) -> torch.Tensor:
+    """Columns `cols` of W_down [D, I] transposed, [K, D] on device in dtype. A QuantLinear is decoded
+    `_COL_CHUNK_BYTES` of float32 rows at a time, never whole."""
+    if not isinstance(down, QuantLinear):
+        return _device_rows(down.weight.t(), cols.to(down.weight.device), device, dtype)
+    d, i = down.out_features, down.in_features
+    with torch.inference_mode(False):
+        out = torch.empty((len(cols), d), dtype=dtype, device=device)
+    if len(cols):
+        step = max(1, _COL_CHUNK_BYTES // (4 * i))
+        for a in range(0, d, step):
+            b = min(d, a + step)
+            w = down.dequantize(torch.arange(a, b))  # [b - a, I] float32
+            out[:, a:b] = w[:, cols].T.to(device, dtype)
+    return out
+
+
+def _quant_empty(n: int, cols: int, qtype: str) -> np.ndarray:
+    """uint8 [n, bytes per row of qtype] for a host QuantMatrix, huge pages advised before first touch."""
+    _, bs, ts = QTYPES[qtype]
+    with torch.inference_mode(False):
+        t = torch.empty((n, cols // bs * ts), dtype=torch.uint8)
+    advise_hugepages(t)
+    return t.numpy()  # keeps t alive
+
+
+def _quant_rows(q: QuantMatrix, rows: np.ndarray, qtype: str | None = None) -> QuantMatrix:
+    """A fresh QuantMatrix of q's rows [K, cols]: their blocks copied, or requantised when qtype
+    differs from q's (decoded BLOCK_ROWS rows at a time)."""
+    qtype = qtype or q.qtype
+    out = _quant_empty(len(rows), q.cols, qtype)
+    for a in range(0, len(rows), BLOCK_ROWS):
+        r = rows[a:a + BLOCK_ROWS]
+        if qtype == q.qtype:
+            np.take(q.data, r, axis=0, out=out[a:a + len(r)])
+        else:
+            out[a:a + len(r)] = quantize_rows(qdequantize(q, r), qtype)
+    return QuantMatrix(out, qtype, (len(rows), q.cols))
+
+
+def _cold_quant_rows(lin, rows: np.ndarray, qtype: str) -> QuantMatrix:
+    """Rows of lin's weight (QuantLinear, or an nn.Linear quantised here) as a QuantMatrix of qtype."""
+    if isinstance(lin, QuantLinear):
+        return _quant_rows(lin.qweight, rows, qtype)
+    return _quantize_tensor_rows(lin.weight.detach(), rows, qtype)
+
+
+def _quantize_tensor_rows(w: torch.Tensor, rows: np.ndarray, qtype: str) -> QuantMatrix:
+    """w[rows] quantised as qtype, BLOCK_ROWS rows at a time. w: [N, D] float (any device)."""
+    out = _quant_empty(len(rows), w.shape[1], qtype)
+    for a in range(0, len(rows), BLOCK_ROWS):
+        r = torch.from_numpy(rows[a:a + BLOCK_ROWS]).to(w.device)
+        out[a:a + len(r)] = quantize_rows(w.index_select(0, r).float().cpu().numpy(), qtype)
+    return QuantMatrix(out, qtype, (len(rows), w.shape[1]))
+
+
+def _cold_quant_down_t(down, cols: np.ndarray, kind: str = DOWN_T_DEFAULT) -> QuantMatrix:
+    """Columns `cols` (ascending) of W_down [D, I] transposed, [C, D], quantised as kind (a float
+    W_down, one the quantiser left, is quantised here)."""
+    if isinstance(down, QuantLinear):
+        return quant_cols_t(down.qweight, cols, kind)
+    return _quantize_tensor_rows(down.weight.detach().t(), cols, kind)
+
+
+def quant_cols_t(q: QuantMatrix, cols: np.ndarray | None = None, kind: str = DOWN_T_DEFAULT) -> QuantMatrix:
+    """q[:, cols] transposed, [C, R], quantised as kind (cols ascending; None: all). Decodes `_STRIP`
+    columns of q at a time (memory O(R * _STRIP)). Like sparse_ops.quant.transpose_quantized, with a
+    column selection and the numba decoder. R must be a multiple of kind's block size."""
+    _, bs_in, ts_in = QTYPES[q.qtype]
+    r = q.rows
+    if r % QTYPES[kind][1]:
+        raise ValueError(f"cannot store W_down transposed as {kind}: {r} is not a multiple of {QTYPES[kind][1]}")
+    cols = np.arange(q.cols, dtype=np.int64) if cols is None else np.asarray(cols, np.int64)
+    out = _quant_empty(len(cols), r, kind)
+    strip = max(bs_in, _STRIP // bs_in * bs_in)
+    for c0 in range(0, q.cols, strip):
+        c1 = min(q.cols, c0 + strip)
+        j0, j1 = np.searchsorted(cols, [c0, c1])
+        if j0 == j1:
+            continue
+        part = QuantMatrix(np.ascontiguousarray(q.data[:, c0 // bs_in * ts_in:c1 // bs_in * ts_in]), q.qtype,
+                           (r, c1 - c0))
+        dense = qdequantize(part)  # [R, c1 - c0]
+        out[j0:j1] = quantize_rows(np.ascontiguousarray(dense[:, cols[j0:j1] - c0].T), kind)
+    return QuantMatrix(out, kind, (len(cols), r))
 
 
 @torch.no_grad()
@@ -182,3 +332,18 @@ def host_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ids: 
     mats = {k: _host_matrix((w(e) for e in ids), n, d, cpu_kind)
             for k, w in (("gate", lambda e: gate[e]), ("up", lambda e: up[e]), ("down_t", lambda e: down[e].t()))}
     return ColdFFN(idx=np.arange(n, dtype=np.int64), up_bias=None, act=act, **mats)
+
+
+@torch.no_grad()
+def host_quant_experts(ex: QuantExperts, ids: list[int], act: str) -> ColdFFN:
+    """`host_experts` for quantised experts: the experts' gate/up rows copied in their blocks (gate
+    requantised to up's type if it differs), W_down transposed per expert as DOWN_T_DEFAULT."""
+    I = ex.hidden
+    rows = np.concatenate([np.arange(e * I, (e + 1) * I, dtype=np.int64) for e in ids])
+    qtype = ex.qup.qtype
+    down_t = _quant_empty(len(ids) * I, ex.dim, DOWN_T_DEFAULT)
+    for p, e in enumerate(ids):
+        down_t[p * I:(p + 1) * I] = quant_cols_t(ex.matrix("down", e)).data  # [I, D]
+    return ColdFFN(idx=np.arange(len(rows), dtype=np.int64), up=_quant_rows(ex.qup, rows),
+                   gate=_quant_rows(ex.qgate, rows, qtype),
+                   down_t=QuantMatrix(down_t, DOWN_T_DEFAULT, (len(rows), ex.dim)), up_bias=None, act=act)

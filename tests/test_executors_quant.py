@@ -1,0 +1,323 @@
+"""hotcold.executors on quantised models: the hybrid engine keeps the CPU side in GGUF blocks.
+
+Tiny random models (tests/tiny_models.py) are quantised in place (`quantize_model`, what
+`load_model(..., quantize=)` does): q8_0 and q4_0 on the usual tiny shapes (D = 64, I = 96), q4_k on
+wider ones (D = 256, I = 512: K-quants need rows of 256). The hybrid engine must compute the
+*quantised* dense model: its logits are compared with that reference's, prefill and every decode
+step. They are not bit-equal: the cold W_down is requantised to Q8_0 when transposed (~0.5% relative
+error on the cold share) and Q4_0's one-token kernels round x to Q8 where the reference rounds it in
+other places; so the tolerances are relative to the largest |logit|, and a test checks that they
+are well below the gap between the float and the quantised model (a hybrid computing float weights
+would fail). The SmolLM2 Q4_1 GGUF runs hybrid too (slow).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hotcold.executors import HybridFFN, make_hybrid, random_hot
+from hotcold.executors.expert_cache import ExpertCache
+from hotcold.executors.host_attention import HostAttention
+from hotcold.executors.moe import HybridMoE, random_experts
+from hotcold.executors.weights import ColdFFN, quant_cols_t, split_ffn
+from hotcold.models.generate import Generator
+from hotcold.models.loader import LoadedModel, load_model
+from hotcold.models.quantized import QUANTIZE_TYPES, QuantLinear, quantize_model
+from hotcold.models.sampling import SamplingParams
+from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, random_matrix
+from test_executors import T, decode_logits, tokens
+from tiny_models import COMMON, make_tiny
+
+FAMILIES = ["llama", "opt", "qwen3_moe", "qwen2_moe"]  # gated; ungated with biases; MoE; MoE + shared + a gated layer
+KINDS = ["q8_0", "q4_0", "q4_k"]
+TOL = {"q8_0": 1.5e-2, "q4_0": 4e-2, "q4_k": 1.5e-2}  # relative to the largest |logit|, per step
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_quant")
+
+
+def make_wide(family: str, folder: Path, seed: int = 0) -> Path:
+    """The family's tiny model with D = 256, I = 512 (MoE experts: 256), so Q4_K can hold its rows."""
+    import transformers as Tr
+
+    out = folder / f"{family}_wide"
+    if not (out / "config.json").exists():
+        common = {**COMMON, "hidden_size": 256, "intermediate_size": 512}
+        cfg = {
+            "llama": lambda: Tr.LlamaConfig(**common),
+            "opt": lambda: Tr.OPTConfig(vocab_size=160, hidden_size=256, ffn_dim=512, num_hidden_layers=3,
+                                        num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=256,
+                                        init_std=0.1),
+            "qwen3_moe": lambda: Tr.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=256, head_dim=64, norm_topk_prob=True),
+            "qwen2_moe": lambda: Tr.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                                                   mlp_only_layers=[1]),
+        }[family]()
+        torch.manual_seed(seed)
+        Tr.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+def model_path(folder: Path, family: str, kind: str) -> Path:
+    return make_wide(family, folder) if kind == "q4_k" else make_tiny(family, folder)
+
+
+_REFS: dict = {}
+
+
+def reference(folder: Path, family: str, kind: str, quantized: bool = True) -> LoadedModel:
+    """The dense model quantised as kind (quantized=False: the float32 model of the same shape),
+    loaded once; never converted."""
+    key = (family, kind, quantized)
+    if key not in _REFS:
+        lm = load_model(model_path(folder, family, kind), "cpu", "float32")
+        if quantized:
+            left = quantize_model(lm.model, kind)  # every matrix but the tiny qwen2_moe's shared W_down (I = 48)
+            assert all(n.endswith("shared.down") for n in left), left
+        _REFS[key] = lm
+    return _REFS[key]
+
+
+def fresh(folder: Path, family: str, kind: str) -> LoadedModel:
+    return copy.deepcopy(reference(folder, family, kind))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def row_bytes(qtype: str, cols: int) -> int:
+    _, bs, ts = QTYPES[qtype]
+    return cols // bs * ts
+
+
+def colds(eng) -> list[ColdFFN]:
+    return [f.cold for f in eng.layers.values() if f.cold.n] + [m.cold for m in eng.moe.values() if m.cold is not None]
+
+
+def check_cold_quantized(eng, kind: str, dim: int) -> None:
+    """Every cold part is GGUF blocks (up/gate in kind's type, W_down transposed Q8_0) and the host
+    holds exactly their bytes: about a quarter (Q8_0) or less of float32."""
+    qtype = QUANTIZE_TYPES[kind]
+    want = 0
+    for c in colds(eng):
+        assert c.quantized and all(isinstance(m, QuantMatrix) for m in c.mats)
+        assert c.up.qtype == qtype and (c.gate is None or c.gate.qtype == qtype) and c.down_t.qtype == "Q8_0"
+        assert c.up.shape == c.down_t.shape == (c.n, dim)
+        want += c.n * (row_bytes(qtype, dim) * (2 if c.gate is not None else 1) + row_bytes("Q8_0", dim))
+        want += 0 if c.up_bias is None else c.up_bias.nbytes
+        float_bytes = 4 * c.n * dim * len(c.mats)
+        assert sum(m.nbytes for m in c.mats) < 0.3 * float_bytes
+    mem = eng.memory()
+    assert mem["host_ffn_bytes"] == want > 0
+    assert mem["stream_workspace_bytes"] == 0  # quantised cold parts are never streamed
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracle predictors: the hybrid engine computes the quantised reference model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_oracle_matches_quantized_reference(folder, family, kind):
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=7)
+    with torch.inference_mode():
+        want = ref.model(toks)
+        float_logits = reference(folder, family, kind, quantized=False).model(toks)
+    want_dec = decode_logits(ref, toks)
+    lm = fresh(folder, family, kind)
+    with make_hybrid(lm, random_hot(lm, 0.4, seed=1), "oracle", threads=2,
+                     gpu_experts=random_experts(lm, 0.5, seed=1)) as eng:
+        assert all(isinstance(b.ffn, (HybridFFN, HybridMoE)) for b in lm.model.layers)
+        check_cold_quantized(eng, kind, lm.config.hidden_size)
+        with torch.inference_mode():
+            got = lm.model(toks)
+        got_dec = decode_logits(lm, toks)
+        st = eng.stats()
+    tol = TOL[kind]
+    assert rel_err(got, want) < tol
+    for i in range(T):  # every decode step on its own
+        assert rel_err(got_dec[:, i], want_dec[:, i]) < tol, f"decode step {i}"
+    assert st["prefill"]["regimes"].get("stream", 0) == 0
+    d = st["decode"]
+    assert d["rows_cpu"] + d["experts_cpu"] > 0 and d["rows_gpu"] + d["experts_gpu"] > 0
+    # the tolerance is far below what the quantisation itself changes: float weights would fail it
+    if kind != "q8_0":
+        assert rel_err(float_logits, want) > 3 * max(rel_err(got, want), rel_err(got_dec, want_dec))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "qwen2_moe"])
+def test_all_hot_and_all_cold(folder, family):
+    """The two ends of a plan: every neuron on the fast tier (dequantised), or none."""
+    ref = reference(folder, family, "q8_0")
+    toks = tokens(seed=8)
+    want = decode_logits(ref, toks)
+    for frac in (0.0, 1.0):
+        lm = fresh(folder, family, "q8_0")
+        with make_hybrid(lm, random_hot(lm, frac, seed=2), None, threads=2,
+                         gpu_experts=random_experts(lm, frac, seed=2)) as eng:
+            assert rel_err(decode_logits(lm, toks), want) < TOL["q8_0"]
+            if frac == 1.0:
+                assert eng.memory()["host_ffn_bytes"] == 0
+
+
+def test_forced_stream_prefill_runs_on_the_cpu(folder):
+    """prefill="stream" cannot stream blocks: quantised cold parts take the CPU regime."""
+    ref = reference(folder, "llama", "q4_0")
+    toks = tokens(seed=9)
+    with torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, "llama", "q4_0")
+    with make_hybrid(lm, random_hot(lm, 0.3), None, threads=2, prefill="stream") as eng:
+        assert eng.streamer is None
+        with torch.inference_mode():
+            got = lm.model(toks)
+        assert eng.stats()["prefill"]["regimes"] == {"cpu": 3}
+    assert rel_err(got, want) < TOL["q4_0"]
+
+
+def test_cpu_attention_uses_the_blocks(folder):
+    """Attention placed on the CPU multiplies from the QuantLinear's blocks (numba gemv dispatches)."""
+    ref = reference(folder, "llama", "q4_0")
+    toks = tokens(seed=10)
+    want = decode_logits(ref, toks)
+    lm = fresh(folder, "llama", "q4_0")
+    with make_hybrid(lm, random_hot(lm, 0.5), None, threads=2, attention_cpu={0, 2}) as eng:
+        for l in (0, 2):
+            a = lm.model.layers[l].attn
+            assert isinstance(a, HostAttention) and isinstance(a.attn.q.host, QuantMatrix)
+            assert isinstance(a.attn.q.quant, QuantLinear)
+        assert isinstance(lm.model.layers[1].attn.q, QuantLinear)  # the CPU tier keeps the rest quantised too
+        got = decode_logits(lm, toks)
+        with torch.inference_mode():
+            prefill = lm.model(toks)
+        assert eng.stats()["decode"]["host_s"] > 0
+    assert rel_err(got, want) < TOL["q4_0"]
+    with torch.inference_mode():
+        assert rel_err(prefill, ref.model(toks)) < TOL["q4_0"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_expert_cache_with_quantized_experts(folder, family):
+    """Cached host experts are decoded into the slots (tier dtype); decode still equals the reference."""
+    ref = reference(folder, family, "q8_0")
+    toks = tokens(seed=21)
+    want = decode_logits(ref, toks)
+    lm = fresh(folder, family, "q8_0")
+    c = lm.config
+    nbytes = 3 * ExpertCache.slot_bytes(c.moe_intermediate_size, c.hidden_size, "f32")
+    with make_hybrid(lm, {}, None, cpu_dtype="i8", threads=2, gpu_experts=random_experts(lm, 0.25, seed=3),
+                     expert_cache_bytes=nbytes, prefetch_experts=c.top_k) as eng:
+        cache = next(iter(eng.moe.values())).cache
+        assert cache.kind == "f32" and cache.n_slots == 3  # the tier's dtype, whatever cpu_dtype says
+        got = decode_logits(lm, toks)
+        st = eng.stats()["decode"]
+    for i in range(T):
+        assert rel_err(got[:, i], want[:, i]) < TOL["q8_0"], f"decode step {i}"
+    assert st["experts_prefetched"] > 0 and st["experts_cached"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The split itself
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+def test_split_ffn_parts(folder, kind, monkeypatch):
+    """Hot part: exactly the dequantised rows / columns (W_down decoded a few rows at a time); cold
+    part: the cold rows' own blocks, and W_down's cold columns transposed to Q8_0."""
+    import hotcold.executors.weights as W
+
+    monkeypatch.setattr(W, "_COL_CHUNK_BYTES", 4 * 96 * 5)  # 5 rows of W_down per chunk
+    monkeypatch.setattr(W, "BLOCK_ROWS", 7)
+    lm = fresh(folder, "opt", kind)
+    ffn = lm.model.layers[1].ffn
+    I = ffn.up.out_features
+    hot = torch.randperm(I, generator=torch.Generator().manual_seed(0))[:37]
+    hot_part, cold, down_bias = split_ffn(ffn, hot, "relu", "cpu", torch.float32)
+    up, down = ffn.up.weight, ffn.down.weight  # dequantised [I, D], [D, I]
+    assert torch.equal(hot_part.up, up[hot]) and torch.equal(hot_part.down_t, down[:, hot].T)
+    assert torch.equal(hot_part.up_bias, ffn.up.bias[hot]) and torch.equal(down_bias, ffn.down.bias)
+    c = np.setdiff1d(np.arange(I), hot.numpy())
+    assert np.array_equal(cold.idx, c) and np.array_equal(cold.up.data, ffn.up.qweight.data[c])
+    assert np.array_equal(cold.up_bias, ffn.up.bias[c].numpy())
+    want = down[:, c].T.numpy()
+    assert np.abs(qdequantize(cold.down_t) - want).max() < 0.01 * np.abs(want).max()  # Q8_0 rounding
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+def test_quant_cols_t_selects_and_transposes(qtype):
+    m = random_matrix(qtype, (64, 2048), seed=1)
+    cols = np.sort(np.random.default_rng(0).choice(2048, 300, replace=False))
+    t = quant_cols_t(m, cols)
+    assert t.qtype == "Q8_0" and t.shape == (300, 64)
+    want = qdequantize(m)[:, cols].T
+    assert np.abs(qdequantize(t) - want).max() <= 0.01 * np.abs(want).max()
+    assert quant_cols_t(m, np.zeros(0, np.int64)).shape == (0, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real GGUF file
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_hybrid_greedy_tokens():
+    """SmolLM2-135M Q4_1 GGUF, 30% of each layer's neurons hot: the same greedy tokens as the dense
+    quantised model, with the cold rows in Q4_1 blocks (W_down Q8_0)."""
+    from conftest import smollm2_gguf
+
+    path = smollm2_gguf()
+    prompt = list(range(20, 40))
+    greedy = SamplingParams(temperature=0.0)
+
+    def generate(lm):
+        return [e.token_id for e in Generator(lm).generate(prompt, max_tokens=8, sampling=greedy, ignore_eos=True)]
+
+    ref = load_model(path, "cpu", "float32")
+    want = generate(ref)
+    del ref
+    lm = load_model(path, "cpu", "float32")
+    with make_hybrid(lm, random_hot(lm, 0.3, seed=0), None, threads=2) as eng:
+        for c in colds(eng):
+            assert c.up.qtype == c.gate.qtype == "Q4_1" and c.down_t.qtype == "Q8_0"
+        got = generate(eng.lm)
+        mem = eng.memory()
+    assert got == want
+    D, I = lm.config.hidden_size, lm.config.intermediate_size
+    cold_rows = lm.config.num_layers * (I - round(0.3 * I))
+    assert mem["host_ffn_bytes"] == cold_rows * (2 * row_bytes("Q4_1", D) + row_bytes("Q8_0", D))
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family, kind", [("llama", "q4_0"), ("opt", "q8_0"), ("qwen2_moe", "q8_0")])
+def test_cuda_dequantizes_the_fast_tier(folder, family, kind):
+    """On a GPU the hot rows, GPU experts and the rest of the model are dequantised there (nothing
+    quantised is left outside the cold parts); the cold parts stay blocks on the host; the expert
+    cache decodes host experts into its slots."""
+    from hotcold.models.quantized import QUANT_MODULES
+
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=11)
+    want = decode_logits(ref, toks)
+    lm = fresh(folder, family, kind)
+    c = lm.config
+    cache = 3 * ExpertCache.slot_bytes(c.moe_intermediate_size, c.hidden_size, "f32") if c.num_experts else 0
+    with make_hybrid(lm, random_hot(lm, 0.4, seed=1), "oracle", device="cuda", threads=2,
+                     gpu_experts=random_experts(lm, 0.25, seed=1), expert_cache_bytes=cache) as eng:
+        assert not any(isinstance(m, QUANT_MODULES) for m in lm.model.modules())
+        assert all(c.quantized for c in colds(eng))
+        got = decode_logits(lm, toks.cuda()).cpu()
+    for i in range(T):
+        assert rel_err(got[:, i], want[:, i]) < TOL[kind], f"decode step {i}"

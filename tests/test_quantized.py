@@ -1,0 +1,179 @@
+"""Quantised weights kept in their GGUF blocks (models/quantized.py, issue 10), against independent
+references: gguf's own numpy dequantiser, the float model, llama.cpp on the real GGUF files."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import gemma3_gguf, smollm2_gguf
+from hotcold.errors import HotcoldError
+from hotcold.models.loader import load_model
+from hotcold.models.quantized import (GEMV_TOKENS, QuantEmbedding, QuantExperts, QuantLinear, dequantize_model,
+                                      is_quantized)
+from hotcold.sparse_ops.quant import QuantMatrix, qdequantize, random_matrix
+from tiny_models import make_tiny
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_qdequantize_matches_gguf(qtype):
+    m = random_matrix(qtype, (37, 512), seed=3)
+    rows = np.array([36, 0, 5, 5])
+    assert np.array_equal(qdequantize(m), m.dequantize())  # m.dequantize: gguf.quants' numpy decoder
+    assert np.array_equal(qdequantize(m, rows), m.dequantize(rows))
+    assert qdequantize(m, np.array([], np.int64)).shape == (0, 512)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("tokens", [1, GEMV_TOKENS + 3])
+def test_quant_linear_matches_dequantised(qtype, tokens):
+    m = random_matrix(qtype, (96, 256), seed=1)
+    bias = torch.randn(96)
+    layer = QuantLinear(m, bias)
+    x = torch.randn(2, tokens, 256)
+    ref = F.linear(x, torch.from_numpy(m.dequantize()), bias)
+    got = layer(x)
+    assert got.shape == (2, tokens, 96)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_quant_embedding_rows_and_tied_head():
+    m = random_matrix("Q6_K", (50, 256), seed=2)
+    emb = QuantEmbedding(m, torch.float32)
+    dense = torch.from_numpy(m.dequantize())
+    ids = torch.tensor([[3, 49, 0]])
+    assert torch.equal(emb(ids), dense[ids])
+    x = torch.randn(1, 2, 256)
+    torch.testing.assert_close(emb.logits(x), x @ dense.T, rtol=1e-4, atol=1e-3)
+    with pytest.raises(IndexError):
+        emb(torch.tensor([[50]]))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gemma3", "qwen2_moe", "mixtral"])
+def test_quantize_model_matches_its_dequantised_copy(tmp_path, family):
+    """q8_0 at load: every matrix becomes blocks; logits equal the same model with those blocks
+    dequantised by gguf (independent decoder) and stay close to the float model's."""
+    path = make_tiny(family, tmp_path)
+    ref = load_model(path, "cpu", "float32").model
+    lm = load_model(path, "cpu", "float32", quantize="q8_0")
+    q = lm.model
+    kinds = {type(m) for m in q.modules()}
+    assert QuantLinear in kinds and not any(isinstance(m, torch.nn.Linear) and m.weight.shape[1] % 32 == 0
+                                            and not n.endswith(("router", "shared_gate")) for n, m in q.named_modules())
+    if family in ("qwen2_moe", "mixtral"):
+        assert QuantExperts in kinds
+    deq = load_model(path, "cpu", "float32", quantize="q8_0").model
+    for name, m in list(deq.named_modules()):  # reference weights through gguf's numpy decoder
+        if isinstance(m, QuantLinear):
+            m.qweight = QuantMatrix.quantize(m.qweight.dequantize(), "Q8_0")  # exact: Q8_0 requantises to itself
+    dequantize_model(deq, "cpu", torch.float32)
+    assert not is_quantized(deq)
+    ids = torch.tensor([[1, 5, 9, 33, 7, 100, 2, 64]])
+    with torch.inference_mode():
+        got, want, flt = q(ids), deq(ids), ref(ids)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert ((got - flt).norm() / flt.norm()).item() < 0.05  # Q8_0 is close to float
+        one = q(ids[:, :1])  # one token: the block-decoding GEMV path
+        torch.testing.assert_close(one, want[:, :1], rtol=1e-3, atol=1e-3)
+
+
+def test_quantize_refusals(tmp_path):
+    path = make_tiny("llama", tmp_path)
+    with pytest.raises(HotcoldError, match="--quantize"):
+        load_model(path, "cpu", "float32", quantize="q3_k")
+    with pytest.raises(HotcoldError, match="GGUF"):
+        load_model(smollm2_gguf(), "cpu", "float32", quantize="q8_0")
+
+
+def test_gguf_quantised_matches_dequantised_load():
+    """SmolLM2 Q4_1: kept in blocks (the default on the CPU) = expanded at load (the old path)."""
+    q = load_model(smollm2_gguf(), "cpu", "float32")
+    d = load_model(smollm2_gguf(), "cpu", "float32", quantized=False)
+    assert isinstance(q.model.layers[0].ffn.up, QuantLinear) and isinstance(q.model.embed, QuantEmbedding)
+    assert not is_quantized(d.model)
+    assert q.fingerprint == d.fingerprint
+    ids = torch.tensor([q.tokenizer.encode("The Python language reference describes the syntax")])
+    with torch.inference_mode():
+        torch.testing.assert_close(q.model(ids), d.model(ids), rtol=1e-4, atol=1e-3)
+        a, b = q.model(ids[:, :1]), d.model(ids[:, :1])
+        assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
+_RSS_SCRIPT = r"""
+import os, sys, torch
+from hotcold.models.loader import load_model
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def load_and_run():
+    lm = load_model(sys.argv[1], "cpu", "float32", quantized=sys.argv[2] == "1")
+    with torch.inference_mode():
+        lm.model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+        lm.model(torch.tensor([[9]]), 8)
+    return lm
+first = load_and_run()  # one-time costs (numba kernels, torch's meta machinery) before the baseline
+before = rss()
+second = load_and_run()  # a second, independent mapping and model
+print(rss() - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_ram_of_a_quantised_gguf_is_about_its_file_size():
+    """Issue 10: RAM within 10% of the file (+ buffers); expanding to float32 takes ~5x. Measured as
+    what a second load of the model (its own mapping of the file) adds to a process that loaded it
+    once: weights, metadata, tokenizer, forward buffers."""
+    path = smollm2_gguf()
+    size = os.path.getsize(path)
+    grown = {}
+    for q in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(path), q], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        grown[q] = int(out.stdout.split()[-1])
+    assert grown["1"] <= 1.10 * size + (64 << 20), f"kept in blocks: +{grown['1'] >> 20} MiB for a {size >> 20} MiB file"
+    assert grown["0"] > 3 * size  # the check can tell expanded weights apart
+
+
+def _llama_cpp_ppl(path, windows: list[list[int]]) -> float:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ctx = len(windows[0])
+    llm = llama_cpp.Llama(str(path), n_ctx=ctx, logits_all=True, n_threads=2, n_batch=ctx, verbose=False)
+    nll, n = 0.0, 0
+    for w in windows:
+        llm.reset()
+        llm.eval(w)
+        logits = torch.from_numpy(llm.scores[:ctx].copy()).double()
+        first = ctx // 2
+        logp = torch.log_softmax(logits[first:ctx - 1], -1)
+        nll -= float(logp.gather(1, torch.tensor(w[first + 1:])[:, None]).sum())
+        n += ctx - 1 - first
+    return math.exp(nll / n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_perplexity_within_one_percent_of_llama_cpp(model):
+    """Issue 10: `hotcold perplexity` on the quantised files within 1% of llama.cpp on the same windows."""
+    from hotcold.models.perplexity import calibration_text, perplexity
+
+    path = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[model]()
+    lm = load_model(path, "cpu", "float32")
+    assert is_quantized(lm.model)
+    ctx, n_windows = 256, 3
+    ids = lm.tokenizer.encode(calibration_text()[30_000:60_000])
+    bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
+    ours = perplexity(lm.model, ids, ctx, bos, n_windows).ppl
+    windows = [ids[w * ctx:(w + 1) * ctx] for w in range(n_windows)]
+    if bos is not None:
+        windows = [[bos] + w[1:] for w in windows]
+    ref = _llama_cpp_ppl(path, windows)
+    assert abs(ours / ref - 1) < 0.01, f"hotcold {ours:.4f} vs llama.cpp {ref:.4f}"
