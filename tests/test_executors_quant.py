@@ -313,9 +313,10 @@ def test_cuda_dequantizes_the_fast_tier(folder, family, kind):
     want = decode_logits(ref, toks)
     lm = fresh(folder, family, kind)
     c = lm.config
-    cache = 3 * ExpertCache.slot_bytes(c.moe_intermediate_size, c.hidden_size, "f32") if c.num_experts else 0
+    moe = getattr(c, "num_experts", 0)
+    cache = 3 * ExpertCache.slot_bytes(c.moe_intermediate_size, c.hidden_size, "f32") if moe else 0
     with make_hybrid(lm, random_hot(lm, 0.4, seed=1), "oracle", device="cuda", threads=2,
-                     gpu_experts=random_experts(lm, 0.25, seed=1), expert_cache_bytes=cache) as eng:
+                     gpu_experts=random_experts(lm, 0.25, seed=1) if moe else None, expert_cache_bytes=cache) as eng:
         assert not any(isinstance(m, QUANT_MODULES) for m in lm.model.modules())
         assert all(c.quantized for c in colds(eng))
         got = decode_logits(lm, toks.cuda()).cpu()
