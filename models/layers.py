@@ -234,11 +234,11 @@ class GatedFFN(FFN):
 class Experts(nn.Module):
     """E gated experts stored stacked: gate, up [E, I, D]; down [E, D, I]."""
 
-    def __init__(self, n: int, dim: int, hidden: int, act: str):
+    def __init__(self, n: int, dim: int, hidden: int, act: str, device=None):
         super().__init__()
-        self.gate = nn.Parameter(torch.empty(n, hidden, dim))
-        self.up = nn.Parameter(torch.empty(n, hidden, dim))
-        self.down = nn.Parameter(torch.empty(n, dim, hidden))
+        self.gate = nn.Parameter(torch.empty(n, hidden, dim, device=device))
+        self.up = nn.Parameter(torch.empty(n, hidden, dim, device=device))
+        self.down = nn.Parameter(torch.empty(n, dim, hidden, device=device))
         self.act_name = act
         self.act = activation_fn(act)
 

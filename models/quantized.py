@@ -192,9 +192,7 @@ def dequantize_module(m: nn.Module, device, dtype: torch.dtype) -> nn.Module:
         out.weight = nn.Parameter(_chunked(m.qweight, device, dtype), requires_grad=False)
         return out
     if isinstance(m, QuantExperts):
-        out = Experts.__new__(Experts)
-        nn.Module.__init__(out)
-        out.act, out.act_name = m.act, m.act_name
+        out = Experts(m.n, m.dim, m.hidden, m.act_name, device="meta")
         for which in ("gate", "up", "down"):
             q = {"gate": m.qgate, "up": m.qup, "down": m.qdown}[which]
             w = _chunked(q, device, dtype).reshape(m.n, q.rows // m.n, q.cols)
