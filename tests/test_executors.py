@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -448,18 +451,15 @@ def test_original_ffn_weights_released(folder):
     eng.close()
 
 
-def rss() -> int:
-    import psutil
+_RSS_SCRIPT = r"""
+import gc, psutil, torch
+from hotcold.executors.engine import make_hybrid, random_hot
+from hotcold.models.config import config_from_hf
+from hotcold.models.loader import LoadedModel
+from hotcold.models.transformer import Transformer
 
-    return psutil.Process().memory_info().rss
-
-
-def test_rss_not_duplicated(tmp_path):
-    """A 4-layer model with 64 MiB of FFN weights: converting it (f32 cold rows) adds < 1/4 of them."""
-    from hotcold.models.config import config_from_hf
-    from hotcold.models.transformer import Transformer
-
-    config = config_from_hf(dict(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=5504,
+def random_llama(intermediate):
+    config = config_from_hf(dict(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=intermediate,
                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                                  max_position_embeddings=64), source="test")
     with torch.device("meta"):
@@ -467,14 +467,31 @@ def test_rss_not_duplicated(tmp_path):
     model = model.to_empty(device="cpu")
     for p in model.parameters():
         p.data.normal_(0, 0.02)
-    lm = LoadedModel(model.eval(), None, config, tmp_path, "test", torch.device("cpu"), torch.float32)
+    return LoadedModel(model.eval(), None, config, ".", "test", torch.device("cpu"), torch.float32)
+
+rss = lambda: psutil.Process().memory_info().rss
+small = random_llama(256)  # one-time costs (worker thread, numba threads, lazy imports) first
+make_hybrid(small, random_hot(small, 0.3), None, cpu_dtype="f32", threads=1).close()
+lm = random_llama(5504)
+gc.collect()
+before = rss()
+eng = make_hybrid(lm, random_hot(lm, 0.3), None, cpu_dtype="f32", threads=1)
+gc.collect()
+print(rss() - before)
+eng.close()
+"""
+
+
+def test_rss_not_duplicated():
+    """A 4-layer model with 64 MiB of FFN weights: converting it (f32 cold rows) adds < 1/4 of them.
+    Measured in a fresh process whose malloc returns every large block to the system when freed
+    (MALLOC_MMAP_THRESHOLD_ fixed): glibc's adaptive threshold otherwise keeps freed original
+    weights in its heap, and the reading depended on what ran before (8-24 MiB)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown = int(out.stdout.split()[-1])
     ffn_bytes = 4 * 3 * 256 * 5504 * 4
-    gc.collect()
-    before = rss()
-    eng = make_hybrid(lm, random_hot(lm, 0.3), None, cpu_dtype="f32", threads=1)
-    gc.collect()
-    grown = rss() - before
-    eng.close()
     assert grown < ffn_bytes / 4, f"RSS grew by {grown / 2**20:.1f} MiB for {ffn_bytes / 2**20:.0f} MiB of FFN weights"
 
 
