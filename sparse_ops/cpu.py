@@ -217,6 +217,24 @@ def _axpy_rows_kernel(w, s, rows, coeff, nt, out):
         out[d] += acc
 
 
+@njit(nogil=True, fastmath=True, cache=True)
+def _keep_active(z, rows, bias, use_bias, act):
+    # Phase 2 of the one-token FFN kernels: of the selected rows [K] with pre-activations z [K] (+ bias
+    # per matrix row when use_bias), the rows whose activation is not exactly 0 and those activations.
+    K = rows.shape[0]
+    keep = np.empty(K, np.int64)
+    h = np.empty(K, np.float32)
+    n = 0
+    for j in range(K):
+        v = z[j] + bias[rows[j]] if use_bias else z[j]
+        a = _act(v, act)
+        if a != 0.0:
+            keep[n] = rows[j]
+            h[n] = a
+            n += 1
+    return keep[:n], h[:n]
+
+
 @njit(**_JIT)
 def _ffn_one_kernel(x, rows, up, us, gate, gs, bias, down, ds, act, gated, use_bias, nt, out):
     # One token, in phases that each stream blocks of 8 rows: (1) the gate (or up + bias) of every
@@ -230,17 +248,8 @@ def _ffn_one_kernel(x, rows, up, us, gate, gs, bias, down, ds, act, gated, use_b
     f, fs = (gate, gs) if gated else (up, us)
     for b in prange(nb):
         _gemv_span(f, fs, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, z)
-    keep = np.empty(K, np.int64)
-    h = np.empty(K, np.float32)
-    n = 0
-    for j in range(K):
-        v = z[j] + bias[rows[j]] if use_bias else z[j]
-        a = _act(v, act)
-        if a != 0.0:
-            keep[n] = rows[j]
-            h[n] = a
-            n += 1
-    keep, h = keep[:n], h[:n]
+    keep, h = _keep_active(z, rows, bias, use_bias, act)
+    n = keep.shape[0]
     if gated:
         u = np.empty(n, np.float32)
         nb2 = (n + _BLOCK - 1) // _BLOCK

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from hotcold.sparse_ops.cpu import ACTS, _act, _f16_bits_to_f32, _rows_in_range, get_threads
+from hotcold.sparse_ops.cpu import ACTS, _f16_bits_to_f32, _keep_active, _rows_in_range, get_threads
 
 __all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize", "transpose_quantized",
            "quantize_rows", "dequantize_rows", "random_matrix", "QTYPES", "DOWN_T_DEFAULT", "XQ_DEFAULT"]
@@ -597,17 +597,8 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, 
     f = gate if gated else up
     for b in prange(nb):
         _qgemv_any(qu, f, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, n, z)
-    keep = np.empty(K, np.int64)
-    h = np.empty(K, np.float32)
-    m = 0
-    for j in range(K):
-        v = z[j] + bias[rows[j]] if use_bias else z[j]
-        a = _act(v, act)
-        if a != 0.0:
-            keep[m] = rows[j]
-            h[m] = a
-            m += 1
-    keep, h = keep[:m], h[:m]
+    keep, h = _keep_active(z, rows, bias, use_bias, act)
+    m = keep.shape[0]
     if gated:
         u = np.empty(m, np.float32)
         nb2 = (m + _BLOCK - 1) // _BLOCK
