@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hotcold.models.layers import DenseFFN, GatedFFN
-from hotcold.models.quantized import QuantExperts, QuantLinear
+from hotcold.models.quantized import QuantExperts, QuantLinear, dequantized_rows
 from hotcold.sparse_ops.cpu import HostMatrix, quantize_i8
 from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, qdequantize, quantize_rows
 
@@ -227,11 +227,7 @@ def fast_rows(lin, rows: torch.Tensor, device, dtype) -> torch.Tensor:
     [K, D], a fresh tensor (not an inference tensor)."""
     if not isinstance(lin, QuantLinear):
         return _device_rows(lin.weight, rows.to(lin.weight.device), device, dtype)
-    with torch.inference_mode(False):
-        out = torch.empty((len(rows), lin.in_features), dtype=dtype, device=device)
-    for a in range(0, len(rows), BLOCK_ROWS):
-        out[a:a + BLOCK_ROWS] = lin.dequantize(rows[a:a + BLOCK_ROWS]).to(device, dtype)
-    return out
+    return dequantized_rows(lin.qweight, device, dtype, rows)
 
 
 def _fast_cols(down, cols: torch.Tensor, device, dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@ from hotcold.models.layers import activation_fn
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
 
 __all__ = ["QuantLinear", "QuantEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
-           "QUANTIZE_TYPES", "is_quantized", "quant_bytes"]
+           "QUANTIZE_TYPES", "is_quantized", "quant_bytes", "dequantized_rows"]
 
 GEMV_TOKENS = 4  # up to this many tokens per call: one block-decoding GEMV per token
 CHUNK_BYTES = 32 << 20  # float32 rows decoded at once for several tokens
@@ -183,32 +183,33 @@ def dequantize_module(m: nn.Module, device, dtype: torch.dtype) -> nn.Module:
 
     if isinstance(m, QuantLinear):
         out = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-        out.weight = nn.Parameter(_chunked(m.qweight, device, dtype), requires_grad=False)
+        out.weight = nn.Parameter(dequantized_rows(m.qweight, device, dtype), requires_grad=False)
         if m.bias is not None:
             out.bias = nn.Parameter(m.bias.detach().to(device, dtype), requires_grad=False)
         return out
     if isinstance(m, QuantEmbedding):
         out = nn.Embedding(m.num_embeddings, m.embedding_dim, device="meta")
-        out.weight = nn.Parameter(_chunked(m.qweight, device, dtype), requires_grad=False)
+        out.weight = nn.Parameter(dequantized_rows(m.qweight, device, dtype), requires_grad=False)
         return out
     if isinstance(m, QuantExperts):
         out = Experts(m.n, m.dim, m.hidden, m.act_name, device="meta")
         for which in ("gate", "up", "down"):
             q = {"gate": m.qgate, "up": m.qup, "down": m.qdown}[which]
-            w = _chunked(q, device, dtype).reshape(m.n, q.rows // m.n, q.cols)
+            w = dequantized_rows(q, device, dtype).reshape(m.n, q.rows // m.n, q.cols)
             setattr(out, which, nn.Parameter(w, requires_grad=False))
         return out
     return m
 
 
-def _chunked(q: QuantMatrix, device, dtype: torch.dtype) -> torch.Tensor:
-    """q dequantised into a new [rows, cols] tensor on device, CHUNK_BYTES of float32 at a time."""
+def dequantized_rows(q: QuantMatrix, device, dtype: torch.dtype, rows=None) -> torch.Tensor:
+    """q's rows (all when None) dequantised into a new [K, cols] tensor on device (not an inference
+    tensor), decoded CHUNK_BYTES of float32 at a time."""
+    idx = np.arange(q.rows, dtype=np.int64) if rows is None else np.asarray(torch.as_tensor(rows).cpu(), np.int64)
     with torch.inference_mode(False):
-        out = torch.empty(q.shape, dtype=dtype, device=device)
+        out = torch.empty((len(idx), q.cols), dtype=dtype, device=device)
     step = _rows_per_chunk(q.cols)
-    for a in range(0, q.rows, step):
-        b = min(q.rows, a + step)
-        out[a:b] = torch.from_numpy(qdequantize(q, np.arange(a, b, dtype=np.int64))).to(device, dtype)
+    for a in range(0, len(idx), step):
+        out[a:a + step] = torch.from_numpy(qdequantize(q, idx[a:a + step])).to(device, dtype)
     return out
 
 

@@ -235,9 +235,11 @@ def test_split_ffn_parts(folder, kind, monkeypatch):
     """Hot part: exactly the dequantised rows / columns (W_down decoded a few rows at a time); cold
     part: the cold rows' own blocks, and W_down's cold columns transposed to Q8_0."""
     import hotcold.executors.weights as W
+    import hotcold.models.quantized as Q
 
     monkeypatch.setattr(W, "_COL_CHUNK_BYTES", 4 * 96 * 5)  # 5 rows of W_down per chunk
     monkeypatch.setattr(W, "BLOCK_ROWS", 7)
+    monkeypatch.setattr(Q, "CHUNK_BYTES", 1)  # hot rows decoded one at a time
     lm = fresh(folder, "opt", kind)
     ffn = lm.model.layers[1].ffn
     I = ffn.up.out_features
