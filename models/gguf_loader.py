@@ -564,6 +564,17 @@ class GGUFFile:
             yield name, torch.from_numpy(w).to(dtype)
             self._release(t)
 
+    def tensor_storage(self) -> list[tuple[str, str, int, int, bool]]:
+        """(canonical name, ggml type, elements, bytes in the file, kept in blocks by
+        `tensors(keep_quantized=True)`) of every tensor the model loads."""
+        out = []
+        for t in self._reader.tensors:
+            name = self._canonical(t)
+            if name is not None:
+                kept = kept_quantized(name, t.tensor_type.name, len(t.shape))
+                out.append((name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes), kept))
+        return out
+
     def kept_names(self) -> list[str]:
         """Canonical names of the tensors `tensors(keep_quantized=True)` yields as QuantMatrix."""
         return [n for t in self._reader.tensors if (n := self._canonical(t)) is not None

@@ -72,6 +72,8 @@ def plan(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Solver threads (default: up to 8)."),
     workspace: Optional[str] = typer.Option(None, "--workspace", help="GPU workspace to keep free (default 256MiB "
                                                                       "plus per-token activations)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="Plan for `hotcold run --quantize q8_0|q4_0|q4_k` "
+                                                                    "(an HF checkpoint quantised at load)."),
     expert_cache: Optional[str] = typer.Option(None, "--expert-cache", help="MoE models: GPU memory within --vram for "
                                                "the expert cache that look-ahead prefetch fills (e.g. 1GiB; default 0)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
@@ -86,7 +88,7 @@ def plan(
     from hotcold.artifacts import artifact_dir
     from hotcold.models.loader import default_model_path, describe_model
     from hotcold.planner.costs import Constants, weight_format
-    from hotcold.planner.inputs import read_profile, uniform_stats
+    from hotcold.planner.inputs import model_format, read_profile, uniform_stats
     from hotcold.profiler.artifact import find_profile
     from hotcold.planner.make import PlanRequest, make_plan, plan_json, plan_tensors
     from hotcold.planner.plan import write_plan
@@ -100,6 +102,15 @@ def plan(
     path = (model if model is not None else default_model_path()).expanduser()
     info = describe_model(path)
     cfg = info.config
+    if quantize is not None:
+        from hotcold.models.quantized import QUANTIZE_TYPES
+
+        if quantize not in QUANTIZE_TYPES:
+            raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
+        if info.path.is_file():
+            raise HotcoldError(f"--quantize applies to HF checkpoints; {info.path.name} is a GGUF file and runs in "
+                               "its own quantisation")
+    fmt = model_format(info.path, fmt, quantize)  # a quantised model: its host side in blocks
     if uniform:
         stats, source, sparsity = uniform_stats(cfg, assume_sparsity), "uniform", assume_sparsity
     else:

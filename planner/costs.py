@@ -90,15 +90,47 @@ class Constants:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How weights are stored for the run: bytes per weight (one parameter, so quantised formats can be
-    added), extra bytes per row (int8 per-row scale), the CPU kernel kind, and the bytes of one KV /
-    activation element."""
+    """How weights are stored for the run: bytes per weight, extra bytes per row (int8 per-row scale),
+    the CPU kernel kind, and the bytes of one KV / activation element.
+
+    A quantised model (GGUF blocks, models/quantized.py) is dequantised on the GPU but stays in blocks
+    in host memory: host_bytes_per_weight (attention, LM head, embedding) and host_ffn_bytes_per_weight
+    (FFN rows / experts: gate and up in the file's type, W_down transposed as Q8_0) are then its host
+    bytes, and cpu_kind names the block type whose kernel rates the probe measured (q4_k ...).
+    None: as on the GPU."""
 
     name: str
     bytes_per_weight: float
     row_overhead_bytes: float
     cpu_kind: str
     kv_bytes: int
+    host_bytes_per_weight: float | None = None
+    host_ffn_bytes_per_weight: float | None = None
+
+    @property
+    def host_w(self) -> float:
+        return self.bytes_per_weight if self.host_bytes_per_weight is None else self.host_bytes_per_weight
+
+    @property
+    def host_ffn_w(self) -> float:
+        return self.bytes_per_weight if self.host_ffn_bytes_per_weight is None else self.host_ffn_bytes_per_weight
+
+
+def quantized_format(base: WeightFormat, kind: str, host_bpw: float, host_ffn_bpw: float) -> WeightFormat:
+    """`base` (the GPU side's dtype) for a model whose host side is GGUF blocks of `kind` (q4_k ...)."""
+    return dataclasses.replace(base, name=f"{kind}/{base.name}", cpu_kind=kind, row_overhead_bytes=0.0,
+                               host_bytes_per_weight=host_bpw, host_ffn_bytes_per_weight=host_ffn_bpw)
+
+
+def quantize_format(base: WeightFormat, kind: str) -> WeightFormat:
+    """The format an HF checkpoint gets from `--quantize kind` (q8_0 | q4_0 | q4_k): every matrix in
+    blocks of kind, W_down's host copy Q8_0."""
+    from hotcold.sparse_ops.quant import QTYPES
+
+    _, bs, ts = QTYPES[kind.upper()]
+    _, bs8, ts8 = QTYPES["Q8_0"]
+    bpw = ts / bs
+    return quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
 
 
 FORMATS = {
@@ -135,7 +167,7 @@ class LayerCosts:
     kind: str
     order: np.ndarray  # int64 neuron (or expert) ids, hottest first
     starts: np.ndarray  # int64 [K+1]: unit k is order[starts[k]:starts[k+1]]
-    unit_bytes: np.ndarray  # [K] weight bytes (the same on either device)
+    unit_bytes: np.ndarray  # [K] weight bytes on the GPU
     unit_gpu_s: np.ndarray  # [K] seconds per step when on the GPU
     unit_cpu_s: np.ndarray  # [K] expected seconds per step when on the CPU
     unit_freq: np.ndarray  # [K] mean access probability of the unit (greedy's key)
@@ -151,6 +183,14 @@ class LayerCosts:
     ffn_cpu_fixed_s: float  # calls when any unit is on the CPU
     hybrid_gpu_s: float  # GPU-side extra when the layer has CPU FFN work (hybrid plans)
     ffn_sync_s: float  # CPU-side sync when the layer has CPU FFN work (hybrid plans)
+    unit_host_bytes: np.ndarray | None = None  # [K] weight bytes in host memory (None: unit_bytes)
+    attn_host_bytes: float | None = None  # attention weights in host memory (None: attn_bytes)
+
+    def __post_init__(self):
+        if self.unit_host_bytes is None:
+            self.unit_host_bytes = self.unit_bytes
+        if self.attn_host_bytes is None:
+            self.attn_host_bytes = self.attn_bytes
 
     @property
     def n_units(self) -> int:
@@ -184,6 +224,11 @@ class ModelCosts:
     moe_gpu_bytes: float = 0.0  # MoE routers + shared experts, on the GPU in hybrid and GPU plans
     moe_cpu_delta_s: float = 0.0  # extra time when an all-CPU plan computes them on the CPU
     expert_cache_bytes: float = 0.0  # the MoE expert cache's slice (hybrid plans)
+    head_host_bytes: float | None = None  # lm_head in host memory (None: head_bytes)
+
+    def __post_init__(self):
+        if self.head_host_bytes is None:
+            self.head_host_bytes = self.head_bytes
 
     @property
     def gpu_fixed_bytes(self) -> float:
@@ -247,7 +292,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     c = constants or Constants()
     B = max(1, int(batch))
     h = cfg.hidden_size
-    w = fmt.bytes_per_weight
+    w, wh, wf = fmt.bytes_per_weight, fmt.host_w, fmt.host_ffn_w  # bytes per weight: GPU, host, host FFN
     has_gpu = bool(hw.cuda and hw.gpu_gemv_Bps)
     gbw = hw.gpu_gemv_Bps if has_gpu else math.inf
     launch = (hw.launch_s or 0.0) if has_gpu else 0.0
@@ -255,6 +300,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     pcie = hw.pcie_Bps() if has_gpu else math.inf
     ffn_bps = hw.cpu_ffn(fmt.cpu_kind)
     dense_bps = hw.cpu_dense(fmt.cpu_kind)
+    pred_bps = hw.cpu_dense("bf16" if fmt.host_bytes_per_weight is not None else fmt.cpu_kind)  # float predictors
     call = hw.cpu_call_s
     handoff = hw.thread_handoff_s
     tv = c.transfer_bytes_per_value
@@ -273,7 +319,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         kv_elem = 2 * cfg.num_kv_heads * cfg.head_dim * fmt.kv_bytes * B
         kv_bytes = float(kv_elem * kv_len)
         kv_read = float(kv_elem * min(kv_len, max(1, ctx // 2)))
-        attn_bytes = _attention_weights(cfg, l, moe_parts=not has_gpu) * w
+        attn_weights = _attention_weights(cfg, l, moe_parts=not has_gpu)
+        attn_bytes, attn_host_bytes = attn_weights * w, attn_weights * wh
         attn_gpu_s_extra = 0.0
         if has_gpu:  # router and shared expert on the GPU wherever the attention is: the same time either way
             mb = _moe_gpu_weights(cfg, l) * w
@@ -281,7 +328,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             attn_gpu_s_extra = mb / gbw
             moe_cpu_delta_s += mb / dense_bps - mb / gbw  # an all-CPU plan computes them on the CPU
         attn_gpu_s = (attn_bytes + kv_read) / gbw + c.attn_gpu_kernels * launch
-        attn_cpu_s = attn_bytes / dense_bps + kv_read / hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16") \
+        attn_cpu_s = attn_host_bytes / dense_bps + kv_read / hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16") \
             + c.attn_cpu_calls * call
         attn_gpu_s += attn_gpu_s_extra
         attn_cpu_s += attn_gpu_s_extra
@@ -290,11 +337,13 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             n_items = cfg.num_experts
             inter = cfg.moe_intermediate_size
             eb = 3 * h * inter * w + 3 * inter * fmt.row_overhead_bytes
+            eb_host = 3 * h * inter * wf + 3 * inter * fmt.row_overhead_bytes
             starts = np.arange(n_items + 1, dtype=np.int64)
             q = 1.0 - (1.0 - np.minimum(1.0, f_sorted)) ** B  # routed for at least one token of the batch
             unit_bytes = np.full(n_items, eb)
+            unit_host_bytes = np.full(n_items, eb_host)
             unit_gpu_s = q * (eb / gbw + c.expert_gpu_kernels * launch)
-            unit_cpu_s = q * (eb / ffn_bps + c.expert_cpu_calls * call)
+            unit_cpu_s = q * (eb_host / ffn_bps + c.expert_cpu_calls * call)
             unit_freq = f_sorted.copy()
             pred_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = 0.0
@@ -304,6 +353,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             n_items = len(freq)
             n_mats = 3 if kind == "gated" else 2
             rb = n_mats * (h * w + fmt.row_overhead_bytes) + (w if kind == "dense" else 0.0)  # + up bias
+            rb_host = n_mats * (h * wf + fmt.row_overhead_bytes) + (w if kind == "dense" else 0.0)
             infl = 1.0
             if st.predicted_active_fraction and freq.mean() > 0:
                 infl = max(1.0, st.predicted_active_fraction / freq.mean())
@@ -311,16 +361,17 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             starts = np.append(np.arange(0, n_items, block_size), n_items).astype(np.int64)
             rows = np.diff(starts).astype(np.float64)
             unit_bytes = rows * rb
+            unit_host_bytes = rows * rb_host
             unit_gpu_s = unit_bytes / gbw
             exp_rows = np.add.reduceat(q, starts[:-1])
-            unit_cpu_s = exp_rows * rb / ffn_bps
+            unit_cpu_s = exp_rows * rb_host / ffn_bps
             unit_freq = np.add.reduceat(f_sorted, starts[:-1]) / rows
             if st.predictor_params is not None:
                 pred_bytes = float(st.predictor_params) * c.predictor_bytes_per_param
             else:
                 pred_bytes = c.predictor_fraction * n_items * rb
             pred_gpu_s = pred_bytes / gbw + c.predictor_gpu_kernels * launch
-            pred_cpu_s = pred_bytes / dense_bps + c.predictor_cpu_calls * call
+            pred_cpu_s = pred_bytes / pred_bps + c.predictor_cpu_calls * call
             ffn_gpu_fixed_s = c.ffn_gpu_kernels * launch
             ffn_cpu_fixed_s = c.ffn_cpu_calls * call
             mask_bytes = n_items * c.mask_bytes_per_neuron
@@ -331,9 +382,11 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             attn_gpu_s=attn_gpu_s, attn_cpu_s=attn_cpu_s, attn_sync_s=attn_sync_s if has_gpu else 0.0,
             pred_bytes=pred_bytes, pred_gpu_s=pred_gpu_s, pred_cpu_s=pred_cpu_s, ffn_gpu_fixed_s=ffn_gpu_fixed_s,
             ffn_cpu_fixed_s=ffn_cpu_fixed_s, hybrid_gpu_s=c.hybrid_gpu_kernels * launch,
-            ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0))
+            ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0,
+            unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes))
     head_bytes = float(cfg.vocab_size * h * w)
-    embed_bytes = float(cfg.vocab_size * h * w)
+    head_host_bytes = float(cfg.vocab_size * h * wh)
+    embed_bytes = float(cfg.vocab_size * h * wh)
     if cfg.model_type == "opt":
         embed_bytes += (cfg.max_position_embeddings + 2) * h * w
     workspace = c.workspace_bytes + B * c.workspace_per_token_bytes_factor * (
@@ -344,7 +397,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,
         head_gpu_s=head_bytes / gbw + c.head_gpu_kernels * launch,
-        head_cpu_s=head_bytes / dense_bps + c.head_cpu_calls * call,
+        head_cpu_s=head_host_bytes / dense_bps + c.head_cpu_calls * call, head_host_bytes=head_host_bytes,
         head_sync_s=(rt + B * h * tv / pcie + handoff) if has_gpu else 0.0,
         tied=bool(cfg.tie_word_embeddings), embed_bytes=embed_bytes, workspace_bytes=float(workspace),
         moe_gpu_bytes=moe_gpu_bytes, moe_cpu_delta_s=moe_cpu_delta_s,
@@ -430,8 +483,8 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
         has_cpu = bool((~on).any())
         has_gpu = bool(on.any())
         g = {"attention": a * lc.attn_bytes, "kv_cache": a * lc.kv_bytes, "ffn": float(lc.unit_bytes[on].sum())}
-        h = {"attention": (not a) * lc.attn_bytes, "kv_cache": (not a) * lc.kv_bytes,
-             "ffn": float(lc.unit_bytes[~on].sum())}
+        h = {"attention": (not a) * lc.attn_host_bytes, "kv_cache": (not a) * lc.kv_bytes,
+             "ffn": float(lc.unit_host_bytes[~on].sum())}
         sync = 0.0
         attn_s = lc.attn_gpu_s if a else lc.attn_cpu_s
         if not a and hybrid:
@@ -461,7 +514,7 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
         gpu["lm_head"] = costs.head_bytes
     else:
         head_s = costs.head_cpu_s + (costs.head_sync_s if hybrid else 0.0)
-        cpu["lm_head"] = 0.0 if costs.tied else costs.head_bytes
+        cpu["lm_head"] = 0.0 if costs.tied else costs.head_host_bytes
     total += head_s
     cpu["embedding"] = costs.embed_bytes
     cpu["reserve"] = costs.host_reserve_bytes

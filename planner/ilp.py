@@ -70,6 +70,7 @@ def prefix_options(lc: LayerCosts) -> list[tuple[int, np.ndarray, np.ndarray, np
     gpu_cum = np.concatenate([[0.0], np.cumsum(lc.unit_gpu_s)])
     cpu_rest = np.concatenate([np.cumsum(lc.unit_cpu_s[::-1])[::-1], [0.0]])  # CPU time of blocks n..K-1
     bytes_cum = np.concatenate([[0.0], np.cumsum(lc.unit_bytes)])
+    host_cum = np.concatenate([[0.0], np.cumsum(lc.unit_host_bytes)])
     has_cpu = (n < K).astype(float)
     has_gpu = (n > 0).astype(float)
     gpu_side = gpu_cum + lc.ffn_gpu_fixed_s * has_gpu + lc.hybrid_gpu_s * has_cpu
@@ -81,7 +82,8 @@ def prefix_options(lc: LayerCosts) -> list[tuple[int, np.ndarray, np.ndarray, np
         attn = lc.attn_gpu_s if a else lc.attn_cpu_s + lc.attn_sync_s
         pred = has_cpu * (lc.pred_gpu_s if a else lc.pred_cpu_s)
         gpu_b = a * ab + bytes_cum + (lc.pred_bytes * has_cpu if a else 0.0)
-        host_b = (1 - a) * ab + (bytes_cum[-1] - bytes_cum) + (0.0 if a else lc.pred_bytes * has_cpu)
+        host_b = (1 - a) * (lc.attn_host_bytes + lc.kv_bytes) + (host_cum[-1] - host_cum) + \
+            (0.0 if a else lc.pred_bytes * has_cpu)
         out.append((a, attn + pred + u, gpu_b, host_b))
     return out
 
@@ -174,8 +176,8 @@ def _solve(costs, vram, ram, solver, time_limit, gap, threads, objective, warm) 
     m.time_c += h_cpu * US
     m.gpu.append((hd, costs.head_bytes / MB))
     if not costs.tied:
-        m.host.append((hd, -costs.head_bytes / MB))
-        m.host_c += costs.head_bytes / MB
+        m.host.append((hd, -costs.head_host_bytes / MB))
+        m.host_c += costs.head_host_bytes / MB
     # Solvers drop an objective's constant and would then measure their relative gap against the
     # variable part only: the constant rides on a variable fixed to 1, so gaps are of the real total.
     one = pulp.LpVariable("one", lowBound=1, upBound=1)
@@ -254,9 +256,10 @@ def _moe_layer(prob, m: _Model, l: int, lc: LayerCosts):
     m.time += [(a, (lc.attn_gpu_s - a_cpu) * US), (u, 1.0)]
     m.time_c += a_cpu * US
     ab = (lc.attn_bytes + lc.kv_bytes) / MB
+    abh = (lc.attn_host_bytes + lc.kv_bytes) / MB
     m.gpu += [(a, ab)] + [(ys[k], float(lc.unit_bytes[k]) / MB) for k in range(K)]
-    m.host += [(a, -ab)] + [(ys[k], -float(lc.unit_bytes[k]) / MB) for k in range(K)]
-    m.host_c += ab + float(lc.unit_bytes.sum()) / MB
+    m.host += [(a, -abh)] + [(ys[k], -float(lc.unit_host_bytes[k]) / MB) for k in range(K)]
+    m.host_c += abh + float(lc.unit_host_bytes.sum()) / MB
     return ("moe", a, ys, c, u)
 
 

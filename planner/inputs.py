@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hotcold.artifacts import ArtifactError
-from hotcold.planner.costs import LayerStats
+from hotcold.planner.costs import LayerStats, WeightFormat, quantize_format, quantized_format
 from hotcold.profiler.artifact import load_profile
 
 
@@ -54,3 +54,47 @@ def read_profile(path: Path, cfg, fingerprint: str) -> tuple[list[LayerStats], d
             if entry.get("predicted_active_fraction") is not None:
                 stats[l].predicted_active_fraction = float(entry["predicted_active_fraction"])
     return stats, prof.meta
+
+
+def _is_ffn_matrix(name: str) -> bool:
+    """An FFN row matrix of the hybrid split: a dense/gated FFN's up/gate/down or a MoE layer's
+    experts (not the router, the shared expert or its gate, which stay with the fast tier)."""
+    parts = name.split(".")
+    return len(parts) >= 4 and parts[2] == "ffn" and parts[3] in ("up", "gate", "down", "experts")
+
+
+def gguf_format(path: Path, base: WeightFormat) -> WeightFormat:
+    """The weight format a GGUF runs with: `base` when its FFN matrices are float (expanded at load),
+    else quantised (models/quantized.py): host bytes per weight from the file's own tensor sizes
+    (W_down's host copy is Q8_0, as executors/weights.py builds it), the CPU kernel kind of its
+    largest share of gate/up bytes."""
+    from hotcold.models.gguf_loader import GGUFFile
+    from hotcold.sparse_ops.quant import QTYPES
+
+    _, bs8, ts8 = QTYPES["Q8_0"]
+    ffn_b = ffn_n = other_b = other_n = 0.0
+    kinds: dict[str, float] = {}
+    for name, qtype, n, nbytes, kept in GGUFFile(path).tensor_storage():
+        host = nbytes if kept else n * base.bytes_per_weight
+        if _is_ffn_matrix(name):
+            if kept and (".down" in name):
+                host = n * ts8 / bs8  # transposed and requantised as Q8_0
+            elif kept:
+                kinds[qtype] = kinds.get(qtype, 0.0) + nbytes
+            ffn_b, ffn_n = ffn_b + host, ffn_n + n
+        elif name.endswith(".weight") and "norm" not in name or name.endswith("experts"):
+            other_b, other_n = other_b + host, other_n + n
+    if not kinds:
+        return base
+    kind = max(kinds, key=kinds.get).lower()
+    return quantized_format(base, kind, other_b / max(other_n, 1.0), ffn_b / max(ffn_n, 1.0))
+
+
+def model_format(path: Path, base: WeightFormat, quantize: str | None = None) -> WeightFormat:
+    """The weight format `hotcold run` will use for the model at path: a GGUF's own quantisation
+    (see gguf_format), `--quantize` for an HF folder, else base."""
+    if quantize:
+        return quantize_format(base, quantize)
+    if Path(path).is_file():
+        return gguf_format(Path(path), base)
+    return base

@@ -4,7 +4,8 @@
   CPU   threads, RAM total/available; with `hotcold.sparse_ops.cpu` (numba): rows gathered per second by
         `gemv_rows` (1/8 of the rows selected), neurons per second by the fused gated `ffn_rows`
         (1/8 selected, 3 rows per neuron) and the dense `gemv` read rate, each per storage kind
-        (f32, bf16, f16, i8); the cost of one kernel call; a Python thread hand-off round trip
+        (f32, bf16, f16, i8), and the same for GGUF blocks (`sparse_ops.quant`: q8_0 ... q6_k, the fused
+        FFN with W_down as Q8_0, bytes counted as stored); the cost of one kernel call; a Python thread hand-off round trip
         (main thread -> CPU worker -> main thread, what every hybrid layer pays).
   GPU   (CUDA only) name, total and free memory, device copy bandwidth (read + write bytes),
         GEMV weight-stream bandwidth (bf16), host<->device copies pinned and pageable, a small
@@ -33,8 +34,11 @@ from pathlib import Path
 
 from hotcold.errors import HotcoldError
 
-FORMAT = "1"
+FORMAT = "2"  # 2: the quantised kernels' rates (QKINDS)
 KINDS = ("f32", "bf16", "f16", "i8")
+# GGUF block types the CPU kernels compute on (sparse_ops/quant.py), measured as the runtime uses them:
+# gate/up rows of the type, W_down transposed as Q8_0 (executors/weights.py); rates in quantised bytes.
+QKINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass
@@ -119,7 +123,7 @@ class HardwareProfile:
                 ("CPU threads", str(self.cpu_threads)),
                 ("RAM total / available", f"{format_size(self.ram_total_bytes)} / {format_size(self.ram_available_bytes)}"),
                 ("CPU kernel", self.cpu_kernel)]
-        for k in KINDS:
+        for k in KINDS + QKINDS:
             if k in self.cpu_gather_Bps:
                 rows.append((f"CPU {k}: gather / ffn / dense",
                              f"{bw(self.cpu_gather_Bps[k])} ({self.cpu_gather_rows_per_s.get(k, 0) / 1e6:.2f} M rows/s)"
@@ -319,6 +323,49 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
             out1 = np.empty(1, np.float32)
             m1 = next(pool)
             hw.cpu_call_s = _rate(lambda: cpu.gemv_rows(m1, one, x, out1), min_time / 4)
+    _probe_quant(hw, raw, rows_n, d, sels, x, min_time, log)
+
+
+def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, min_time: float, log) -> None:
+    """The QKINDS rates, over pools of QuantMatrix views of `raw` (0x3C bytes: valid blocks, normal
+    scales): gather = qgemv_rows, ffn = qffn_rows (gate/up of the kind, down_t Q8_0, as executors
+    store a quantised model's cold rows), dense = qgemv over all rows. Bytes as stored."""
+    import numpy as np
+
+    from hotcold.sparse_ops import quant
+
+    out_rows = np.empty(len(sels[0]), np.float32)
+    out_all = np.empty(rows_n, np.float32)
+    out_ffn = np.zeros(d, np.float32)
+    downs = _quant_pool(quant, raw, "Q8_0", rows_n, d)
+    for kind in QKINDS:
+        t0 = time.perf_counter()
+        mats = _quant_pool(quant, raw, kind.upper(), rows_n, d)
+        pool = itertools.cycle(mats)
+        picks = itertools.cycle([(m, s) for s in sels for m in mats])
+        rb, rb_down = mats[0].row_bytes(), downs[0].row_bytes()
+        dn = itertools.cycle(downs)
+        t = _rate(lambda: quant.qgemv_rows(*next(picks), x, out_rows), min_time)
+        hw.cpu_gather_rows_per_s[kind] = len(out_rows) / t
+        hw.cpu_gather_Bps[kind] = len(out_rows) * rb / t
+        t = _rate(lambda: quant.qffn_rows(x, (p := next(picks))[1], p[0], next(dn), "silu", gate=p[0], out=out_ffn),
+                  min_time)
+        hw.cpu_ffn_neurons_per_s[kind] = len(out_rows) / t
+        hw.cpu_ffn_Bps[kind] = len(out_rows) * (2 * rb + rb_down) / t
+        t = _rate(lambda: quant.qgemv(next(pool), x, out_all), min_time)
+        hw.cpu_dense_Bps[kind] = rows_n * rb / t
+        if log:
+            log(f"CPU {kind}: gather {hw.cpu_gather_Bps[kind] / 1e9:.1f} GB/s, ffn {hw.cpu_ffn_Bps[kind] / 1e9:.1f} GB/s, "
+                f"dense {hw.cpu_dense_Bps[kind] / 1e9:.1f} GB/s ({time.perf_counter() - t0:.1f} s)")
+
+
+def _quant_pool(quant, raw, qtype: str, rows_n: int, d: int) -> list:
+    """QuantMatrix views [rows_n, d] of qtype over consecutive slices of the byte buffer `raw`."""
+    _, bs, ts = quant.QTYPES[qtype]
+    rb = d // bs * ts
+    size = rows_n * rb
+    return [quant.QuantMatrix(raw[i * size:(i + 1) * size].reshape(rows_n, rb), qtype, (rows_n, d))
+            for i in range(max(1, len(raw) // size))]
 
 
 def _matrix_pool(cpu, raw, kind: str, rows_n: int, d: int) -> list:

@@ -582,3 +582,85 @@ def test_llama70b_shape_solves_quickly():
     assert r.mode == "hybrid" and r.solve.status in ("optimal", "feasible")
     assert r.evaluation.gpu_total <= 40 * GiB
     assert elapsed < 30
+
+
+# ------------------------------------------------------------------------------------------- quantised
+def test_quantised_format_counts_host_blocks_and_their_kernel_rate():
+    """A quantised model: GPU bytes as the dtype (dequantised there), host bytes as blocks (gate/up of
+    the type, W_down Q8_0), CPU time at the probe's rate for that block type."""
+    from hotcold.planner.costs import quantize_format
+
+    rng = np.random.default_rng(3)
+    cfg = tiny_cfg("llama_relu", intermediate_size=64)
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw()
+    hw.cpu_ffn_Bps["q4_0"] = 0.5e9
+    hw.cpu_dense_Bps["q4_0"] = 0.7e9
+    bf, q = weight_format("bf16"), quantize_format(weight_format("bf16"), "q4_0")
+    assert q.host_ffn_w == pytest.approx((2 * 18 / 32 + 34 / 32) / 3) and q.host_w == pytest.approx(18 / 32)
+    cb = build_costs(cfg, stats, hw, bf, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    cq = build_costs(cfg, stats, hw, q, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    for lb, lq in zip(cb.layers, cq.layers):
+        np.testing.assert_allclose(lq.unit_bytes, lb.unit_bytes)  # the GPU side is the dtype
+        np.testing.assert_allclose(lq.unit_host_bytes, lb.unit_bytes * q.host_ffn_w / 2)
+        np.testing.assert_allclose(lq.unit_cpu_s, lb.unit_cpu_s * (q.host_ffn_w / 2) * (hw.cpu_ffn("bf16") / 0.5e9))
+        assert lq.attn_host_bytes == pytest.approx(lb.attn_bytes * q.host_w / 2)
+    cpu_b, cpu_q = (evaluate(c, Placement.all_cpu(c)).cpu_bytes for c in (cb, cq))
+    assert cpu_q["ffn"] == pytest.approx(cpu_b["ffn"] * q.host_ffn_w / 2)
+    assert cpu_q["embedding"] == pytest.approx(cpu_b["embedding"] * q.host_w / 2)
+
+
+def test_quantised_ilp_matches_brute_force_with_a_binding_ram_budget():
+    """Host and GPU bytes now differ per unit: the ILP's host constraint must use the host ones."""
+    from hotcold.planner.costs import quantize_format
+
+    rng = np.random.default_rng(11)
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=2)
+    hw = toy_hw()
+    hw.cpu_ffn_Bps["q4_0"] = hw.cpu_dense_Bps["q4_0"] = 1e9
+    checked = 0
+    for trial in range(3):
+        stats = power_law_stats(cfg, rng)
+        costs = build_costs(cfg, stats, hw, quantize_format(weight_format("bf16"), "q4_0"), ctx=64, block_size=8,
+                            constants=TOY_CONSTANTS)
+        full_host = evaluate(costs, Placement.all_cpu(costs)).cpu_total
+        vram = costs.gpu_fixed_bytes + 0.4 * (model_bytes(costs) - costs.gpu_fixed_bytes)
+        ram = 0.7 * full_host
+        best = _brute_force(costs, vram, ram)
+        res = solve(costs, vram, ram, solver="cbc", gap=0.0, time_limit=20)
+        if best is None:
+            assert res.status == "infeasible"
+            continue
+        ev = evaluate(costs, res.placement)
+        assert ev.time_s == pytest.approx(best, rel=1e-6) and ev.cpu_total <= ram and ev.gpu_total <= vram
+        checked += 1
+    assert checked >= 2
+
+
+def test_gguf_format_from_the_file(tmp_path, monkeypatch):
+    """SmolLM2 Q4_1: FFN host bytes = two Q4_1 matrices + W_down as Q8_0 per three weights; `plan`
+    says so in plan.json and counts them; --quantize is refused for a GGUF and for an unknown type."""
+    from conftest import smollm2_gguf
+    from hotcold.models.gguf_loader import GGUFFile
+    from hotcold.planner.inputs import model_format
+
+    path = smollm2_gguf()
+    types = {t for n, t, *_ in GGUFFile(path).tensor_storage() if ".ffn." in n}
+    assert types == {"Q4_1"}
+    fmt = model_format(path, weight_format("bf16"))
+    assert fmt.cpu_kind == "q4_1" and fmt.bytes_per_weight == 2.0
+    assert fmt.host_ffn_w == pytest.approx((2 * 20 / 32 + 34 / 32) / 3)
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
+    r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--out", tmp_path / "p", "--json")
+    assert r.exit_code == 0, r.output
+    meta = json.loads(r.output)
+    assert meta["weights"]["format"] == "q4_1/bf16" and meta["weights"]["cpu_kind"] == "q4_1"
+    from hotcold.models.loader import describe_model
+
+    cfg = describe_model(path).config
+    ffn_weights = cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
+    assert meta["bytes"]["cpu"]["ffn"] == pytest.approx(ffn_weights * fmt.host_ffn_w, rel=1e-6)
+    r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--quantize", "q8_0")
+    assert isinstance(r.exception, HotcoldError) and "GGUF" in str(r.exception)
+    r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--quantize", "q3")
+    assert isinstance(r.exception, HotcoldError) and "--quantize" in str(r.exception)
