@@ -38,7 +38,7 @@ FORMAT = "2"  # 2: the quantised kernels' rates (QKINDS)
 KINDS = ("f32", "bf16", "f16", "i8")
 # GGUF block types the CPU kernels compute on (sparse_ops/quant.py), measured as the runtime uses them:
 # gate/up rows of the type, W_down transposed as Q8_0 (executors/weights.py); rates in quantised bytes.
-QKINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+QKINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass

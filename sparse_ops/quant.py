@@ -1,14 +1,15 @@
 """CPU kernels over GGUF-quantised rows: GEMV / axpy / fused FFN that decode blocks as they read them.
 
 A `QuantMatrix` is R rows of C logical columns, each row a contiguous run of C / block_size GGUF
-blocks of one type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), held as uint8 [R, bytes_per_row]: exactly
+blocks of one type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), held as uint8 [R, bytes_per_row]: exactly
 what `gguf.GGUFReader` exposes for a quantised tensor, so a memory-mapped file is used in place.
 The kernels never expand the matrix: each block is decoded in registers and multiplied by float32
 x (or accumulated into out), reading only the selected rows, 2 or 4 rows side by side (see "Rows side by
 side" below). Accumulation is float32. Same threading model as `cpu`: numba, `nogil`, thread count
 from `cpu.set_threads` in the calling thread.
 
-Offsets that are constant over a block (Q4_0's -8, Q4_1's min, the K-quants' mins, Q6_K's -32) are
+Offsets that are constant over a block (Q4_0's -8, Q5_0's -16, Q4_1's / Q5_1's min, the K-quants' mins,
+Q6_K's -32) are
 applied once per sub-block with precomputed sums of x over 16 elements, not per weight.
 
 Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the block):
@@ -16,6 +17,8 @@ Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the 
   Q4_0  18 B / 32:  d, qs[16]                            w = d * (nib(i) - 8); nib(i): i < 16 low nibble
                                                          of qs[i], else high nibble of qs[i - 16]
   Q4_1  20 B / 32:  d, m, qs[16]                         w = d * nib(i) + m
+  Q5_0  22 B / 32:  d, qh uint32, qs[16]                 w = d * (q(i) - 16); q(i) = nib(i) | (qh bit i) << 4
+  Q5_1  24 B / 32:  d, m, qh uint32, qs[16]              w = d * q(i) + m
   Q4_K 144 B / 256: d, dmin, scales[12], qs[128]         8 sub-blocks of 32, 6-bit scale sc_s / min m_s:
                     w = d * sc_s * q - dmin * m_s; sub-block 2c / 2c+1 = low / high nibbles of qs[32c:32c+32]
   Q5_K 176 B / 256: d, dmin, scales[12], qh[32], qs[128] as Q4_K with a 5th bit (qh[l] >> s) & 1
@@ -30,6 +33,12 @@ float x. For Q4_0 that is lost in the weights' own error (total against float we
 0.0869 / 0.0870), so Q4_0 uses xq by default; for Q8_0 it would double the total error (0.0055 ->
 0.0078 / 0.012), so Q8_0 keeps float x (`XQ_DEFAULT`). numba/LLVM emit no VNNI / pmaddubsw dot
 products from this code, which is where llama.cpp's integer path gains more.
+
+Q5_0 / Q5_1 take float x only. An integer Q5_0 path (as `_q4_0_dot_xq`, 5-bit q in int16 lanes) was
+measured slower, 2.8 / 5.8 GB/s against 3.1 / 6.2 for float x (1 / 2 threads), and it would raise the
+total error against float weights from 0.0428 to 0.0431 (Gaussian x) / 0.0438 (outlier channels).
+Same machine and benchmark, 2 threads, GB/s of weights (qgemv_rows / qaxpy_rows / qffn_rows): Q5_0
+5.5 / 5.8 / 5.9, Q5_1 5.7 / 5.4 / 6.0, Q4_0 in the same run 6.5 (8.5 xq) / 6.9 / 7.5.
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ __all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qff
            "quantize_rows", "dequantize_rows", "random_matrix", "QTYPES", "DOWN_T_DEFAULT", "XQ_DEFAULT"]
 
 # name -> (ggml type id, elements per block, bytes per block)
-QTYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
-          "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+QTYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
+          "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 _NAME_OF_ID = {v[0]: k for k, v in QTYPES.items()}
-Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K = (QTYPES[k][0] for k in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (
+    QTYPES[k][0] for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
 DOWN_T_DEFAULT = "Q8_0"  # type of the transposed W_down built at load time (see transpose_quantized)
 XQ_DEFAULT = frozenset({"Q4_0"})  # types whose GEMVs quantise x to Q8 by default (see module docstring)
 _JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)
@@ -70,7 +80,7 @@ class QuantMatrix:
     """R rows of `cols` logical columns stored as GGUF blocks of one type, uint8 [R, bytes_per_row].
 
     data: uint8 [R, cols / block_size * block_bytes], C-contiguous rows (a memmap view is kept as is)
-    qtype: "Q8_0" | "Q4_0" | "Q4_1" | "Q4_K" | "Q5_K" | "Q6_K", a ggml type id or GGMLQuantizationType
+    qtype: "Q8_0" | "Q4_0" | "Q4_1" | "Q5_0" | "Q5_1" | "Q4_K" | "Q5_K" | "Q6_K", a ggml type id or GGMLQuantizationType
     shape: logical (R, cols)
     """
 
@@ -205,6 +215,43 @@ def _q4_1_dot(wr, b, x, xs, n):
 
 
 @njit(**_INLINE)
+def _hi16(h, m):
+    # 5th bit of a Q5_0 / Q5_1 element as its value 16 (or 0): m = its bit in h (qh or a byte of it)
+    return np.float32(16.0) if h & m else np.float32(0.0)
+
+
+@njit(**_INLINE)
+def _q5_0_dot(wr, b, x, xs, n):
+    # lane l < 16: elements l (low nibble, qh bit l) and l + 16 (high nibble, qh bit l + 16); the qh
+    # byte is read per lane with a constant bit mask per lane (measured fastest of 9 variants; a
+    # per-lane shift of the uint32 qh: -20%, a separate sum over the high bits: -40%)
+    o, xo = b * 22 + 6, b * 32
+    s = np.float32(0.0)
+    uo, ux, ux16, uh = _U(o), _U(xo), _U(xo + 16), _U(o - 4)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        k = l >> _U(3)
+        m = np.uint8(1) << np.uint8(l & _U(7))
+        s += ((_u8f(q & 15) + _hi16(wr[uh + k], m)) * x[ux + l]
+              + (_u8f(q >> 4) + _hi16(wr[uh + _U(2) + k], m)) * x[ux16 + l])
+    return _f16(wr, o - 6) * (s - np.float32(16.0) * (xs[2 * b] + xs[2 * b + 1]))
+
+
+@njit(**_INLINE)
+def _q5_1_dot(wr, b, x, xs, n):
+    o, xo = b * 24 + 8, b * 32
+    s = np.float32(0.0)
+    uo, ux, ux16, uh = _U(o), _U(xo), _U(xo + 16), _U(o - 4)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        k = l >> _U(3)
+        m = np.uint8(1) << np.uint8(l & _U(7))
+        s += ((_u8f(q & 15) + _hi16(wr[uh + k], m)) * x[ux + l]
+              + (_u8f(q >> 4) + _hi16(wr[uh + _U(2) + k], m)) * x[ux16 + l])
+    return _f16(wr, o - 8) * s + _f16(wr, o - 6) * (xs[2 * b] + xs[2 * b + 1])
+
+
+@njit(**_INLINE)
 def _k_scale_min(wr, o, j):
     # 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes at wr[o:o + 12]
     if j < 4:
@@ -317,6 +364,42 @@ def _q4_1_axpy(wr, b, c, p, n):
         q = wr[uo + l]
         p[up + l] += cd * _u8f(q & 15) + cm
         p[up16 + l] += cd * _u8f(q >> 4) + cm
+
+
+@njit(**_INLINE)
+def _u32(wr, o):
+    # uint32 stored little-endian at wr[o:o + 4]
+    return (np.uint32(wr[o]) | (np.uint32(wr[o + 1]) << 8) | (np.uint32(wr[o + 2]) << 16)
+            | (np.uint32(wr[o + 3]) << 24))
+
+
+@njit(**_INLINE)
+def _q5_0_axpy(wr, b, c, p, n):
+    # unlike _q5_0_dot, qh is read once as a uint32 and tested with the lane's mask 1 << l: reading its
+    # bytes per lane as the dot does runs 6x slower here, a per-lane shift 25% slower
+    o, po = b * 22 + 6, b * 32
+    cd = c * _f16(wr, o - 6)
+    c16 = np.float32(16.0) * cd
+    h = _u32(wr, o - 4)
+    uo, up, up16 = _U(o), _U(po), _U(po + 16)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        m = np.uint32(1) << np.uint32(l)
+        p[up + l] += cd * (_u8f(q & 15) + _hi16(h, m)) - c16
+        p[up16 + l] += cd * (_u8f(q >> 4) + _hi16(h, m << np.uint32(16))) - c16
+
+
+@njit(**_INLINE)
+def _q5_1_axpy(wr, b, c, p, n):
+    o, po = b * 24 + 8, b * 32
+    cd, cm = c * _f16(wr, o - 8), c * _f16(wr, o - 6)
+    h = _u32(wr, o - 4)
+    uo, up, up16 = _U(o), _U(po), _U(po + 16)
+    for l in range(_U(n)):
+        q = wr[uo + l]
+        m = np.uint32(1) << np.uint32(l)
+        p[up + l] += cd * (_u8f(q & 15) + _hi16(h, m)) + cm
+        p[up16 + l] += cd * (_u8f(q >> 4) + _hi16(h, m << np.uint32(16))) + cm
 
 
 @njit(**_INLINE)
@@ -433,7 +516,7 @@ def _sums16(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Rows side by side: 4 rows (Q8_0, Q4_0, Q4_1) or 2 rows (K-quants) advance block by block together.
+# Rows side by side: 4 rows (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or 2 rows (K-quants) advance block by block together.
 # Measured on the 2-core machine, 1 thread, rows read from DRAM (GB/s with 1 / 2 / 4 / 8 rows):
 # Q8_0 5.8 / 8.4 / 9.5 / 9.5, Q4_0 3.4 / 4.2 / 5.1 / 5.3, Q4_K 3.6 / 4.4 / 4.1 / 4.0, Q6_K 3.6 / 3.5 /
 # 2.9 / 2.2: the K-quants' larger blocks run out of registers first. Every unrolled row is one more
@@ -513,6 +596,10 @@ def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
         _dot_rows4(_q4_0_dot, w.shape[1] // 18, w, rows, lo, hi, x, xs, n, out)
     elif qt == Q4_1:
         _dot_rows4(_q4_1_dot, w.shape[1] // 20, w, rows, lo, hi, x, xs, n, out)
+    elif qt == Q5_0:
+        _dot_rows4(_q5_0_dot, w.shape[1] // 22, w, rows, lo, hi, x, xs, n, out)
+    elif qt == Q5_1:
+        _dot_rows4(_q5_1_dot, w.shape[1] // 24, w, rows, lo, hi, x, xs, n, out)
     else:
         _dot_rows4(_q8_0_dot, w.shape[1] // 34, w, rows, lo, hi, x, xs, n, out)
 
@@ -539,6 +626,10 @@ def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
         _axpy_rows4(_q4_0_axpy, w.shape[1] // 18, w, rows, lo, hi, a, n, p)
     elif qt == Q4_1:
         _axpy_rows4(_q4_1_axpy, w.shape[1] // 20, w, rows, lo, hi, a, n, p)
+    elif qt == Q5_0:
+        _axpy_rows4(_q5_0_axpy, w.shape[1] // 22, w, rows, lo, hi, a, n, p)
+    elif qt == Q5_1:
+        _axpy_rows4(_q5_1_axpy, w.shape[1] // 24, w, rows, lo, hi, a, n, p)
     else:
         _axpy_rows4(_q8_0_axpy, w.shape[1] // 34, w, rows, lo, hi, a, n, p)
 
@@ -884,7 +975,7 @@ _K_QUANTISERS = {"Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quanti
 def quantize_rows(w: np.ndarray, qtype) -> np.ndarray:
     """float [R, C] -> uint8 [R, bytes_per_row] GGUF blocks of qtype.
 
-    Q8_0, Q4_0, Q4_1: gguf.quants.quantize (Q8_0 bit-exact with ggml's reference quantiser).
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf.quants.quantize (Q8_0 bit-exact with ggml's reference quantiser).
     Q4_K, Q5_K, Q6_K: our simple round-to-nearest quantiser (gguf.quants cannot quantise them):
     per sub-block min/max scales, 6-bit (K) or int8 (Q6_K) sub-scales under one fp16 super-scale.
     It writes valid blocks that ggml and gguf.quants decode, but it is not llama.cpp's search-based
@@ -950,10 +1041,10 @@ def random_matrix(qtype, shape: tuple[int, int], seed: int = 0, scale: float = 0
         raise ValueError(f"{name} needs cols to be a multiple of {bs}, got {c}")
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (r * (c // bs), ts), dtype=np.uint8)
-    fields = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(name, (0,))
-    for i, o in enumerate(fields):  # Q4_1's second field (m) is signed; the K mins are subtracted
+    fields = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(name, (0,))
+    for i, o in enumerate(fields):  # Q4_1's / Q5_1's second field (m) is signed; the K mins are subtracted
         v = scale * rng.uniform(0.5, 1.5, (blocks.shape[0], 1))
-        if name == "Q4_1" and i == 1:
+        if name in ("Q4_1", "Q5_1") and i == 1:
             v *= rng.choice([-8.0, 8.0], (blocks.shape[0], 1))
         blocks[:, o:o + 2] = _f16_bytes(v)
     return QuantMatrix(blocks.reshape(r, c // bs * ts), name, (r, c))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QuantMatrix
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
 TIGHT = 2e-5  # float32 accumulation, relative to Σ|w·x| (or Σ|c·w|)
 HOWS = ["empty", "one", "some", "unsorted", "full"]
@@ -273,7 +273,8 @@ def test_qffn_rows(qtype, act, gated, how):
         assert_within(got, want, 0.03 * max(np.abs(want).max(), 1e-3))
 
 
-@pytest.mark.parametrize("qtype,down_type", [("Q4_K", "Q8_0"), ("Q4_0", "Q8_0"), ("Q6_K", "Q4_K")])
+@pytest.mark.parametrize("qtype,down_type", [("Q4_K", "Q8_0"), ("Q4_0", "Q8_0"), ("Q6_K", "Q4_K"),
+                                             ("Q5_0", "Q8_0"), ("Q8_0", "Q5_1"), ("Q5_1", "Q5_0")])
 def test_qffn_rows_down_of_another_type(qtype, down_type):
     n, d = 40, 256
     up, gate = random_q(qtype, (n, d), 16, "floats"), random_q(qtype, (n, d), 17, "floats")
@@ -284,15 +285,17 @@ def test_qffn_rows_down_of_another_type(qtype, down_type):
     want = ref_ffn(x, rows, deq(up), deq(down_t), "silu", deq(gate))
     assert_within(got, want, 10 * TIGHT * np.abs(want).max())
     x_q = quant.qffn_rows(x, rows, up, down_t, "silu", gate=gate, xq=True)  # Q8 x only for Q8_0 / Q4_0
-    assert_within(x_q, want, (0.02 if qtype == "Q4_0" else 10 * TIGHT) * np.abs(want).max())
+    assert_within(x_q, want, (0.02 if qtype in ("Q8_0", "Q4_0") else 10 * TIGHT) * np.abs(want).max())
 
 
 # --------------------------------------------------------------------------------------------
 # quantising and the transposed W_down
 
 # RMS error of our quantisers relative to the RMS of the weights; measured on Gaussian 256 x 4096:
-# Q8_0 0.0053, Q4_0 0.086, Q4_1 0.078, Q4_K 0.078, Q5_K 0.038, Q6_K 0.019. Bounds with ~30% margin.
-RMS_BOUND = {"Q8_0": 0.008, "Q4_0": 0.11, "Q4_1": 0.105, "Q4_K": 0.105, "Q5_K": 0.05, "Q6_K": 0.026}
+# Q8_0 0.0053, Q4_0 0.086, Q4_1 0.078, Q5_0 0.043, Q5_1 0.038, Q4_K 0.078, Q5_K 0.038, Q6_K 0.019.
+# Bounds with ~30% margin.
+RMS_BOUND = {"Q8_0": 0.008, "Q4_0": 0.11, "Q4_1": 0.105, "Q5_0": 0.056, "Q5_1": 0.05, "Q4_K": 0.105,
+             "Q5_K": 0.05, "Q6_K": 0.026}
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -309,7 +312,8 @@ def test_quantize_rows_round_trip(qtype):
     rel[3] = 0.0
     assert rel.max() <= RMS_BOUND[qtype], f"relative RMS error {rel.max():.4f}"
     # elementwise: never worse than 1.5 steps of the coarsest grid of the row
-    levels = {"Q8_0": 254, "Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_K": 31, "Q6_K": 62}[qtype]
+    levels = {"Q8_0": 254, "Q4_0": 15, "Q4_1": 15, "Q5_0": 31, "Q5_1": 31, "Q4_K": 15, "Q5_K": 31,
+              "Q6_K": 62}[qtype]
     span = np.abs(w).max(axis=1, keepdims=True) * 2 + 2.0 * (np.arange(16) == 5)[:, None]
     assert np.all(np.abs(back - w) <= 1.5 * span / levels + 1e-6)
 
@@ -352,3 +356,26 @@ def test_transpose_quantized_default_and_errors():
         quant.transpose_quantized(m, "same")  # its rows would have 64 elements
     with pytest.raises(ValueError, match="strip"):
         quant.transpose_quantized(m, "Q8_0", strip=100)
+
+
+# --------------------------------------------------------------------------------------------
+# a real GGUF: the embedded Gemma 3 270M Q4_K_M stores attention q/k/v and FFN gate/up as Q5_0
+
+def test_real_gguf_q5_0_tensors_decode_as_gguf_does(gemma3_path):
+    reader = gguf.GGUFReader(gemma3_path)
+    tensors = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q5_0 and len(t.shape) == 2]
+    names = {t.name.split(".", 2)[-1] for t in tensors}
+    assert {"ffn_gate.weight", "ffn_up.weight", "attn_q.weight"} <= names, names
+    rng = np.random.default_rng(30)
+    for t in tensors[:12]:
+        m = QuantMatrix.from_gguf(t)
+        assert m.qtype == "Q5_0" and np.shares_memory(m.data, reader.data)
+        want = deq(m)
+        np.testing.assert_array_equal(quant.qdequantize(m), want.astype(np.float32))
+        x = rng.standard_normal(m.cols).astype(np.float32)
+        assert_within(quant.qgemv(m, x), want @ x, TIGHT * (np.abs(want) @ np.abs(x)))
+        rows = selection(m.rows, "unsorted", seed=5)
+        coeff = rng.standard_normal(rows.size).astype(np.float32)
+        out = quant.qaxpy_rows(m, rows, coeff, np.zeros(m.cols, np.float32))
+        w = want[rows.astype(np.int64)]
+        assert_within(out, coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)) + 1e-7)

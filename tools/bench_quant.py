@@ -13,7 +13,7 @@ a repeat, so that other processes' load hits them alike. Weights are random bloc
 scales): speed does not depend on values.
 
     python tools/bench_quant.py [--rows 11008] [--dim 4096] [--frac 0.125] [--threads 2] [--repeats 10]
-                                [--types Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K]
+                                [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K]
     python tools/bench_quant.py --requant [--gguf MODEL.gguf]
 
 --requant measures instead what `transpose_quantized` costs in accuracy: W_down [D, I] is quantised
