@@ -301,23 +301,15 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
     out_all = np.empty(rows_n, np.float32)
     out_ffn = np.zeros(d, np.float32)
     for kind in KINDS:
-        t0 = time.perf_counter()
         mats = _matrix_pool(cpu, raw, kind, rows_n, d)
         pool = itertools.cycle(mats)
         # (matrix, selection) pairs: 8 disjoint selections, so a cycle reads the whole pool once
         picks = itertools.cycle([(m, s) for s in sels for m in mats])
         rb = mats[0].row_bytes()
-        t = _rate(lambda: cpu.gemv_rows(*next(picks), x, out_rows), min_time)
-        hw.cpu_gather_rows_per_s[kind] = len(sel) / t
-        hw.cpu_gather_Bps[kind] = len(sel) * rb / t
-        t = _rate(lambda: cpu.ffn_rows(x, (p := next(picks))[1], p[0], p[0], "silu", gate=p[0], out=out_ffn), min_time)
-        hw.cpu_ffn_neurons_per_s[kind] = len(sel) / t
-        hw.cpu_ffn_Bps[kind] = 3 * len(sel) * rb / t
-        t = _rate(lambda: cpu.gemv(next(pool), x, out_all), min_time)
-        hw.cpu_dense_Bps[kind] = rows_n * rb / t
-        if log:
-            log(f"CPU {kind}: gather {hw.cpu_gather_Bps[kind] / 1e9:.1f} GB/s, ffn {hw.cpu_ffn_Bps[kind] / 1e9:.1f} GB/s, "
-                f"dense {hw.cpu_dense_Bps[kind] / 1e9:.1f} GB/s ({time.perf_counter() - t0:.1f} s)")
+        _measure_kind(hw, kind, len(sel), rows_n, rb, 3 * rb, min_time, log,
+                      gather=lambda: cpu.gemv_rows(*next(picks), x, out_rows),
+                      ffn=lambda: cpu.ffn_rows(x, (p := next(picks))[1], p[0], p[0], "silu", gate=p[0], out=out_ffn),
+                      dense=lambda: cpu.gemv(next(pool), x, out_all))
         if kind == "f32":
             one = sel[:1].copy()
             out1 = np.empty(1, np.float32)
@@ -339,24 +331,33 @@ def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, m
     out_ffn = np.zeros(d, np.float32)
     downs = _quant_pool(quant, raw, "Q8_0", rows_n, d)
     for kind in QKINDS:
-        t0 = time.perf_counter()
         mats = _quant_pool(quant, raw, kind.upper(), rows_n, d)
         pool = itertools.cycle(mats)
         picks = itertools.cycle([(m, s) for s in sels for m in mats])
-        rb, rb_down = mats[0].row_bytes(), downs[0].row_bytes()
+        rb = mats[0].row_bytes()
         dn = itertools.cycle(downs)
-        t = _rate(lambda: quant.qgemv_rows(*next(picks), x, out_rows), min_time)
-        hw.cpu_gather_rows_per_s[kind] = len(out_rows) / t
-        hw.cpu_gather_Bps[kind] = len(out_rows) * rb / t
-        t = _rate(lambda: quant.qffn_rows(x, (p := next(picks))[1], p[0], next(dn), "silu", gate=p[0], out=out_ffn),
-                  min_time)
-        hw.cpu_ffn_neurons_per_s[kind] = len(out_rows) / t
-        hw.cpu_ffn_Bps[kind] = len(out_rows) * (2 * rb + rb_down) / t
-        t = _rate(lambda: quant.qgemv(next(pool), x, out_all), min_time)
-        hw.cpu_dense_Bps[kind] = rows_n * rb / t
-        if log:
-            log(f"CPU {kind}: gather {hw.cpu_gather_Bps[kind] / 1e9:.1f} GB/s, ffn {hw.cpu_ffn_Bps[kind] / 1e9:.1f} GB/s, "
-                f"dense {hw.cpu_dense_Bps[kind] / 1e9:.1f} GB/s ({time.perf_counter() - t0:.1f} s)")
+        _measure_kind(hw, kind, len(out_rows), rows_n, rb, 2 * rb + downs[0].row_bytes(), min_time, log,
+                      gather=lambda: quant.qgemv_rows(*next(picks), x, out_rows),
+                      ffn=lambda: quant.qffn_rows(x, (p := next(picks))[1], p[0], next(dn), "silu", gate=p[0],
+                                                  out=out_ffn),
+                      dense=lambda: quant.qgemv(next(pool), x, out_all))
+
+
+def _measure_kind(hw: HardwareProfile, kind: str, n_sel: int, rows_n: int, row_bytes: int, neuron_bytes: int,
+                  min_time: float, log, gather, ffn, dense) -> None:
+    """Time one storage kind's three calls (n_sel selected rows; all rows_n for dense) and record
+    rows/s and bytes/s (row_bytes per gathered row, neuron_bytes per FFN neuron)."""
+    t0 = time.perf_counter()
+    t = _rate(gather, min_time)
+    hw.cpu_gather_rows_per_s[kind] = n_sel / t
+    hw.cpu_gather_Bps[kind] = n_sel * row_bytes / t
+    t = _rate(ffn, min_time)
+    hw.cpu_ffn_neurons_per_s[kind] = n_sel / t
+    hw.cpu_ffn_Bps[kind] = n_sel * neuron_bytes / t
+    hw.cpu_dense_Bps[kind] = rows_n * row_bytes / _rate(dense, min_time)
+    if log:
+        log(f"CPU {kind}: gather {hw.cpu_gather_Bps[kind] / 1e9:.1f} GB/s, ffn {hw.cpu_ffn_Bps[kind] / 1e9:.1f} GB/s, "
+            f"dense {hw.cpu_dense_Bps[kind] / 1e9:.1f} GB/s ({time.perf_counter() - t0:.1f} s)")
 
 
 def _quant_pool(quant, raw, qtype: str, rows_n: int, d: int) -> list:
