@@ -32,6 +32,7 @@ from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts
 from hotcold.models.layers import FFN, MoEFFN, activation_fn, route
 from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_model, dequantize_module, quant_bytes
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
+from hotcold.sparse_ops.moe_gpu import routed_experts
 from hotcold.sparse_ops.quant import qdequantize
 
 # ---------------------------------------------------------------------------------------------
@@ -47,6 +48,8 @@ class FastExperts:
     up: torch.Tensor
     down: torch.Tensor
     act: object  # torch activation function
+    act_name: str = "silu"
+    slot_of: torch.Tensor | None = None  # int32 [E] on the fast tier: each expert's slot, -1 elsewhere
 
     def expert(self, g: int, x: torch.Tensor) -> torch.Tensor:
         """Slot g's expert, computed as Experts.expert does. x: [n, D] -> [n, D]."""
@@ -139,8 +142,10 @@ def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str =
             host_experts(ex.gate, ex.up, ex.down, cold_ids, act, cpu_kind)
     pos = np.full(n_exp, -1, np.int64)
     pos[cold_ids] = np.arange(len(cold_ids))
+    slot_of = torch.full((n_exp,), -1, dtype=torch.int32)
+    slot_of[on_gpu] = torch.arange(len(on_gpu), dtype=torch.int32)
     fast = FastExperts(on_gpu, *(_stack(ex, w, on_gpu, device, dtype) for w in ("gate", "up", "down")),
-                       act=activation_fn(act))
+                       act=activation_fn(act), act_name=act, slot_of=slot_of.to(device))
     router, shared, shared_gate = (_to_tier(getattr(moe, k, None), device, dtype)
                                    for k in ("router", "shared", "shared_gate"))
     return MoEParts(router, shared, shared_gate, fast, cold, pos, hidden, moe.top_k, moe.renormalise)
@@ -312,7 +317,10 @@ class HybridMoE(FFN):
             return self._forward_cached(x2, weights, ids, g0).reshape(shape)
         routing, ready, job = self._send(x2, weights, ids, phase)
         y = self._shared(x2)  # [N, D]
-        if self.fast.ids:
+        device_side = n == 1 and tier.cuda  # one token on CUDA: the routing need not reach the host first
+        if self.fast.ids and device_side:
+            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
+        elif self.fast.ids:
             w0 = now()
             if ready is not None:
                 ready.synchronize()  # the routing on the host; the shared expert runs meanwhile
@@ -322,6 +330,9 @@ class HybridMoE(FFN):
         book.add(phase, layer_calls=1)
         if job is not None:
             y = self._receive(job, y, phase)
+        if self.fast.ids and device_side and book.enabled:  # count the fast tier's experts (the routing has landed
+            ready.synchronize()  # by now: the worker waited for it, or the GPU is past it)
+            book.add(phase, experts_gpu=int((self.pos[routing.ids_np[0]] < 0).sum()))
         return y.reshape(shape)
 
     def _forward_cached(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g0) -> torch.Tensor:
@@ -354,7 +365,10 @@ class HybridMoE(FFN):
                 if nxt.pos[e] >= 0:
                     book.add("decode", experts_prefetched=int(cache.prefetch((nxt.layer, e), nxt.cold,
                                                                              nxt.expert_rows[nxt.pos[e]])))
-        if self.fast.ids:
+        if self.fast.ids and tier.cuda:
+            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
+            book.add("decode", experts_gpu=sum(self.pos[e] < 0 for e in routed_ids))
+        elif self.fast.ids:
             y = self._gpu_experts(x2, weights, routing.ids_np[:1], y, "decode")
         for e, slot in hits.items():
             gate, up, down_t = cache.weights(slot)
@@ -374,6 +388,12 @@ class HybridMoE(FFN):
         if self.shared is None:
             return torch.zeros_like(x2)
         return torch.sigmoid(self.shared_gate(x2)) * self.shared(x2)
+
+    def _routed_fast(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One token's routed fast-tier experts, found on the device (no host sync, only the routed
+        experts' weights read). x2: [1, D]; weights, ids: [1, k] on the fast tier -> float32 [1, D]."""
+        f = self.fast
+        return routed_experts(x2[0], ids[0], weights[0], f.slot_of, f.gate, f.up, f.down, f.act_name)[None]
 
     def _gpu_experts(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, y: torch.Tensor,
                      phase: str) -> torch.Tensor:
