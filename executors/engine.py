@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_threads
+from hotcold.executors.graphs import graph_blocks
 from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.hybrid import HybridFFN
@@ -115,7 +116,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 predictor_cpu: set[int] | frozenset = frozenset(),
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
                 stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
-                prefetch_experts: int | None = None, expert_cache_policy: str = "lru") -> HybridEngine:
+                prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
+                cuda_graphs: bool = True) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -139,6 +141,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       about 1.4x the time its CPU computes it, so naming more than the hits repay costs time); the
       look-ahead is the PredictorSet's corrected router where the profile trained one, else the
       next layer's router; expert_cache_policy: "lru" or "lfu" eviction.
+    cuda_graphs: on CUDA, replay each block's attention half as a CUDA graph in one-token steps
+      (executors/graphs.py); the FFNs stay eager.
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -226,6 +230,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         looks = predictors.lookahead if isinstance(predictors, PredictorSet) else {}
         pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts,
                                 expert_cache_policy)
+    if tier.cuda and cuda_graphs:
+        graph_blocks(model)
     lm.device, lm.dtype = device, dtype
     return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe)
 

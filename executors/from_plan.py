@@ -30,6 +30,15 @@ class RunSetup:
             self.engine.close()
 
 
+def _graphed(lm: LoadedModel) -> LoadedModel:
+    """lm, its blocks' one-token attention replayed as CUDA graphs when it runs on CUDA (executors/graphs.py)."""
+    if lm.device.type == "cuda":
+        from hotcold.executors.graphs import graph_blocks
+
+        graph_blocks(lm.model)
+    return lm
+
+
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
                  quantize: str | None = None) -> RunSetup:
@@ -42,14 +51,15 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     if plan_path is None:
         notes = ["no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
                  "split it between GPU and CPU)"] if use_plan else []
-        return RunSetup(load_model(path, device, dtype, quantize=quantize), notes=notes)
+        return RunSetup(_graphed(load_model(path, device, dtype, quantize=quantize)), notes=notes)
     p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
     if p.mode == "gpu":
         if quantize:
             raise HotcoldError("--quantize keeps weights in host memory; this model's plan puts all of it on the GPU "
                                "(re-plan, or drop --quantize)")
-        setup = RunSetup(load_model(path, device, dtype), plan=p, notes=[f"plan {plan_path}: the whole model on the GPU"])
+        setup = RunSetup(_graphed(load_model(path, device, dtype)), plan=p,
+                         notes=[f"plan {plan_path}: the whole model on the GPU"])
         return setup
     notes = [f"plan {plan_path}: {p.mode}, predicted {p.meta['predicted']['tokens_per_s']:.1f} tok/s"]
     if dev.type == "cuda" and p.mode == "cpu":

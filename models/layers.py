@@ -150,6 +150,30 @@ class Attention(nn.Module):
         # x: [B, T, D]; positions: [T] absolute, starting at `start` (given as an int, it saves a
         # device sync per layer); cache_kv: (k_buf, v_buf) each [B, Hkv, S_max, Dh] or None
         B, T, _ = x.shape
+        q, k, v = self._qkv(x, positions, start)
+        if cache_kv is not None:
+            k_buf, v_buf = cache_kv
+            start = int(positions[0]) if start is None else start
+            k_buf[:, :, start : start + T] = k
+            v_buf[:, :, start : start + T] = v
+            k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
+            q = q.to(k.dtype)  # a float32 cache for a half-precision model on the CPU (see kv_dtype)
+        return self._attend(q, k, v, positions, x.dtype)
+
+    def forward_static(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple) -> torch.Tensor:
+        """forward with the cache, in fixed shapes and without reading positions on the host (so
+        that a CUDA graph can capture it): the new keys/values are written at `positions` with
+        index_copy_, and the queries attend over the whole cache, masked (the cache must hold no
+        NaN/inf beyond the written positions: KVCache zero-fills on CUDA). Same arguments as forward."""
+        k_buf, v_buf = cache_kv
+        q, k, v = self._qkv(x, positions, None)
+        k_buf.index_copy_(2, positions, k.to(k_buf.dtype))
+        v_buf.index_copy_(2, positions, v.to(v_buf.dtype))
+        return self._attend(q.to(k_buf.dtype), k_buf, v_buf, positions, x.dtype)
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, start: int | None):
+        # x: [B, T, D] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh], normed and rotated
+        B, T, _ = x.shape
         q = project(self.q, x).view(B, T, self.n_heads, self.head_dim)
         k = project(self.k, x).view(B, T, self.n_kv, self.head_dim)
         v = project(self.v, x).view(B, T, self.n_kv, self.head_dim)
@@ -158,19 +182,16 @@ class Attention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary(positions, start)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, Dh]
-        if cache_kv is not None:
-            k_buf, v_buf = cache_kv
-            start = int(positions[0]) if start is None else start
-            k_buf[:, :, start : start + T] = k
-            v_buf[:, :, start : start + T] = v
-            k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
-            q = q.to(k.dtype)  # a float32 cache for a half-precision model on the CPU (see kv_dtype)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q, k, v, positions, dtype) -> torch.Tensor:
+        # q: [B, H, T, Dh]; k, v: [B, Hkv, S, Dh] (key s at absolute position s) -> [B, T, D]
+        B, _, T, _ = q.shape
         mask = attention_mask(positions, k.shape[2], self.window)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
         )  # [B, H, T, Dh]
-        return project(self.o, out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(x.dtype))
+        return project(self.o, out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(dtype))
 
 
 # ----------------------------------------------------------------------------- FFNs

@@ -18,7 +18,7 @@ def kv_dtype(device, dtype: torch.dtype) -> torch.dtype:
 
 class KVCache:
     """Preallocated keys and values per layer: each [B, Hkv, max_len, Dh], on `device` or, for layer l,
-    on layer_devices[l] (where that layer's attention runs); dtype per kv_dtype."""
+    on layer_devices[l] (where that layer's attention runs); dtype per kv_dtype; zero-filled on CUDA."""
 
     def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32,
                  layer_devices: list | None = None):
@@ -28,7 +28,8 @@ class KVCache:
         for l in range(config.num_layers):
             dev = layer_devices[l] if layer_devices is not None else device
             dt = kv_dtype(dev, dtype)
-            self.layers.append((torch.empty(shape, device=dev, dtype=dt), torch.empty(shape, device=dev, dtype=dt)))
+            alloc = torch.zeros if torch.device(dev).type == "cuda" else torch.empty  # see Attention.forward_static
+            self.layers.append((alloc(shape, device=dev, dtype=dt), alloc(shape, device=dev, dtype=dt)))
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

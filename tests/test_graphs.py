@@ -1,0 +1,63 @@
+"""executors/graphs.py: the attention half of one-token steps replayed as CUDA graphs.
+
+The graphed engine must give the eager engine's logits (and the dense reference's) token by token,
+across families with rotary scaling, sliding windows, QK-norm and sandwich norms, for a dense and a
+MoE FFN; a new KV cache re-captures. CUDA only (run on the GPU machine); on the CPU the wrapper is
+not installed, which one test checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotcold.executors import make_hybrid
+from hotcold.executors.engine import random_hot
+from hotcold.executors.graphs import GraphedBlock
+from hotcold.executors.moe import random_experts
+from hotcold.models.transformer import KVCache
+from test_executors import assert_close, folder, fresh, reference, tokens  # noqa: F401 (fixture)
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def step_logits(lm, toks: torch.Tensor, cache_len: int) -> torch.Tensor:
+    """Prefill the first 3 tokens, then one token at a time: logits [T, V]."""
+    cache = KVCache(lm.config, cache_len, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
+    out = []
+    with torch.inference_mode():
+        out.append(lm.model(toks[:, :3], 0, cache)[0])
+        for i in range(3, toks.shape[1]):
+            out.append(lm.model(toks[:, i : i + 1], i, cache)[0])
+    return torch.cat(out)
+
+
+def test_cpu_tier_is_not_wrapped(folder):
+    lm = fresh(folder, "llama")
+    with make_hybrid(lm, random_hot(lm, 0.5), None, threads=2):
+        assert not any(isinstance(b, GraphedBlock) for b in lm.model.layers)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "opt"])
+def test_graphed_steps_match_eager_and_reference(folder, family):
+    toks = tokens(n=14, seed=21, device="cuda")
+    ref = reference(folder, family, "cuda")
+    want = step_logits(ref, toks, 20)
+    got = {}
+    for graphs in (False, True):
+        lm = fresh(folder, family, "cuda")
+        with make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=2, cuda_graphs=graphs,
+                         gpu_experts=random_experts(lm, 0.5)):
+            got[graphs] = step_logits(lm, toks, 20)
+            if graphs:
+                blocks = [b for b in lm.model.layers if isinstance(b, GraphedBlock)]
+                assert len(blocks) == lm.config.num_layers
+                assert [b.replays for b in blocks] == [toks.shape[1] - 3] * len(blocks)
+                # a new, larger cache: captured again, same results
+                again = step_logits(lm, toks, 31)
+                assert_close(again, got[True], tol=1e-5)
+                assert [b.replays for b in blocks] == [2 * (toks.shape[1] - 3)] * len(blocks)
+    assert_close(got[True], got[False], tol=1e-5)
+    assert_close(got[True], want, tol=2e-5)
