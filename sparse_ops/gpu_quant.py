@@ -1,0 +1,305 @@
+"""4-bit GGUF matrices kept quantised on the GPU, multiplied by torch's int4 "tinygemm" kernels.
+
+The alternative to dequantising a Q4_0 / Q4_1 / Q4_K `QuantMatrix` to bf16 when it goes to the GPU:
+its 4-bit codes are repacked once for `aten._weight_int4pack_mm` (CUDA) and stay 4-bit in VRAM, with
+one bf16 (scale, zero) pair per group of 32 weights: 5 bits a weight against bf16's 16. torch's own
+kernels only: `_convert_weight_to_int4pack` / `_weight_int4pack_mm` on CUDA, their `_for_cpu`
+twins on the CPU (used by the tests and `tools/bench_gpu_quant.py --device cpu`).
+
+Kernel semantics (read in torch's sources, aten/src/ATen/native/cuda/int4mm.cu, cpu/int4mm_kernel.cpp,
+torch/_meta_registrations.py, torch/testing/_internal/common_quantization.py `_group_quantize_tensor`;
+checked numerically on the CPU ops by tests/test_gpu_quant.py):
+  w[n, k] = (q[n, k] - 8) * scale[k // group, n] + zero[k // group, n],  q in [0, 15]
+  scales_and_zeros: [K / group, N, 2], [..., 0] = scale, [..., 1] = zero, bf16 (CUDA reads raw bf16;
+                    it does not check the dtype)
+  CUDA packing input: uint8 [N, K / 2], element 2j in the HIGH nibble of byte j, 2j + 1 in the low
+                    one (`q[:, ::2] << 4 | q[:, 1::2]`); out: int32 [N / 8, K / (inner_k_tiles * 16),
+                    32, inner_k_tiles / 2], the m16n8k16 tensor-core B layout.
+  CPU packing input: int32 [N, K] of codes 0..15 (the op packs them itself); out: uint8 [N, K / 2].
+  Rounding: CUDA dequantises in bf16 (`__hfma2`: each w rounded to bf16 before the MMA), accumulates
+  in float32, writes bf16; the CPU kernel dequantises and accumulates in float32, writes x's dtype.
+
+GGUF -> tinygemm, group 32 (exact up to the bf16 rounding of scale and zero; GGUF's d, m, dmin are fp16):
+  Q4_0  w = d * (q - 8)              scale d,          zero 0
+  Q4_1  w = d * q + m                scale d,          zero m + 8d
+  Q4_K  w = d * sc_j * q - dmin * m_j   (sub-block j of 32)   scale d * sc_j,  zero 8 d sc_j - dmin m_j
+GGUF's nibble order inside a block (Q4_0 / Q4_1: element i < 16 low nibble of qs[i], else high nibble
+of qs[i - 16]; Q4_K: sub-blocks 2c / 2c + 1 low / high nibbles of qs[32c:32c + 32]) differs from
+tinygemm's, so the codes are unpacked and repacked (numpy, at load).
+
+Constraints (`int4_supported` checks them; nothing is padded):
+  CUDA: compute capability >= 8.0 (bf16 mma.sync m16n8k16; ROCm is not supported here), x bf16
+        contiguous [M, K], inner_k_tiles in {2, 4, 8} with K % (inner_k_tiles * 16) == 0, group in
+        {32, 64, 128, 256} dividing K, N % 8 == 0 (the packing pads N up to a multiple of 8 and the
+        output would have the padded width);
+  CPU:  N % 16 == 0, K % group == 0.
+inner_k_tiles (None: the largest of 8, 4, 2 that divides K / 16) only sets the CUDA layout; every
+GGUF 4-bit type has K % 32 == 0, so some inner_k_tiles always fits unless one is forced.
+
+Measured (`tools/bench_gpu_quant.py`, H200, torch 2.11 cu130, L2 flushed, kernel time; K x N):
+int4 holds 0.31x the VRAM of bf16 and, for one token, runs 1.35-1.6x faster (4096x4096 11.8 against
+18.6 us, 5120x13824 34 against 46 us, 2048x768 expert 7.3 against 11.5 us), 1.2-1.45x at 4 tokens,
+but it reaches only 0.9-1.3 TB/s of its weight bytes against bf16's 1.8-3.1 TB/s, and its time grows
+with M: break-even near 8-16 tokens, 7-14x slower than bf16 at 128 (prefill). inner_k_tiles 2 / 4 / 8
+are within 10% of each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, _qtype_name
+
+__all__ = ["Int4Matrix", "Int4Linear", "int4_supported", "int4_unsupported_reason", "decode_int4",
+           "INT4_QTYPES", "GROUP_SIZE"]
+
+INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
+GROUP_SIZE = 32  # every type above has one (scale, zero) per 32 weights
+INNER_K_TILES = (8, 4, 2)  # preferred first: 16-byte loads per lane
+DECODE_ROWS_BYTES = 16 << 20  # GGUF bytes decoded at once by decode_int4
+
+
+# ---------------------------------------------------------------------------------------------
+# Support checks
+
+def _kernel_device(device) -> str | None:
+    """'cuda' | 'cpu' when torch's int4 kernels run on device, else None."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            return None
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx >= torch.cuda.device_count() or torch.cuda.get_device_capability(idx) < (8, 0):
+            return None
+        return "cuda"
+    if dev.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return "cpu"
+    return None
+
+
+def _pick_inner_k_tiles(k: int) -> int | None:
+    return next((t for t in INNER_K_TILES if k % (t * 16) == 0), None)
+
+
+def int4_unsupported_reason(qtype, device, shape: tuple[int, int] | None = None,
+                            inner_k_tiles: int | None = None) -> str | None:
+    """Why a qtype matrix of shape (N rows, K cols) cannot be kept int4 on device; None if it can."""
+    try:
+        name = _qtype_name(qtype)
+    except ValueError:
+        return f"unsupported quantisation type {qtype!r}"
+    if name not in INT4_QTYPES:
+        return f"{name} is not a 4-bit type tinygemm can hold (supported: {', '.join(INT4_QTYPES)})"
+    kind = _kernel_device(device)
+    if kind is None:
+        return (f"torch's int4 kernels do not run on {device!r} (CUDA needs an NVIDIA GPU of compute "
+                f"capability >= 8.0; CPU needs aten._weight_int4pack_mm_for_cpu)")
+    if inner_k_tiles is not None and inner_k_tiles not in INNER_K_TILES:
+        return f"inner_k_tiles must be one of {INNER_K_TILES}, got {inner_k_tiles}"
+    if shape is not None:
+        n, k = int(shape[0]), int(shape[1])
+        if n <= 0 or k <= 0 or k % GROUP_SIZE:
+            return f"shape {(n, k)}: K must be a positive multiple of {GROUP_SIZE}"
+        t = _pick_inner_k_tiles(k) if inner_k_tiles is None else inner_k_tiles
+        if t is None or k % (t * 16):
+            return f"shape {(n, k)}: K must be a multiple of {(t or 2) * 16} (inner_k_tiles {t or 2} x 16)"
+        step = 8 if kind == "cuda" else 16
+        if n % step:
+            return f"shape {(n, k)}: N must be a multiple of {step} on {kind}"
+    return None
+
+
+def int4_supported(qtype, device, shape: tuple[int, int] | None = None, inner_k_tiles: int | None = None) -> bool:
+    """Whether a qtype matrix (of shape (N, K), when given) can be kept int4 on device."""
+    return int4_unsupported_reason(qtype, device, shape, inner_k_tiles) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF blocks -> codes, scales, zeros (numpy)
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    # uint8 [..., 2] little-endian fp16 -> float32 [...]
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    # qs: uint8 [..., 16 or 32] -> [..., 2, len]: low nibbles, then high nibbles
+    return np.stack([qs & 15, qs >> 4], axis=-2)
+
+
+def _decode_q4_0(b: np.ndarray):
+    # b: [R, nb, 18] -> codes [R, nb, 32], scale, zero [R, nb]
+    d = _f16(b[..., 0:2])
+    return _nibbles(b[..., 2:18]).reshape(*b.shape[:2], 32), d, np.zeros_like(d)
+
+
+def _decode_q4_1(b: np.ndarray):
+    # b: [R, nb, 20]
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    return _nibbles(b[..., 4:20]).reshape(*b.shape[:2], 32), d, m + 8 * d
+
+
+def _decode_q4_k(b: np.ndarray):
+    # b: [R, nb, 144] -> codes [R, nb * 8, 32], scale, zero [R, nb * 8] (one group per sub-block)
+    r, nb = b.shape[:2]
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [R, nb, 1]
+    s = b[..., 4:16]
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = b[..., 16:144].reshape(r, nb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    scale = d * sc.astype(np.float32)  # [R, nb, 8], exact in float32
+    zero = 8 * scale - dmin * mn.astype(np.float32)
+    return _nibbles(qs).reshape(r, nb * 8, 32), scale.reshape(r, -1), zero.reshape(r, -1)
+
+
+_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q4_K": _decode_q4_k}
+
+
+def decode_int4(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q's weights as tinygemm sees them: codes uint8 [N, K / 2] packed two a byte (element 2j in the
+    high nibble), scale and zero float32 [N, K / 32], so that w = (code - 8) * scale + zero."""
+    if q.qtype not in _DECODERS:
+        raise ValueError(f"{q.qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
+    n, k = q.shape
+    _, bs, ts = QTYPES[q.qtype]
+    packed = np.empty((n, k // 2), np.uint8)
+    scale = np.empty((n, k // GROUP_SIZE), np.float32)
+    zero = np.empty_like(scale)
+    step = max(1, DECODE_ROWS_BYTES // q.row_bytes())
+    for a in range(0, n, step):
+        b = q.data[a:a + step].reshape(-1, k // bs, ts)
+        codes, scale[a:a + step], zero[a:a + step] = _DECODERS[q.qtype](b)
+        codes = codes.reshape(b.shape[0], k)
+        packed[a:a + step] = (codes[:, 0::2] << 4) | codes[:, 1::2]
+    return packed, scale, zero
+
+
+# ---------------------------------------------------------------------------------------------
+# Int4Matrix
+
+class Int4Matrix:
+    """A [N, K] weight held as torch's tinygemm int4 layout on one device.
+
+    packed: CUDA int32 [N / 8, K / (inner_k_tiles * 16), 32, inner_k_tiles / 2] | CPU uint8 [N, K / 2]
+    scales_and_zeros: bf16 [K / group, N, 2]
+    shape: (N, K); qtype: the GGUF type it came from
+    """
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, shape: tuple[int, int],
+                 group_size: int = GROUP_SIZE, inner_k_tiles: int = 8, qtype: str | None = None):
+        n, k = int(shape[0]), int(shape[1])
+        if scales_and_zeros.shape != (k // group_size, n, 2) or scales_and_zeros.dtype != torch.bfloat16:
+            raise ValueError(f"scales_and_zeros must be bf16 {(k // group_size, n, 2)}, got "
+                             f"{scales_and_zeros.dtype} {tuple(scales_and_zeros.shape)}")
+        if packed.device != scales_and_zeros.device:
+            raise ValueError(f"packed on {packed.device}, scales_and_zeros on {scales_and_zeros.device}")
+        self.packed, self.scales_and_zeros = packed, scales_and_zeros.contiguous()
+        self.shape, self.group_size, self.inner_k_tiles, self.qtype = (n, k), group_size, inner_k_tiles, qtype
+        self._cuda = packed.device.type == "cuda"
+
+    @classmethod
+    def from_quant(cls, q: QuantMatrix, device, inner_k_tiles: int | None = None) -> "Int4Matrix":
+        """Repack a Q4_0 / Q4_1 / Q4_K QuantMatrix [N, K] for device (ValueError if it cannot be)."""
+        why = int4_unsupported_reason(q.qtype, device, q.shape, inner_k_tiles)
+        if why is not None:
+            raise ValueError(f"{q.qtype} {q.shape} cannot be kept as int4 on {device}: {why}")
+        dev = torch.device(device)
+        n, k = q.shape
+        t = _pick_inner_k_tiles(k) if inner_k_tiles is None else inner_k_tiles
+        packed, scale, zero = decode_int4(q)
+        sz = torch.from_numpy(np.stack([scale, zero], axis=-1))  # [N, K / 32, 2]
+        sz = sz.transpose(0, 1).to(torch.bfloat16).contiguous().to(dev)  # [K / 32, N, 2]
+        w = torch.from_numpy(packed).to(dev)  # uint8 [N, K / 2]
+        if dev.type == "cuda":
+            with torch.cuda.device(dev):
+                w = torch.ops.aten._convert_weight_to_int4pack(w, t)
+        else:
+            codes = torch.stack([w >> 4, w & 15], dim=-1).reshape(n, k).to(torch.int32)  # [N, K]
+            w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, t)
+        return cls(w, sz, (n, k), GROUP_SIZE, t, q.qtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: packed codes + scales and zeros."""
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T: x [..., K] on this device (any float dtype; multiplied in bf16) -> [..., N] in x's dtype."""
+        n, k = self.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"x has {x.shape[-1]} features, the weight takes {k}")
+        if not (x.is_cuda if self._cuda else x.is_cpu):  # (CUDA's op checks the device index)
+            raise ValueError(f"x is on {x.device}, the weight on {self.device}")
+        # decode's common case, x bf16 [M, K] contiguous, goes straight to the op: every torch call
+        # costs host time that a one-token GEMV of a few microseconds cannot hide
+        fast = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[0] > 0
+        x2 = x if fast else x.reshape(-1, k).to(torch.bfloat16).contiguous()  # [M, K]
+        if x2.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], n)
+        if x2.data_ptr() % 16:  # the CUDA kernel loads x 4 bytes at a time
+            x2 = x2.clone()
+        op = torch.ops.aten._weight_int4pack_mm if self._cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        y = op(x2, self.packed, self.group_size, self.scales_and_zeros)  # [M, N] bf16
+        return y if fast else y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16, chunk: int = 256) -> torch.Tensor:
+        """The weights the kernel multiplies by, [N, K] (one-hot rows through `mm`: K / chunk
+        calls of M = chunk, for tests and references, not for speed)."""
+        n, k = self.shape
+        out = torch.empty((n, k), dtype=dtype, device=self.device)
+        for a in range(0, k, chunk):
+            b = min(k, a + chunk)
+            eye = torch.zeros((b - a, k), dtype=torch.bfloat16, device=self.device)  # [b - a, K]
+            eye[:, a:b] = torch.eye(b - a, dtype=torch.bfloat16, device=self.device)
+            out[:, a:b] = self.mm(eye).T.to(dtype)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Int4Matrix({self.qtype}, shape={self.shape}, group={self.group_size}, "
+                f"{self.device}, {self.nbytes / 2**20:.1f} MiB)")
+
+
+class Int4Linear(nn.Module):
+    """nn.Linear over an Int4Matrix weight [out, in] (bias, if any, a float tensor on its device).
+
+    The packed layout is device-specific: build it on the device it runs on (`from_quant`) rather
+    than moving it with `.to()`."""
+
+    def __init__(self, weight: Int4Matrix, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.qweight = weight
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(weight.device), requires_grad=False)
+
+    @classmethod
+    def from_quant(cls, q: QuantMatrix, device, bias: torch.Tensor | None = None,
+                   inner_k_tiles: int | None = None) -> "Int4Linear":
+        return cls(Int4Matrix.from_quant(q, device, inner_k_tiles), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out] in x's dtype
+        y = self.qweight.mm(x)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features} -> {self.out_features}, int4 from {self.qweight.qtype}, "
+                f"bias={self.bias is not None}")
