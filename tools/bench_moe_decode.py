@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Decode speed of a MoE model's hybrid engine by placement, eager against CUDA graphs.
+
+For each share of experts on the fast tier (random placement, --fractions), with and without CUDA
+graphs (--graphs), and optionally with an expert cache (--cache), greedy-decodes --tokens tokens
+after a 64-token prompt and prints tok/s; --profile adds, per configuration, torch.profiler's
+top host-side ops and the kernel launches per token (where eager decoding spends its time).
+
+    python tools/make_model.py qwen3-30b-a3b --layers 4 --calib-tokens 64 --format hf --out /tmp/q3
+    python tools/bench_moe_decode.py /tmp/q3/hf [--fractions 1,0.25] [--cache 2GiB] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hotcold.executors import make_hybrid
+from hotcold.executors.moe import random_experts
+from hotcold.models.generate import Generator
+from hotcold.models.loader import load_model
+from hotcold.planner.sizes import parse_size
+from hotcold.models.sampling import SamplingParams
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def measure(path: str, fraction: float, cache: int, graphs: bool, args) -> str:
+    lm = load_model(path, "cpu", args.dtype)
+    eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
+                      expert_cache_bytes=cache, stats=False, threads=args.threads, cuda_graphs=graphs)
+    try:
+        gen = Generator(eng.lm, 512)
+        prompt, greedy = list(range(100, 164)), SamplingParams(temperature=0.0)
+        for _ in gen.generate(prompt, 8, greedy, ignore_eos=True):  # warm-up (compilation, capture)
+            pass
+        for _ in gen.generate(prompt, args.tokens, greedy, ignore_eos=True):
+            pass
+        tps = gen.stats.decode_tok_per_s
+        line = f"{fraction:>9.2f} {cache / 2**30:>9.1f} {'yes' if graphs else 'no':>7} {tps:>9.1f} {1e3 / tps:>9.2f}"
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            n = 8
+            with profile(activities=acts) as prof:
+                for _ in gen.generate(prompt, n + 1, greedy, ignore_eos=True):
+                    pass
+            ka = prof.key_averages()
+            launches = sum(e.count for e in ka if e.key in LAUNCHES)
+            line += f" {launches / n:>9.0f}\n" + ka.table(sort_by="self_cpu_time_total", row_limit=12,
+                                                          max_name_column_width=40)
+        return line
+    finally:
+        eng.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a MoE model folder or GGUF")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: one per core, less one)")
+    ap.add_argument("--fractions", default="1,0.25", help="shares of each layer's experts on the fast tier")
+    ap.add_argument("--cache", default="0", help="expert cache size (e.g. 2GiB), CUDA only; 0: none")
+    ap.add_argument("--graphs", default="no,yes", help="CUDA graphs off / on (comma-separated)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
+    args = ap.parse_args()
+    cache = parse_size(args.cache) if args.cache != "0" else 0
+    print(f"model {args.model}, device {args.device}, {args.dtype}, greedy {args.tokens} tokens after 64")
+    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>7} {'tok/s':>9} {'ms/token':>9}"
+          + (f" {'launches':>9}" if args.profile else ""))
+    for frac in (float(f) for f in args.fractions.split(",")):
+        for graphs in (g.strip() == "yes" for g in args.graphs.split(",")):
+            print(measure(args.model, frac, cache, graphs, args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
