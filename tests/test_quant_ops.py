@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -204,6 +209,45 @@ def test_qaxpy_rows(qtype, shape_i, how):
     assert_within(out - out0, coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)) + slack)
     if how == "empty":
         assert np.array_equal(out, out0)
+
+
+_PORTABLE_CHILD = """
+import sys
+import numpy as np
+from hotcold.sparse_ops import quant
+assert not quant._VNNI
+res = {}
+rng = np.random.default_rng(0)
+for qt in ("Q8_0", "Q4_0"):
+    m = quant.random_matrix(qt, (45, 160), seed=3)
+    rows = np.array([44, 0, 7, 8, 9, 30, 31], np.int64)
+    x = rng.standard_normal(160).astype(np.float32)
+    res[qt + "_x"] = x
+    res[qt + "_gemv"] = quant.qgemv_rows(m, rows, x, xq=False)
+    res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
+    res[qt + "_axpy"] = quant.qaxpy_rows(m, rows, np.linspace(-1, 1, 7).astype(np.float32), np.zeros(160, np.float32))
+np.savez(sys.argv[1], **res)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 CPU name")
+def test_portable_q8_0_q4_0_kernels(tmp_path):
+    """The Q8_0 / Q4_0 IR kernels without the AVX-512 VNNI intrinsics (numba compiling for a generic
+    AVX2 CPU, in a subprocess with a cache of its own) give the same results as gguf's decoder and,
+    with Q8 activations, as the kernels of this process."""
+    env = dict(os.environ, NUMBA_CPU_NAME="x86-64-v3", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    out = tmp_path / "res.npz"
+    subprocess.run([sys.executable, "-c", _PORTABLE_CHILD, str(out)], env=env, check=True, timeout=900)
+    res = np.load(out)
+    rows = np.array([44, 0, 7, 8, 9, 30, 31], np.int64)
+    coeff = np.linspace(-1, 1, 7).astype(np.float32)
+    for qt in ("Q8_0", "Q4_0"):
+        m = quant.random_matrix(qt, (45, 160), seed=3)
+        w, x = deq(m)[rows], res[qt + "_x"]
+        assert_within(res[qt + "_gemv"], w @ x, TIGHT * (np.abs(w) @ np.abs(x)))
+        assert_within(res[qt + "_gemv_xq"], quant.qgemv_rows(m, rows, x, xq=True), TIGHT * (np.abs(w) @ np.abs(x)))
+        assert_within(res[qt + "_axpy"], coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)))
 
 
 def test_bad_arguments_raise():
