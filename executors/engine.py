@@ -89,13 +89,14 @@ class HybridEngine:
         self.close()
 
 
-def _move_rest(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def _move_rest(model: nn.Module, device: torch.device, dtype: torch.dtype, int4: bool = False) -> None:
     """Everything left in the model to device; floating parameters to dtype (rotary tables stay fp32).
 
     Quantised modules (QuantLinear / QuantEmbedding, models/quantized.py) are dequantised onto a
-    CUDA tier; on a CPU tier they stay in their blocks and compute with the block kernels (qgemv)."""
+    CUDA tier (int4: 4-bit QuantLinears become Int4Linear where torch's int4 kernels take them); on a
+    CPU tier they stay in their blocks and compute with the block kernels (qgemv)."""
     if device.type != "cpu":
-        dequantize_model(model, device, dtype)
+        dequantize_model(model, device, dtype, int4)
     model.to(device)
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
@@ -117,7 +118,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
                 stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
                 prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
-                cuda_graphs: bool = True) -> HybridEngine:
+                cuda_graphs: bool = True, gpu_int4: bool = False) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -143,6 +144,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       next layer's router; expert_cache_policy: "lru" or "lfu" eviction.
     cuda_graphs: on CUDA, replay each block's attention half as a CUDA graph in one-token steps
       (executors/graphs.py); the FFNs stay eager.
+    gpu_int4: a quantised model's 4-bit matrices outside the split FFNs (attention, LM head) stay
+      4-bit on a CUDA tier (Int4Linear, torch's int4 kernels) instead of being expanded to dtype.
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -203,7 +206,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                  for l in sorted(attention_cpu)}
     for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
         model.layers[l].attn = nn.Identity()
-    _move_rest(model, device, dtype)
+    _move_rest(model, device, dtype, gpu_int4)
     for l, a in host_attn.items():
         model.layers[l].attn = a
     if host_attn:

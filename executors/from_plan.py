@@ -39,11 +39,28 @@ def _graphed(lm: LoadedModel) -> LoadedModel:
     return lm
 
 
+def _load_dense(path: Path, device, dtype, quantize: str | None, gpu_int4: bool) -> LoadedModel:
+    """The whole model on `device`: as load_model does, or with gpu_int4 on CUDA, loaded in its
+    blocks on the host and moved with its 4-bit matrices kept 4-bit (Int4Linear)."""
+    dev = resolve_device(device)
+    if not (gpu_int4 and dev.type == "cuda"):
+        return _graphed(load_model(path, device, dtype, quantize=quantize))
+    from hotcold.executors.engine import _move_rest
+
+    dt = resolve_dtype(dtype, dev)
+    lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantized=True, quantize=quantize)
+    with torch.no_grad():
+        _move_rest(lm.model, dev, dt, int4=True)
+    lm.device, lm.dtype = dev, dt
+    return _graphed(lm)
+
+
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
-                 quantize: str | None = None) -> RunSetup:
+                 quantize: str | None = None, gpu_int4: bool = False) -> RunSetup:
     """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
-    `load_model` (HF checkpoints quantised at load, CPU)."""
+    `load_model` (HF checkpoints quantised at load). gpu_int4: on CUDA, a quantised model's 4-bit
+    matrices outside the split FFNs stay 4-bit on the GPU (see make_hybrid)."""
     from hotcold.planner.plan import find_plan, load_plan
 
     info = describe_model(path)
@@ -51,14 +68,14 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     if plan_path is None:
         notes = ["no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
                  "split it between GPU and CPU)"] if use_plan else []
-        return RunSetup(_graphed(load_model(path, device, dtype, quantize=quantize)), notes=notes)
+        return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4), notes=notes)
     p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
     if p.mode == "gpu":
-        if quantize:
+        if quantize and not gpu_int4:
             raise HotcoldError("--quantize keeps weights in host memory; this model's plan puts all of it on the GPU "
-                               "(re-plan, or drop --quantize)")
-        setup = RunSetup(_graphed(load_model(path, device, dtype)), plan=p,
+                               "(re-plan, drop --quantize, or add --gpu-int4)")
+        setup = RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4), plan=p,
                          notes=[f"plan {plan_path}: the whole model on the GPU"])
         return setup
     notes = [f"plan {plan_path}: {p.mode}, predicted {p.meta['predicted']['tokens_per_s']:.1f} tok/s"]
@@ -101,5 +118,5 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
             notes.append(f"expert cache: {cache_bytes // one} experts on the GPU, filled by look-ahead prefetch")
     engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
                          attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts,
-                         expert_cache_bytes=cache_bytes)
+                         expert_cache_bytes=cache_bytes, gpu_int4=gpu_int4)
     return RunSetup(lm, engine, p, notes)

@@ -26,7 +26,10 @@ DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's choice).")
 QuantizeOpt = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: q8_0, q4_0 or q4_k "
-                                                    "(CPU; GGUF files keep their own quantisation).")
+                                                    "(GGUF files keep their own quantisation).")
+GpuInt4Opt = typer.Option(False, "--gpu-int4", help="On CUDA, keep a quantised model's Q4_0/Q4_1/Q4_K matrices "
+                                                    "outside the split FFNs (attention, LM head) 4-bit on the GPU "
+                                                    "(torch's int4 kernels) instead of expanding them.")
 
 
 def _version(value: bool) -> None:
@@ -117,13 +120,14 @@ def run(
     dtype: Optional[str] = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     quantize: Optional[str] = QuantizeOpt,
+    gpu_int4: bool = GpuInt4Opt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streamed to the terminal, or chat interactively without --prompt."""
     from hotcold.models.generate import Generator
     from hotcold.models.sampling import SamplingParams
 
-    setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats, quantize)
+    setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats, quantize, gpu_int4)
     lm = setup.lm
     try:
         if lm.tokenizer is None:
@@ -147,7 +151,7 @@ def run(
 
 
 def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtype, threads, stats: bool,
-          quantize: Optional[str] = None):
+          quantize: Optional[str] = None, gpu_int4: bool = False):
     """The model per its plan (or dense), with the notes saying which printed to stderr."""
     import torch
 
@@ -159,7 +163,7 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
     if dense and plan is not None:
         raise HotcoldError("--plan cannot be combined with --no-plan or --sparse")
     setup = open_for_run(model if model is not None else default_model_path(), plan, not dense, device, dtype,
-                         threads, stats, quantize)
+                         threads, stats, quantize, gpu_int4)
     return setup
 
 

@@ -162,10 +162,12 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def quant_bytes(module: nn.Module) -> int:
-    """Bytes of the blocks held by module's quantised submodules."""
+    """Bytes of the blocks held by module's quantised submodules (GGUF blocks on the host, int4 on a GPU)."""
+    from hotcold.sparse_ops.gpu_quant import Int4Linear
+
     total = 0
     for m in module.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)):
+        if isinstance(m, (QuantLinear, QuantEmbedding, Int4Linear)):
             total += m.qweight.nbytes
         elif isinstance(m, QuantExperts):
             total += m.qgate.nbytes + m.qup.nbytes + m.qdown.nbytes
@@ -177,10 +179,18 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def dequantize_module(m: nn.Module, device, dtype: torch.dtype) -> nn.Module:
-    """An ordinary module (nn.Linear | nn.Embedding | Experts) with m's dequantised weights on device."""
+def dequantize_module(m: nn.Module, device, dtype: torch.dtype, int4: bool = False) -> nn.Module:
+    """An ordinary module (nn.Linear | nn.Embedding | Experts) with m's dequantised weights on device.
+    int4: a QuantLinear of a 4-bit type that torch's int4 kernels take on device (Q4_0 / Q4_1 / Q4_K,
+    see sparse_ops/gpu_quant.py) becomes an Int4Linear instead, its weights repacked, not expanded."""
     from hotcold.models.layers import Experts
 
+    if int4 and isinstance(m, QuantLinear):
+        from hotcold.sparse_ops.gpu_quant import Int4Linear, int4_supported
+
+        if int4_supported(m.qweight.qtype, device, m.qweight.shape):
+            bias = None if m.bias is None else m.bias.detach().to(device, dtype)
+            return Int4Linear.from_quant(m.qweight, device, bias)
     if isinstance(m, QuantLinear):
         out = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         out.weight = nn.Parameter(dequantized_rows(m.qweight, device, dtype), requires_grad=False)
@@ -213,11 +223,12 @@ def dequantized_rows(q: QuantMatrix, device, dtype: torch.dtype, rows=None) -> t
     return out
 
 
-def dequantize_model(model: nn.Module, device, dtype: torch.dtype) -> nn.Module:
-    """Replace every quantised submodule of model by its dequantised counterpart on device (in place)."""
+def dequantize_model(model: nn.Module, device, dtype: torch.dtype, int4: bool = False) -> nn.Module:
+    """Replace every quantised submodule of model by its dequantised counterpart on device (in place;
+    int4: see dequantize_module)."""
     for name, m in list(model.named_modules()):
         if isinstance(m, QUANT_MODULES):
-            _set(model, name, dequantize_module(m, device, dtype))
+            _set(model, name, dequantize_module(m, device, dtype, int4))
     return model
 
 

@@ -32,7 +32,9 @@ def serve(
     model_name: Optional[str] = typer.Option(None, "--model-name",
                                              help="Model id in /v1/models (default: the model file or folder name)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: "
-                                                                    "q8_0, q4_0 or q4_k (CPU)."),
+                                                                    "q8_0, q4_0 or q4_k."),
+    gpu_int4: bool = typer.Option(False, "--gpu-int4", help="On CUDA, keep a quantised model's 4-bit matrices "
+                                                            "outside the split FFNs 4-bit on the GPU."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn
@@ -55,7 +57,7 @@ def serve(
 
         if quantize not in QUANTIZE_TYPES:  # before the server starts
             raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
-    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype, quantize), max_concurrency, ctx)
+    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4), max_concurrency, ctx)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
                                            log_level="info", timeout_graceful_shutdown=5))
     engine.start(on_fatal=lambda: setattr(server, "should_exit", True))
@@ -67,11 +69,12 @@ def serve(
         raise HotcoldError(engine.load_error)
 
 
-def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None):
+def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None,
+          gpu_int4: bool = False):
     """The model per its plan (hybrid) or dense, saying which in the log."""
     from hotcold.executors.from_plan import open_for_run
 
-    setup = open_for_run(path, plan, not no_plan, device, dtype, quantize=quantize)
+    setup = open_for_run(path, plan, not no_plan, device, dtype, quantize=quantize, gpu_int4=gpu_int4)
     for note in setup.notes:
         log.info("%s", note)
     return setup.lm

@@ -324,3 +324,25 @@ def test_cuda_dequantizes_the_fast_tier(folder, family, kind):
         got = decode_logits(lm, toks.cuda()).cpu()
     for i in range(T):
         assert rel_err(got[:, i], want[:, i]) < TOL[kind], f"decode step {i}"
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family, kind", [("llama", "q4_0"), ("llama", "q4_k"), ("qwen2_moe", "q4_0")])
+def test_cuda_gpu_int4_keeps_4bit_matrices_4bit(folder, family, kind):
+    """gpu_int4: the attention (and other non-FFN 4-bit) matrices go to the GPU as Int4Linear, not
+    expanded; logits stay within the quantised tolerance (the int4 kernel multiplies in bf16)."""
+    from hotcold.sparse_ops.gpu_quant import Int4Linear
+
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=12)
+    want = decode_logits(ref, toks)
+    lm = fresh(folder, family, kind)
+    moe = getattr(lm.config, "num_experts", 0)
+    with make_hybrid(lm, random_hot(lm, 0.4, seed=2), "oracle", device="cuda", threads=2, gpu_int4=True,
+                     gpu_experts=random_experts(lm, 0.25, seed=2) if moe else None):
+        attn = lm.model.layers[0].attn
+        assert all(isinstance(getattr(attn, p), Int4Linear) for p in ("q", "k", "v", "o"))
+        got = decode_logits(lm, toks.cuda()).cpu()
+    for i in range(T):
+        assert rel_err(got[:, i], want[:, i]) < 2 * TOL[kind], f"decode step {i}"

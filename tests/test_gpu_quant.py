@@ -206,3 +206,23 @@ def test_cuda_refusals_and_linear():
     want = x.double() @ torch.from_numpy(deq(m)).cuda().T + bias.cuda().double()
     rel = float((il(x).double() - want).norm() / want.norm())
     assert il(x).dtype == torch.bfloat16 and rel < 0.01, rel
+
+
+def test_dequantize_module_keeps_4bit_linears_int4_when_asked():
+    """models.quantized.dequantize_module(int4=True): a Q4 QuantLinear becomes an Int4Linear computing
+    the same product (CPU twin ops here; the engine asks for it on CUDA); other types and int4=False
+    are expanded as before; quant_bytes counts the int4 bytes."""
+    from hotcold.models.quantized import QuantLinear, dequantize_module, quant_bytes
+
+    bias = torch.randn(32)
+    x = torch.randn(3, 256)
+    for qtype in ("Q4_0", "Q4_K"):
+        ql = QuantLinear(quant.random_matrix(qtype, (32, 256), seed=4), bias.clone())
+        m = dequantize_module(ql, "cpu", torch.bfloat16, int4=True)
+        assert isinstance(m, Int4Linear)
+        assert quant_bytes(nn.Sequential(m)) == m.qweight.nbytes
+        want = ql(x)
+        assert ((m(x.bfloat16()).float() - want).abs().max() / want.abs().max()) < 2e-2
+        assert isinstance(dequantize_module(ql, "cpu", torch.bfloat16), nn.Linear)
+    q8 = QuantLinear(quant.random_matrix("Q8_0", (32, 256), seed=4))
+    assert isinstance(dequantize_module(q8, "cpu", torch.bfloat16, int4=True), nn.Linear)
