@@ -71,6 +71,8 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4), notes=notes)
     p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
+    if p.meta.get("weights", {}).get("gpu_int4"):  # planned with --gpu-int4: its GPU bytes assume it
+        gpu_int4 = True
     if p.mode == "gpu":
         if quantize and not gpu_int4:
             raise HotcoldError("--quantize keeps weights in host memory; this model's plan puts all of it on the GPU "

@@ -106,6 +106,15 @@ class WeightFormat:
     kv_bytes: int
     host_bytes_per_weight: float | None = None
     host_ffn_bytes_per_weight: float | None = None
+    # `--gpu-int4`: the GPU's attention matrices in torch's int4 layout where the file's type allows
+    # (sparse_ops/gpu_quant.py): their bytes per weight, and the share of the GEMV bandwidth the int4
+    # kernel reaches (None / 1: as bytes_per_weight). The LM head is counted as the dtype.
+    gpu_attn_bytes_per_weight: float | None = None
+    gpu_attn_speed: float = 1.0
+
+    @property
+    def gpu_attn_w(self) -> float:
+        return self.bytes_per_weight if self.gpu_attn_bytes_per_weight is None else self.gpu_attn_bytes_per_weight
 
     @property
     def host_w(self) -> float:
@@ -122,15 +131,33 @@ def quantized_format(base: WeightFormat, kind: str, host_bpw: float, host_ffn_bp
                                host_bytes_per_weight=host_bpw, host_ffn_bytes_per_weight=host_ffn_bpw)
 
 
-def quantize_format(base: WeightFormat, kind: str) -> WeightFormat:
+# int4 on the GPU: 4-bit codes + one bf16 (scale, zero) pair per 32 weights
+INT4_GPU_BYTES_PER_WEIGHT = 0.5 + 4 / 32
+# the int4 kernel's share of the bf16 GEMV's bandwidth (tools/bench_gpu_quant.py, H200, one token:
+# 0.9-1.3 TB/s of its own bytes against 1.8-3.1 TB/s; 1.35-1.6x faster per weight than bf16)
+INT4_GPU_SPEED = 0.45
+
+
+def gpu_int4_format(fmt: WeightFormat, int4_share: float) -> WeightFormat:
+    """fmt with `--gpu-int4`: int4_share of the GPU's attention weights kept int4."""
+    if int4_share <= 0:
+        return fmt
+    w = int4_share * INT4_GPU_BYTES_PER_WEIGHT + (1 - int4_share) * fmt.bytes_per_weight
+    # time per weight = bytes / (bandwidth x speed), averaged over the int4 and the expanded share
+    t = int4_share * INT4_GPU_BYTES_PER_WEIGHT / INT4_GPU_SPEED + (1 - int4_share) * fmt.bytes_per_weight
+    return dataclasses.replace(fmt, name=f"{fmt.name}+int4", gpu_attn_bytes_per_weight=w, gpu_attn_speed=w / t)
+
+
+def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> WeightFormat:
     """The format an HF checkpoint gets from `--quantize kind` (q8_0 | q4_0 | q4_k): every matrix in
-    blocks of kind, W_down's host copy Q8_0."""
+    blocks of kind, W_down's host copy Q8_0; gpu_int4: 4-bit kinds kept int4 on the GPU."""
     from hotcold.sparse_ops.quant import QTYPES
 
     _, bs, ts = QTYPES[kind.upper()]
     _, bs8, ts8 = QTYPES["Q8_0"]
     bpw = ts / bs
-    return quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
+    fmt = quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
+    return gpu_int4_format(fmt, 1.0 if gpu_int4 and kind.upper() in ("Q4_0", "Q4_K") else 0.0)
 
 
 FORMATS = {
@@ -320,14 +347,14 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         kv_bytes = float(kv_elem * kv_len)
         kv_read = float(kv_elem * min(kv_len, max(1, ctx // 2)))
         attn_weights = _attention_weights(cfg, l, moe_parts=not has_gpu)
-        attn_bytes, attn_host_bytes = attn_weights * w, attn_weights * wh
+        attn_bytes, attn_host_bytes = attn_weights * fmt.gpu_attn_w, attn_weights * wh
         attn_gpu_s_extra = 0.0
         if has_gpu:  # router and shared expert on the GPU wherever the attention is: the same time either way
             mb = _moe_gpu_weights(cfg, l) * w
             moe_gpu_bytes += mb
             attn_gpu_s_extra = mb / gbw
             moe_cpu_delta_s += mb / dense_bps - mb / gbw  # an all-CPU plan computes them on the CPU
-        attn_gpu_s = (attn_bytes + kv_read) / gbw + c.attn_gpu_kernels * launch
+        attn_gpu_s = (attn_bytes / fmt.gpu_attn_speed + kv_read) / gbw + c.attn_gpu_kernels * launch
         attn_cpu_s = attn_host_bytes / dense_bps + kv_read / hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16") \
             + c.attn_cpu_calls * call
         attn_gpu_s += attn_gpu_s_extra
@@ -384,7 +411,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             ffn_cpu_fixed_s=ffn_cpu_fixed_s, hybrid_gpu_s=c.hybrid_gpu_kernels * launch,
             ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0,
             unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes))
-    head_bytes = float(cfg.vocab_size * h * w)
+    head_bytes = float(cfg.vocab_size * h * w)  # kept as the dtype: often the file's widest type (Q6_K)
     head_host_bytes = float(cfg.vocab_size * h * wh)
     embed_bytes = float(cfg.vocab_size * h * wh)
     if cfg.model_type == "opt":

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hotcold.artifacts import ArtifactError
-from hotcold.planner.costs import LayerStats, WeightFormat, quantize_format, quantized_format
+from hotcold.planner.costs import LayerStats, WeightFormat, gpu_int4_format, quantize_format, quantized_format
 from hotcold.profiler.artifact import load_profile
 
 
@@ -63,16 +63,18 @@ def _is_ffn_matrix(name: str) -> bool:
     return len(parts) >= 4 and parts[2] == "ffn" and parts[3] in ("up", "gate", "down", "experts")
 
 
-def gguf_format(path: Path, base: WeightFormat) -> WeightFormat:
+def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> WeightFormat:
     """The weight format a GGUF runs with: `base` when its FFN matrices are float (expanded at load),
     else quantised (models/quantized.py): host bytes per weight from the file's own tensor sizes
     (W_down's host copy is Q8_0, as executors/weights.py builds it), the CPU kernel kind of its
-    largest share of gate/up bytes."""
+    largest share of gate/up bytes; gpu_int4: the share of its attention matrices that the GPU
+    keeps int4 (Q4_0 / Q4_1 / Q4_K)."""
     from hotcold.models.gguf_loader import GGUFFile
+    from hotcold.sparse_ops.gpu_quant import INT4_QTYPES
     from hotcold.sparse_ops.quant import QTYPES
 
     _, bs8, ts8 = QTYPES["Q8_0"]
-    ffn_b = ffn_n = other_b = other_n = 0.0
+    ffn_b = ffn_n = other_b = other_n = attn_n = int4_n = 0.0
     kinds: dict[str, float] = {}
     for name, qtype, n, nbytes, kept in GGUFFile(path).tensor_storage():
         host = nbytes if kept else n * base.bytes_per_weight
@@ -84,17 +86,21 @@ def gguf_format(path: Path, base: WeightFormat) -> WeightFormat:
             ffn_b, ffn_n = ffn_b + host, ffn_n + n
         elif name.endswith(".weight") and "norm" not in name or name.endswith("experts"):
             other_b, other_n = other_b + host, other_n + n
+            if ".attn." in name:
+                attn_n += n
+                int4_n += n if kept and qtype in INT4_QTYPES else 0
     if not kinds:
         return base
     kind = max(kinds, key=kinds.get).lower()
-    return quantized_format(base, kind, other_b / max(other_n, 1.0), ffn_b / max(ffn_n, 1.0))
+    fmt = quantized_format(base, kind, other_b / max(other_n, 1.0), ffn_b / max(ffn_n, 1.0))
+    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0)) if gpu_int4 else fmt
 
 
-def model_format(path: Path, base: WeightFormat, quantize: str | None = None) -> WeightFormat:
+def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False) -> WeightFormat:
     """The weight format `hotcold run` will use for the model at path: a GGUF's own quantisation
-    (see gguf_format), `--quantize` for an HF folder, else base."""
+    (see gguf_format), `--quantize` for an HF folder, else base; gpu_int4: `--gpu-int4`."""
     if quantize:
-        return quantize_format(base, quantize)
+        return quantize_format(base, quantize, gpu_int4)
     if Path(path).is_file():
-        return gguf_format(Path(path), base)
+        return gguf_format(Path(path), base, gpu_int4)
     return base

@@ -637,6 +637,36 @@ def test_quantised_ilp_matches_brute_force_with_a_binding_ram_budget():
     assert checked >= 2
 
 
+def test_gpu_int4_counts_int4_bytes_for_gpu_attention_and_places_more_of_it():
+    """--gpu-int4: the GPU's attention bytes are int4's (codes + bf16 scale/zero per 32), their time
+    at the int4 kernel's share of the GEMV bandwidth; FFN rows and LM head stay the dtype. With
+    a budget that holds the int4 attention of every layer but not the bf16 one, the plan puts more
+    attention on the GPU."""
+    from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, quantize_format
+
+    rng = np.random.default_rng(5)
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=4)
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw()
+    hw.cpu_ffn_Bps["q4_0"] = hw.cpu_dense_Bps["q4_0"] = 1e9
+    plain, int4 = (quantize_format(weight_format("bf16"), "q4_0", gpu_int4=g) for g in (False, True))
+    assert int4.gpu_attn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT) and int4.gpu_attn_speed == INT4_GPU_SPEED
+    assert quantize_format(weight_format("bf16"), "q8_0", gpu_int4=True).gpu_attn_w == 2.0  # not a 4-bit type
+    cp, ci = (build_costs(cfg, stats, hw, f, ctx=64, block_size=8, constants=TOY_CONSTANTS) for f in (plain, int4))
+    for lp, li in zip(cp.layers, ci.layers):
+        assert li.attn_bytes == pytest.approx(lp.attn_bytes * INT4_GPU_BYTES_PER_WEIGHT / 2)
+        np.testing.assert_allclose(li.unit_bytes, lp.unit_bytes)
+        assert li.attn_host_bytes == pytest.approx(lp.attn_host_bytes)
+    assert ci.head_bytes == pytest.approx(cp.head_bytes)  # counted as the dtype (often Q6_K in files)
+    # room for the fixed parts, the int4 attention of every layer and little else
+    vram = ci.gpu_fixed_bytes + ci.head_bytes + sum(l.attn_bytes + l.kv_bytes for l in ci.layers) * 1.05
+    on_gpu = []
+    for costs in (cp, ci):
+        res = solve(costs, vram, 1e12, solver="cbc", gap=0.0, time_limit=20)
+        on_gpu.append(sum(res.placement.attn_gpu))
+    assert on_gpu[1] > on_gpu[0]
+
+
 def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     """SmolLM2 Q4_1: FFN host bytes = two Q4_1 matrices + W_down as Q8_0 per three weights; `plan`
     says so in plan.json and counts them; --quantize is refused for a GGUF and for an unknown type."""
@@ -650,6 +680,11 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     fmt = model_format(path, weight_format("bf16"))
     assert fmt.cpu_kind == "q4_1" and fmt.bytes_per_weight == 2.0
     assert fmt.host_ffn_w == pytest.approx((2 * 20 / 32 + 34 / 32) / 3)
+    # --gpu-int4: every attention matrix is Q4_1, kept int4 on the GPU
+    from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT
+
+    f4 = model_format(path, weight_format("bf16"), gpu_int4=True)
+    assert f4.gpu_attn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT, rel=0.01) and fmt.gpu_attn_w == 2.0
     monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--out", tmp_path / "p", "--json")
     assert r.exit_code == 0, r.output
