@@ -213,6 +213,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         lm.layer_devices = [torch.device("cpu") if l in host_attn else device for l in range(len(model.layers))]
 
     colds = {l: c for l, (_, c) in parts.items() if c.n and not c.quantized}  # quantised: never streamed
+    colds.update({l: mp.cold for l, mp in moe_parts.items() if mp.cold is not None and not mp.cold.quantized})
     streamer = ColdStreamer(tier, colds, sorted(colds), stream_slots_bytes) if colds and prefill != "cpu" else None
     pinned: list[int] = []
     if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
@@ -225,7 +226,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     moe: dict[int, HybridMoE] = {}
     prefill_routing = HostRouting(tier.host_empty, lm.config.top_k, 0) if moe_parts else None
     for l, mp in moe_parts.items():
-        moe[l] = model.layers[l].ffn = HybridMoE(l, mp, cpu, tier, book, prefill_io, prefill_routing)
+        moe[l] = model.layers[l].ffn = HybridMoE(l, mp, cpu, tier, book, prefill_io, prefill_routing, streamer,
+                                                 prefill, costs)
     every = {**hybrid, **moe}
     if every:
         every[min(every)].first = True
@@ -268,7 +270,8 @@ def _expert_cache(model, moe: dict[int, HybridMoE], tier: FastTier, kind: str, n
     pinned = []
     if tier.cuda:
         for h in any_cold:
-            pinned += pin_host(h.cold)
+            if not h.cold.pinned:  # the prefill streamer may have pinned it already
+                pinned += pin_host(h.cold)
     return pinned
 
 

@@ -13,6 +13,11 @@ The routing crosses to the host once: the worker computes each routed cold exper
 only the routed GPU experts, so the fast tier never synchronises on data-dependent indexing. The
 main thread blocks twice: on the routing copy (while the shared expert runs) and on the CPU result.
 x is copied for every token (choosing the CPU-routed ones on the device would need a sync first).
+One token on CUDA finds its fast-tier experts on the device (sparse_ops/moe_gpu.py), without the
+routing sync. For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the
+host first and `moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the
+fast tier from their rows streamed through the two slots (a long prompt routes tokens to nearly
+every expert, and the worker would re-read each one per token tile).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows
+from hotcold.executors.prefill import ColdStreamer, PrefillCosts, cpu_tokens_per_pass, moe_prefill_regime
 from hotcold.executors.stats import StatsBook, now
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts
@@ -268,7 +274,8 @@ class HybridMoE(FFN):
     kind = "hybrid_moe"
 
     def __init__(self, layer: int, parts: MoEParts, cpu: CPUExecutor, tier: FastTier, book: StatsBook,
-                 prefill_io: HostRows, prefill_routing: HostRouting | None = None):
+                 prefill_io: HostRows, prefill_routing: HostRouting | None = None,
+                 streamer: ColdStreamer | None = None, prefill: str = "auto", costs: PrefillCosts | None = None):
         super().__init__()
         self.layer, self.cpu, self.tier, self.book = layer, cpu, tier, book
         self.router, self.shared, self.shared_gate = parts.router, parts.shared, parts.shared_gate
@@ -278,7 +285,8 @@ class HybridMoE(FFN):
         self.n_cold = int((parts.pos >= 0).sum())
         self.slot = {e: g for g, e in enumerate(self.fast.ids)}  # expert id -> fast tier slot
         self.dim = self.router.in_features
-        I = parts.hidden
+        I = self.hidden = parts.hidden
+        self.streamer, self.prefill, self.costs = streamer, prefill, costs or PrefillCosts()
         self.expert_rows = [np.arange(p * I, (p + 1) * I, dtype=np.int64) for p in range(self.n_cold)]
         self.row_scale = np.zeros(self.n_cold * I, np.float32)  # decode: routing weight per cold row
         self.decode_io = HostRows(tier.host_empty, self.dim, 1 if self.n_cold else 0)
@@ -315,6 +323,8 @@ class HybridMoE(FFN):
         weights, ids = route(self.router(x2), self.top_k, self.renormalise)  # [N, k] fp32, int64
         if self.cache is not None and n == 1:
             return self._forward_cached(x2, weights, ids, g0).reshape(shape)
+        if n > 1 and self.n_cold and self._may_stream():
+            return self._forward_prefill(x2, weights, ids, g0).reshape(shape)
         routing, ready, job = self._send(x2, weights, ids, phase)
         y = self._shared(x2)  # [N, D]
         device_side = n == 1 and tier.cuda  # one token on CUDA: the routing need not reach the host first
@@ -381,6 +391,76 @@ class HybridMoE(FFN):
         book.span("decode", "gpu_s", g0, tier.mark())
         if job is not None:
             y = self._receive(job, y, "decode")
+        return y
+
+    # ------------------------------------------------------------------ prefill: the CPU or streamed experts
+
+    def _may_stream(self) -> bool:
+        return self.streamer is not None and self.prefill != "cpu" and self.streamer.streams(self.layer)
+
+    def regime(self, ids: np.ndarray) -> str:
+        """"cpu" or "stream" for a chunk routed to ids [N, k] (host): see moe_prefill_regime."""
+        if not self._may_stream():
+            return "cpu"
+        if self.prefill == "stream":
+            return "stream"
+        cold_ids, counts = np.unique(ids[self.pos[ids] >= 0], return_counts=True)
+        c, I = self.costs, self.hidden
+        return moe_prefill_regime(counts.tolist(), self.cold.nbytes / self.n_cold, self.n_cold, 3 * I * self.dim,
+                                  c.cpu_bw, c.pcie_bw, c.gpu_flops, tokens_per_pass=cpu_tokens_per_pass(self.dim),
+                                  cuda=self.tier.cuda)
+
+    def _forward_prefill(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g0) -> torch.Tensor:
+        """Several tokens when the host experts may stream: the routing reaches the host first, then
+        the chunk's host experts run on the CPU worker or, streamed, on the fast tier."""
+        book, tier, n = self.book, self.tier, x2.shape[0]
+        routing, ready, job = self._send(x2, weights, ids, "prefill", submit=False)
+        y = self._shared(x2)
+        w0 = now()
+        if ready is not None:
+            ready.synchronize()
+        book.add("prefill", wait_s=now() - w0)
+        ids_np = routing.ids_np[:n]
+        regime = self.regime(ids_np)
+        if regime == "cpu":
+            self.cpu.submit(job)
+        if self.fast.ids:
+            y = self._gpu_experts(x2, weights, ids_np, y, "prefill")
+        if regime == "stream":
+            y = y + self._streamed(x2, weights, ids_np).to(y.dtype)
+        book.span("prefill", "gpu_s", g0, tier.mark())
+        book.add("prefill", layer_calls=1)
+        if book.enabled:
+            book.phases["prefill"].regimes[regime] = book.phases["prefill"].regimes.get(regime, 0) + 1
+        return self._receive(job, y, "prefill") if regime == "cpu" else y
+
+    def _streamed(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
+        """The chunk's host experts on the fast tier, from the layer's cold rows streamed chunk by
+        chunk (ColdStreamer): each chunk's rows of every routed expert, for that expert's tokens,
+        scaled by their routing weights. x2: [N, D]; weights: [N, k]; ids: [N, k] host -> float32 [N, D]."""
+        s, I, dev = self.streamer, self.hidden, x2.device
+        groups = {int(self.pos[e]): (torch.from_numpy(tok).to(dev), torch.from_numpy(slot).to(dev))
+                  for e, tok, slot in routed(ids, lambda e: self.pos[e] >= 0)}  # position -> (tokens, slots)
+        y = torch.zeros(x2.shape, dtype=torch.float32, device=dev)
+        pairs = 0
+        for k in s.chunks(self.layer):
+            w = s.acquire(k)
+            s.prefetch(k + 1)  # the next chunk, of this layer or the next streamed one
+            a, b = s.rows(k)
+            for p in range(a // I, (b - 1) // I + 1):  # experts with rows in [a, b)
+                if p not in groups:
+                    continue
+                t, sl = groups[p]
+                lo, hi = max(a, p * I) - a, min(b, (p + 1) * I) - a  # the expert's rows in this chunk
+                xt = x2[t]  # [n_e, D]
+                h = self.fast.act(xt @ w.gate[lo:hi].T) * (xt @ w.up[lo:hi].T)  # [n_e, rows]
+                y.index_add_(0, t, ((h @ w.down_t[lo:hi]) * weights[t, sl, None].to(h.dtype)).float())
+                if p * I >= a:  # the expert's first row is in this chunk: count its pairs once
+                    pairs += len(t)
+            s.release(k)
+        for a, b in s.take_spans():
+            self.book.span("prefill", "transfer_s", a, b)
+        self.book.add("prefill", experts_gpu=pairs, rows_streamed=self.cold.n)
         return y
 
     def _shared(self, x2: torch.Tensor) -> torch.Tensor:

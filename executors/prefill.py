@@ -8,6 +8,8 @@ computed for the union of the predicted masks (every token the same rows), in on
             computes them.
 `prefill_regime` is the one cost function that chooses; the planner's cost model replaces it later.
 On the CPU device streaming is meaningless: always "cpu" (a test may still force "stream").
+MoE layers stream their host experts the same way (`moe_prefill_regime` decides from the chunk's
+routing; the fast tier computes each routed expert's rows of a chunk for its tokens).
 Quantised cold parts (GGUF blocks, `ColdFFN.quantized`) are not streamed: the fast tier has no
 block kernels, so they always take the "cpu" regime (the worker decodes each block once per chunk
 of tokens, `qffn_rows_batch`); the streamer leaves them out (`ColdStreamer.streams`).
@@ -68,6 +70,23 @@ def prefill_regime(T: int, cold_bytes: int, cpu_bw: float, pcie_bw: float, gpu_f
     return "stream" if t_stream < t_cpu else "cpu"
 
 
+def moe_prefill_regime(counts: list[int], expert_bytes: float, n_experts: int, expert_params: int, cpu_bw: float,
+                       pcie_bw: float, gpu_flops: float, *, tokens_per_pass: int = 4, cuda: bool = True) -> str:
+    """"cpu" or "stream" for a MoE layer's n_experts host experts (expert_bytes, expert_params each)
+    when a chunk of tokens routes counts[j] tokens to the j-th routed one of them.
+
+    cpu:    each routed expert's weights are re-read once per token tile: ceil(count / tokens_per_pass).
+    stream: every host expert of the layer is copied once (the streamer moves the layer whole), so
+            the slower of that copy and the fast tier's 2 * params FLOPs per routed token.
+    """
+    if not cuda or not counts:
+        return "cpu"
+    tpp = max(1, tokens_per_pass)
+    t_cpu = sum(math.ceil(c / tpp) for c in counts) * expert_bytes / cpu_bw
+    t_stream = max(n_experts * expert_bytes / pcie_bw, 2.0 * sum(counts) * expert_params / gpu_flops)
+    return "stream" if t_stream < t_cpu else "cpu"
+
+
 # ---------------------------------------------------------------------------------------------
 # Streaming cold weights to the fast tier
 
@@ -98,6 +117,7 @@ def pin_host(cold: ColdFFN) -> list[int]:
         ptr = m.data.ctypes.data
         if m.data.nbytes >= PIN_MIN_BYTES and int(register(ptr, m.data.nbytes, 0)) == 0:
             done.append(ptr)
+    cold.pinned = True  # (tried: a second registration would fail)
     return done
 
 

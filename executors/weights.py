@@ -65,6 +65,7 @@ class ColdFFN:
     down_t: HostMatrix | QuantMatrix
     up_bias: np.ndarray | None
     act: str
+    pinned: bool = False  # page-locked for streaming / prefetch copies (prefill.pin_host)
 
     @property
     def quantized(self) -> bool:

@@ -104,6 +104,48 @@ def test_prefill_and_decode_match_references(folder, family, placement):
         assert st["decode"]["cpu_s"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+@pytest.mark.parametrize("slots", [None, 1])  # default slots; one expert's rows split over two chunks
+@pytest.mark.parametrize("family", MOE)
+def test_streamed_prefill_matches_reference(folder, family, slots, device):
+    """prefill="stream": a chunk's host experts computed on the fast tier from their rows streamed
+    through the two slots (on the CPU tier the copies are host to host); the same logits, every
+    routed pair counted once, the layer's host rows streamed."""
+    ref = reference(folder, family, device)
+    toks = tokens(seed=23, device=device)
+    with torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, family, device)
+    c = lm.config
+    kw = {}
+    if slots:  # slots of 1.5 experts' rows: chunks cut through experts
+        kw["stream_slots_bytes"] = int(2 * 1.5 * c.moe_intermediate_size * (3 * c.hidden_size * 4 + 16))
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=random_experts(lm, 0.25, seed=3),
+                     prefill="stream", **kw) as eng:
+        if slots:
+            assert 0 < eng.streamer.chunk_rows % c.moe_intermediate_size
+        with torch.inference_mode():
+            got = lm.model(toks)
+        st = eng.stats()["prefill"]
+    assert_close(got, want)
+    L = len(moe_layers(lm))
+    assert st["experts_gpu"] == T * c.top_k * L and st["experts_cpu"] == 0
+    assert st["rows_streamed"] > 0
+
+
+def test_moe_prefill_regime_weighs_rereads_against_one_copy():
+    """Few tokens per expert: the CPU reads each routed expert once, cheaper than copying them all;
+    many: the CPU re-reads them per token tile and streaming wins; never without CUDA."""
+    from hotcold.executors.prefill import moe_prefill_regime
+
+    eb, params = 9.4e6, 4.7e6  # a Qwen3-30B-A3B expert in bf16
+    args = dict(cpu_bw=60e9, pcie_bw=50e9, gpu_flops=400e12, tokens_per_pass=4)
+    assert moe_prefill_regime([1] * 8, eb, 120, params, **args) == "cpu"
+    assert moe_prefill_regime([32] * 120, eb, 120, params, **args) == "stream"
+    assert moe_prefill_regime([32] * 120, eb, 120, params, **args, cuda=False) == "cpu"
+    assert moe_prefill_regime([], eb, 120, params, **args) == "cpu"
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_generate_same_greedy_tokens(folder, family):
     """Prefill a prompt, then decode: the same greedy tokens as the dense model."""
