@@ -188,6 +188,9 @@ def _print_stats(setup, gen_stats) -> None:
                 line += f"; expert cache hit rate {d['cache_hit_rate']:.0%}"
             if d.get("lookahead_recall") is not None:
                 line += f", look-ahead recall {d['lookahead_recall']:.0%}"
+        if measured == measured and measured > 0:  # idle: the token's time outside the GPU spans / the worker's compute
+            line += (f"; idle GPU {max(0.0, 1 - t['gpu_ms'] / measured):.0%}, "
+                     f"CPU worker {max(0.0, 1 - (t['cpu_ms'] + t['host_ms']) / measured):.0%}")
     else:
         line += " (dense: no GPU/CPU split)"
     if setup.predicted_ms_per_token is not None:

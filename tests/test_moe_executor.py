@@ -258,7 +258,7 @@ def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
     hybrid = run_cli(*args, "--stats")
     dense = run_cli(*args, "--no-plan")
     assert hybrid.returncode == 0 and dense.returncode == 0, hybrid.stderr + dense.stderr
-    assert "hybrid" in hybrid.stderr and "experts per token" in hybrid.stderr
+    assert "hybrid" in hybrid.stderr and "experts per token" in hybrid.stderr and "idle GPU" in hybrid.stderr
     assert plan.meta["budget"]["expert_cache_bytes"] == 32 * 1024
     if device == "cuda":  # the cache is a GPU feature: 2 experts of 12.7 KB
         assert "expert cache: 2 experts" in hybrid.stderr and "expert cache hit rate" in hybrid.stderr
