@@ -25,26 +25,32 @@ Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the 
   Q6_K 210 B / 256: ql[128], qh[64], scales int8[16], d  16 sub-blocks of 16: w = d * sc_g * (q - 32)
 
 Q8 activations (`xq=True`, Q8_0 / Q4_0 only): x is quantised per 32-block to int8 with a float32
-scale, as llama.cpp does, and blocks are dotted in integers (int16 products, int32 sums). Measured
-(`tools/bench_quant.py`, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads): Q8_0 8.4 / 15.7
-float x against 9.5 / 19.0 xq; Q4_0 4.3 / 8.3 against 4.8 / 9.5. It costs accuracy: relative RMS
-error of y against the stored weights 0.0056 (Gaussian x) to 0.011 (x with outlier channels), 0 for
-float x. For Q4_0 that is lost in the weights' own error (total against float weights 0.0868 ->
-0.0869 / 0.0870), so Q4_0 uses xq by default; for Q8_0 it would double the total error (0.0055 ->
-0.0078 / 0.012), so Q8_0 keeps float x (`XQ_DEFAULT`). numba/LLVM emit no VNNI / pmaddubsw dot
-products from this code, which is where llama.cpp's integer path gains more.
+scale, as llama.cpp does, and blocks are dotted in integers (AVX-512 VNNI where the CPU has it; see
+"Q8_0 / Q4_0 in LLVM vector IR" for these two types' kernels). Measured (`tools/bench_quant.py
+--flush-mb 128`: rows from DRAM, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads): Q8_0
+12.4 / 20.0 float x against 14.0 / 20.5 xq; Q4_0 6.9 / 11.9 against 9.5 / 14.3. It costs accuracy:
+relative RMS error of y against the stored weights 0.0056 (Gaussian x) to 0.011 (x with outlier
+channels), 0 for float x. For Q4_0 that is lost in the weights' own error (total against float
+weights 0.0868 -> 0.0869 / 0.0870), so Q4_0 uses xq by default; for Q8_0 it would double the total
+error (0.0055 -> 0.0078 / 0.012), so Q8_0 keeps float x (`XQ_DEFAULT`).
 
-Q5_0 / Q5_1 take float x only. An integer Q5_0 path (as `_q4_0_dot_xq`, 5-bit q in int16 lanes) was
+Q5_0 / Q5_1 take float x only. An integer Q5_0 path (a numba block loop, 5-bit q in int16 lanes) was
 measured slower, 2.8 / 5.8 GB/s against 3.1 / 6.2 for float x (1 / 2 threads), and it would raise the
 total error against float weights from 0.0428 to 0.0431 (Gaussian x) / 0.0438 (outlier channels).
 Same machine and benchmark, 2 threads, GB/s of weights (qgemv_rows / qaxpy_rows / qffn_rows): Q5_0
-5.5 / 5.8 / 5.9, Q5_1 5.7 / 5.4 / 6.0, Q4_0 in the same run 6.5 (8.5 xq) / 6.9 / 7.5.
+5.5 / 5.8 / 5.9, Q5_1 5.7 / 5.4 / 6.0, Q4_0 in the same run (numba block loops, before the IR
+kernels) 6.5 (8.5 xq) / 6.9 / 7.5.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from hotcold.sparse_ops.cpu import ACTS, _f16_bits_to_f32, _keep_active, _rows_in_range, get_threads
 
@@ -148,8 +154,9 @@ class QuantMatrix:
 
 
 # ---------------------------------------------------------------------------------------------
-# Block decoding. wr: uint8 [bytes_per_row] (one row), b: block index, xs: float32 [C/16] sums of x
-# over 16 elements. *_dot return block b of the row · x; *_axpy do p[block b] += c * block b.
+# Block decoding (all types but Q8_0 / Q4_0, which have the LLVM IR kernels further down). wr: uint8
+# [bytes_per_row] (one row), b: block index, xs: float32 [C/16] sums of x over 16 elements. *_dot
+# return block b of the row · x; *_axpy do p[block b] += c * block b.
 #
 # Two things keep these loops vectorised (measured 5-8x faster than without them, Q4_0, 1 thread):
 # - `inline="always"`: one numba-level call per block costs more than the block's arithmetic;
@@ -180,27 +187,6 @@ def _u8f(v):
     # small non-negative integer (int64 in numba) -> float32, through uint8 so that LLVM converts
     # 16 lanes at a time (measured +23% on Q4_0)
     return np.float32(np.uint8(v))
-
-
-@njit(**_INLINE)
-def _q8_0_dot(wr, b, x, xs, n):
-    o, xo = b * 34 + 2, b * 32
-    s = np.float32(0.0)
-    uo, ux = _U(o), _U(xo)
-    for l in range(_U(2 * n)):
-        s += _i8(wr[uo + l]) * x[ux + l]
-    return _f16(wr, o - 2) * s
-
-
-@njit(**_INLINE)
-def _q4_0_dot(wr, b, x, xs, n):
-    o, xo = b * 18 + 2, b * 32
-    s = np.float32(0.0)
-    uo, ux, ux16 = _U(o), _U(xo), _U(xo + 16)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        s += _u8f(q & 15) * x[ux + l] + _u8f(q >> 4) * x[ux16 + l]
-    return _f16(wr, o - 2) * (s - np.float32(8.0) * (xs[2 * b] + xs[2 * b + 1]))
 
 
 @njit(**_INLINE)
@@ -335,27 +321,6 @@ def _q6_k_dot(wr, b, x, xs, n):
 
 
 @njit(**_INLINE)
-def _q8_0_axpy(wr, b, c, p, n):
-    o, po = b * 34 + 2, b * 32
-    cd = c * _f16(wr, o - 2)
-    uo, up = _U(o), _U(po)
-    for l in range(_U(2 * n)):
-        p[up + l] += cd * _i8(wr[uo + l])
-
-
-@njit(**_INLINE)
-def _q4_0_axpy(wr, b, c, p, n):
-    o, po = b * 18 + 2, b * 32
-    cd = c * _f16(wr, o - 2)
-    c8 = np.float32(8.0) * cd
-    uo, up, up16 = _U(o), _U(po), _U(po + 16)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        p[up + l] += cd * _u8f(q & 15) - c8
-        p[up16 + l] += cd * _u8f(q >> 4) - c8
-
-
-@njit(**_INLINE)
 def _q4_1_axpy(wr, b, c, p, n):
     o, po = b * 20 + 4, b * 32
     cd, cm = c * _f16(wr, o - 4), c * _f16(wr, o - 2)
@@ -456,30 +421,252 @@ def _q6_k_axpy(wr, b, c, p, n):
                 p[p0 + _U(96) + l] += d3 * (_u8f((e >> 4) | ((hb & 192) >> 2)) - np.float32(32.0))
 
 
-# Q8 activations (Q8_0 / Q4_0 weights): xq int8 [C] and xd float32 [C/16] = (dx_b, dx_b * Σ xq over b)
-# per 32-block b, so that block b of x ≈ xq * dx_b. Integer products, one float multiply per block.
+# ---------------------------------------------------------------------------------------------
+# Q8_0 / Q4_0 in LLVM vector IR. These two types carry most decode work (Q4_0 weights with Q8
+# activations, the Q8_0 W_down copy), and LLVM vectorises their numba block loops above badly: for
+# 16-lane blocks it picks wider vectors, runs every block through its remainder loop and reduces it
+# to a scalar, and it forms no VNNI dot products. So each (type, kernel) is a numba intrinsic that
+# walks all blocks of _IR_ROWS rows with explicit vectors:
+# - one <16 x float> accumulator per row (<8 x float> after vpdpbusd), reduced once per row; axpy
+#   loads and stores p once per block for all its rows;
+# - Q8 activations: integer products, AVX-512 VNNI vpdpbusd (Q4_0's nibbles as u8 x int8 x) and
+#   vpmaddwd (Q8_0) when numba compiles for a CPU that has them, else even / odd int32 products,
+#   which LLVM lowers to pmaddwd where it can;
+# - 8 rows side by side rather than 4 (more memory streams in flight): +10-20% with rows from DRAM,
+#   1 / 2 threads (Q4_0 xq 7.9 / 14.3 -> 9.4 / 15.6 GB/s, Q8_0 xq 11.7 / 19.9 -> 14.1 / 21.7).
+# Prefetching the next rows' first lines was tried: +0-12%, not consistently, so left out.
+# Measured (`tools/bench_quant.py --flush-mb 128 --baseline`: rows from DRAM, 2-core AVX-512 VNNI
+# machine, GB/s of weights, 1 / 2 threads; "before": the numba block loops above, 4 rows):
+#            qgemv_rows    qgemv_rows xq   qaxpy_rows    qffn_rows (one type for all three)
+#   Q8_0     12.4 / 20.0   14.0 / 20.5     12.0 / 17.5   13.1 / 20.5
+#   before    8.0 / 14.4    7.3 / 13.5      7.3 / 13.1    7.8 / 14.4
+#   Q4_0      6.9 / 11.9    9.5 / 14.3      6.3 / 10.8    8.1 / 14.0
+#   before    4.2 /  7.9    3.9 /  7.1      4.2 /  7.6    4.0 /  7.5
+# Re-reading one selection (rows in the L3 cache), Q4_0 xq at 2 threads: 30 against 9.5 (4 rows).
+#
+# A block's 32 values are handled in element order (Q4_0: its 16 low nibbles are elements 0-15, the
+# high ones 16-31), as x and the Q8 activations are stored. Row pointers come from numba arrays, so
+# these intrinsics trust the caller (the *_rows_ir helpers) for bounds.
+
+def _host_has(*features: str) -> bool:
+    # whether numba compiles for this very CPU (not for NUMBA_CPU_NAME=generic etc.) and it has features
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    try:
+        host = llvm_binding.get_host_cpu_features()
+    except RuntimeError:
+        return False
+    return all(host.get(f, False) for f in features)
+
+
+_VNNI = _host_has("avx512vnni", "avx512vl", "avx512bw")  # x86 dot-product intrinsics in _int_dot
+_IR_ROWS = 8 if _host_has("avx512f") else 4  # rows side by side: 8 fit AVX-512's 32 vector registers
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_FAST = ("fast",)
+
+
+def _vconst(t, n, v):
+    return ir.Constant(ir.VectorType(t, n), [ir.Constant(t, v)] * n)
+
+
+def _shuffle(bd, a, idx, b=None):
+    return bd.shuffle_vector(a, a if b is None else b, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+
+def _splat(bd, v, n):
+    return _shuffle(bd, bd.insert_element(ir.Constant(ir.VectorType(v.type, n), None), v, ir.Constant(_I32, 0)),
+                    [0] * n)
+
+
+def _load(bd, ptr, off, ty):
+    # value of type ty at ptr + off elements (unaligned)
+    return bd.load(bd.bitcast(bd.gep(ptr, [off]), ty.as_pointer()), align=1)
+
+
+def _hsum(bd, v):
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = bd.fadd(_shuffle(bd, v, list(range(n))), _shuffle(bd, v, list(range(n, 2 * n))), flags=_FAST)
+    return bd.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _block(bd, qt, row, b):
+    # block b of a Q8_0 / Q4_0 row (i8*) -> (d, q of elements 0-15, q of elements 16-31), q as <16 x i8>;
+    # Q4_0's q are the stored nibbles (weight d * (q - 8))
+    o = bd.mul(b, ir.Constant(_I64, 18 if qt == Q4_0 else 34))
+    d = bd.fpext(_load(bd, row, o, ir.HalfType()), _F32)
+    o = bd.add(o, ir.Constant(_I64, 2))
+    v16 = ir.VectorType(_I8, 16)
+    if qt == Q8_0:
+        return d, _load(bd, row, o, v16), _load(bd, row, bd.add(o, ir.Constant(_I64, 16)), v16)
+    qs = _load(bd, row, o, v16)
+    return d, bd.and_(qs, _vconst(_I8, 16, 15)), bd.lshr(qs, _vconst(_I8, 16, 4))
+
+
+def _block_f32(bd, qt, row, b):
+    # block b -> (d, two <16 x float> of its values / d); kept as two halves, not one <32 x i8>: the
+    # concatenation and split cost 5% in axpy
+    d, lo, hi = _block(bd, qt, row, b)
+    if qt == Q4_0:
+        lo, hi = bd.sub(lo, _vconst(_I8, 16, 8)), bd.sub(hi, _vconst(_I8, 16, 8))
+    return d, [bd.sitofp(h, ir.VectorType(_F32, 16)) for h in (lo, hi)]
+
+
+def _int_dot(bd, qt, q, xq):
+    # q (Q4_0: unsigned nibbles) . xq, <32 x i8> each -> <8 or 16 x i32> of partial sums
+    v16 = ir.VectorType(_I16, 32)
+    if _VNNI and qt == Q4_0:  # 4 u8 x s8 products per int32 lane
+        t = ir.VectorType(_I32, 8)
+        f = bd.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(t, [t] * 3))
+        return bd.call(f, [_vconst(_I32, 8, 0), bd.bitcast(q, t), bd.bitcast(xq, t)])
+    if _VNNI:  # Q8_0: int16 pairs
+        f = bd.module.declare_intrinsic("llvm.x86.avx512.pmaddw.d.512",
+                                        fnty=ir.FunctionType(ir.VectorType(_I32, 16), [v16] * 2))
+        return bd.call(f, [bd.sext(q, v16), bd.sext(xq, v16)])
+    # portable: even + odd products in int32, which LLVM turns into pmaddwd where it can
+    t = ir.VectorType(_I32, 16)
+    ext = bd.zext if qt == Q4_0 else bd.sext
+    ev, od = list(range(0, 32, 2)), list(range(1, 32, 2))
+    return bd.add(bd.mul(ext(_shuffle(bd, q, ev), t), bd.sext(_shuffle(bd, xq, ev), t), flags=["nsw"]),
+                  bd.mul(ext(_shuffle(bd, q, od), t), bd.sext(_shuffle(bd, xq, od), t), flags=["nsw"]),
+                  flags=["nsw"])
+
+
+def _ir_types_ok(w, rows, *vectors):
+    # the types the IR kernels are written for: uint8 rows of blocks, int64 row indices, and vectors
+    # given as (type, dtype), C-contiguous (x, xd, out, p: read through their data pointers)
+    return (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8
+            and isinstance(rows, types.Array) and rows.ndim == 1 and rows.dtype == types.int64
+            and all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt
+                    for a, dt in vectors))
+
+
+def _row_ptrs(context, bd, qt, sig, args):
+    # args (w, rows, j, hi, ...) -> (pointers to rows rows[j + r] of w for r < _IR_ROWS, rows past hi
+    # repeating rows[hi - 1]; their positions j + r (clamped); blocks per row)
+    w = context.make_array(sig.args[0])(context, bd, args[0])
+    rows = context.make_array(sig.args[1])(context, bd, args[1])
+    j, last = args[2], bd.sub(args[3], ir.Constant(_I64, 1))
+    stride = bd.extract_value(w.strides, 0)
+    ptrs, pos = [], []
+    for r in range(_IR_ROWS):
+        i = bd.add(j, ir.Constant(_I64, r))
+        i = bd.select(bd.icmp_signed("<", i, last), i, last)
+        row = bd.load(cgutils.get_item_pointer(context, bd, sig.args[1], rows, [i]))
+        ptrs.append(bd.gep(w.data, [bd.mul(row, stride)]))
+        pos.append(i)
+    nb = bd.sdiv(bd.extract_value(w.shape, 1), ir.Constant(_I64, 18 if qt == Q4_0 else 34))
+    return ptrs, pos, nb
+
+
+def _make_dot(qt, xq):
+    """Intrinsic (w, rows, j, hi, x, xd, out): out[i] = w[rows[i]] . x for i in [j, min(j + _IR_ROWS, hi)).
+    w: uint8 [R, bytes_per_row] of qt blocks. xq False: x float32 [C] (xd unused); xq True: x int8 [C]
+    and xd as _quantize_x returns."""
+
+    def dot(typingctx, w, rows, j, hi, x, xd, out):
+        if not _ir_types_ok(w, rows, (x, types.int8 if xq else types.float32), (xd, types.float32),
+                            (out, types.float32)):
+            return None
+
+        def codegen(context, bd, sig, args):
+            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+            xp, xdp, op = (context.make_array(t)(context, bd, a).data for t, a in zip(sig.args[4:], args[4:]))
+            lanes = 8 if (xq and _VNNI and qt == Q4_0) else 16
+            accs = [cgutils.alloca_once_value(bd, _vconst(_F32, lanes, 0.0)) for _ in ptrs]
+            offs = [cgutils.alloca_once_value(bd, ir.Constant(_F32, 0.0)) for _ in ptrs]
+            with cgutils.for_range(bd, nb) as loop:
+                b = loop.index
+                xo = bd.mul(b, ir.Constant(_I64, 32))
+                if xq:
+                    xv = _load(bd, xp, xo, ir.VectorType(_I8, 32))
+                    b2 = bd.mul(b, ir.Constant(_I64, 2))
+                    dx = bd.load(bd.gep(xdp, [b2]))
+                    sx = bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))]))  # dx * sum(xq of block b)
+                else:
+                    xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, h)), ir.VectorType(_F32, 16)) for h in (0, 16)]
+                for ptr, acc, off in zip(ptrs, accs, offs):
+                    if xq:
+                        d, lo, hi = _block(bd, qt, ptr, b)
+                        q = _shuffle(bd, lo, list(range(32)), hi)
+                        t = bd.sitofp(_int_dot(bd, qt, q, xv), ir.VectorType(_F32, lanes))
+                        sc = bd.fmul(d, dx, flags=_FAST)
+                        if qt == Q4_0:  # sum((q - 8) xq) = sum(q xq) - 8 sum(xq)
+                            bd.store(bd.fadd(bd.load(off), bd.fmul(d, sx, flags=_FAST), flags=_FAST), off)
+                    else:
+                        d, f = _block_f32(bd, qt, ptr, b)
+                        t = bd.fadd(bd.fmul(f[0], xv[0], flags=_FAST), bd.fmul(f[1], xv[1], flags=_FAST), flags=_FAST)
+                        sc = d
+                    bd.store(bd.fadd(bd.load(acc), bd.fmul(t, _splat(bd, sc, lanes), flags=_FAST), flags=_FAST), acc)
+            for i, acc, off in zip(pos, accs, offs):
+                s = _hsum(bd, bd.load(acc))
+                if xq and qt == Q4_0:
+                    s = bd.fsub(s, bd.fmul(ir.Constant(_F32, 8.0), bd.load(off), flags=_FAST), flags=_FAST)
+                bd.store(s, bd.gep(op, [i]))
+            return context.get_dummy_value()
+
+        return types.void(w, rows, j, hi, x, xd, out), codegen
+
+    dot.__name__ = dot.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_dot{'_xq' if xq else ''}"
+    return intrinsic(dot)
+
+
+def _make_axpy(qt):
+    """Intrinsic (w, rows, j, hi, a, p): p += sum of a[i] * w[rows[i]] over i in [j, min(j + _IR_ROWS, hi)).
+    p is loaded and stored once per block for all the rows."""
+
+    def axpy(typingctx, w, rows, j, hi, a, p):
+        if not (_ir_types_ok(w, rows, (p, types.float32)) and isinstance(a, types.Array) and a.ndim == 1
+                and a.dtype == types.float32):
+            return None
+
+        def codegen(context, bd, sig, args):
+            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+            av = context.make_array(sig.args[4])(context, bd, args[4])
+            pp = context.make_array(sig.args[5])(context, bd, args[5]).data
+            cs = [bd.select(bd.icmp_signed("==", i, bd.add(args[2], ir.Constant(_I64, r))),  # 0 for repeats
+                            bd.load(cgutils.get_item_pointer(context, bd, sig.args[4], av, [i])),
+                            ir.Constant(_F32, 0.0)) for r, i in enumerate(pos)]
+            with cgutils.for_range(bd, nb) as loop:
+                b = loop.index
+                po = [bd.add(bd.mul(b, ir.Constant(_I64, 32)), ir.Constant(_I64, h)) for h in (0, 16)]
+                pv = [_load(bd, pp, o, ir.VectorType(_F32, 16)) for o in po]
+                for ptr, c in zip(ptrs, cs):
+                    d, f = _block_f32(bd, qt, ptr, b)
+                    cd = _splat(bd, bd.fmul(c, d, flags=_FAST), 16)
+                    pv = [bd.fadd(v, bd.fmul(h, cd, flags=_FAST), flags=_FAST) for v, h in zip(pv, f)]
+                for o, v in zip(po, pv):
+                    bd.store(v, bd.bitcast(bd.gep(pp, [o]), v.type.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(w, rows, j, hi, a, p), codegen
+
+    axpy.__name__ = axpy.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_axpy"
+    return intrinsic(axpy)
+
+
+_q8_0_dot, _q4_0_dot = _make_dot(Q8_0, False), _make_dot(Q4_0, False)
+_q8_0_dot_xq, _q4_0_dot_xq = _make_dot(Q8_0, True), _make_dot(Q4_0, True)
+_q8_0_axpy, _q4_0_axpy = _make_axpy(Q8_0), _make_axpy(Q4_0)
+
 
 @njit(**_INLINE)
-def _q8_0_dot_xq(wr, b, xq, xd, n):
-    o, xo = b * 34 + 2, b * 32
-    s = np.int32(0)
-    uo, ux = _U(o), _U(xo)
-    for l in range(_U(2 * n)):  # |product| <= 2^14: int16 lanes, int32 sum
-        s = np.int32(s + np.int16(np.int16(np.int8(wr[uo + l])) * np.int16(xq[ux + l])))
-    return _f16(wr, o - 2) * xd[2 * b] * np.float32(s)
+def _dot_rows_ir(dot, w, rows, lo, hi, x, xd, out):
+    # out[j] = w[rows[j]] . x for j in [lo, hi), _IR_ROWS rows side by side, by an intrinsic of _make_dot
+    for j in range(lo, hi, _IR_ROWS):
+        dot(w, rows, j, hi, x, xd, out)
 
 
 @njit(**_INLINE)
-def _q4_0_dot_xq(wr, b, xq, xd, n):
-    o, xo = b * 18 + 2, b * 32
-    s = np.int32(0)
-    uo, ux, ux16 = _U(o), _U(xo), _U(xo + 16)
-    for l in range(_U(n)):  # |product| <= 15 * 128: int16 lanes, int32 sum
-        q = wr[uo + l]
-        s = np.int32(s + np.int16(np.int16(q & 15) * np.int16(xq[ux + l]))
-                     + np.int16(np.int16(q >> 4) * np.int16(xq[ux16 + l])))
-    return _f16(wr, o - 2) * (xd[2 * b] * np.float32(s) - np.float32(8.0) * xd[2 * b + 1])
+def _axpy_rows_ir(axpy, w, rows, lo, hi, a, p):
+    # p += sum_{j in [lo, hi)} a[j] * w[rows[j]], _IR_ROWS rows side by side, by an intrinsic of _make_axpy
+    for j in range(lo, hi, _IR_ROWS):
+        axpy(w, rows, j, hi, a, p)
 
+
+# Q8 activations: xq int8 [C] and xd float32 [C/16] = (dx_b, dx_b * sum of xq over b) per 32-block
+# b, so that block b of x ~ xq * dx_b.
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _quantize_x(x):
@@ -516,7 +703,8 @@ def _sums16(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Rows side by side: 4 rows (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or 2 rows (K-quants) advance block by block together.
+# Rows side by side: 4 rows (Q4_1, Q5_0, Q5_1) or 2 rows (K-quants) advance block by block together
+# (Q8_0, Q4_0: _IR_ROWS rows, see the IR section).
 # Measured on the 2-core machine, 1 thread, rows read from DRAM (GB/s with 1 / 2 / 4 / 8 rows):
 # Q8_0 5.8 / 8.4 / 9.5 / 9.5, Q4_0 3.4 / 4.2 / 5.1 / 5.3, Q4_K 3.6 / 4.4 / 4.1 / 4.0, Q6_K 3.6 / 3.5 /
 # 2.9 / 2.2: the K-quants' larger blocks run out of registers first. Every unrolled row is one more
@@ -593,7 +781,7 @@ def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
     elif qt == Q5_K:
         _dot_rows(_q5_k_dot, w.shape[1] // 176, w, rows, lo, hi, x, xs, n, out)
     elif qt == Q4_0:
-        _dot_rows4(_q4_0_dot, w.shape[1] // 18, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q4_0_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q4_1:
         _dot_rows4(_q4_1_dot, w.shape[1] // 20, w, rows, lo, hi, x, xs, n, out)
     elif qt == Q5_0:
@@ -601,16 +789,16 @@ def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
     elif qt == Q5_1:
         _dot_rows4(_q5_1_dot, w.shape[1] // 24, w, rows, lo, hi, x, xs, n, out)
     else:
-        _dot_rows4(_q8_0_dot, w.shape[1] // 34, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q8_0_dot, w, rows, lo, hi, x, xs, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out):
     # as _qgemv_span with Q8 activations (see _quantize_x); qt: Q8_0 or Q4_0
     if qt == Q4_0:
-        _dot_rows4(_q4_0_dot_xq, w.shape[1] // 18, w, rows, lo, hi, xq, xd, n, out)
+        _dot_rows_ir(_q4_0_dot_xq, w, rows, lo, hi, xq, xd, out)
     else:
-        _dot_rows4(_q8_0_dot_xq, w.shape[1] // 34, w, rows, lo, hi, xq, xd, n, out)
+        _dot_rows_ir(_q8_0_dot_xq, w, rows, lo, hi, xq, xd, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -623,7 +811,7 @@ def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
     elif qt == Q5_K:
         _axpy_rows(_q5_k_axpy, w.shape[1] // 176, w, rows, lo, hi, a, n, p)
     elif qt == Q4_0:
-        _axpy_rows4(_q4_0_axpy, w.shape[1] // 18, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q4_0_axpy, w, rows, lo, hi, a, p)
     elif qt == Q4_1:
         _axpy_rows4(_q4_1_axpy, w.shape[1] // 20, w, rows, lo, hi, a, n, p)
     elif qt == Q5_0:
@@ -631,7 +819,7 @@ def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
     elif qt == Q5_1:
         _axpy_rows4(_q5_1_axpy, w.shape[1] // 24, w, rows, lo, hi, a, n, p)
     else:
-        _axpy_rows4(_q8_0_axpy, w.shape[1] // 34, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q8_0_axpy, w, rows, lo, hi, a, p)
 
 
 @njit(**_JIT)

@@ -8,13 +8,18 @@ Per type, on an FFN of --rows neurons x --dim (llama-7B: 11008 x 4096), 1/8 of t
 and on the same run and shape the f16 kernels (cpu.gemv_rows / axpy_rows / ffn_rows on a HostMatrix)
 and torch's dense f32 / f16 matvec over all rows. GB/s counts the bytes actually read (quantised
 bytes for the quantised kernels); Mrows/s is rows per second (selected rows; all rows for torch).
-Best of --repeats, a fresh random sorted selection each repeat; the numba kernels take turns within
-a repeat, so that other processes' load hits them alike. Weights are random blocks (sane fp16
-scales): speed does not depend on values.
+Best of --repeats, a fresh random sorted selection for every call; the numba kernels take turns
+within a repeat, so that other processes' load hits them alike. With --flush-mb (e.g. 128, beyond
+the L3 cache) the caches are evicted before each call, as when decoding a model larger than the L3.
+Weights are random blocks (sane fp16 scales): speed does not depend on values.
 
     python tools/bench_quant.py [--rows 11008] [--dim 4096] [--frac 0.125] [--threads 2] [--repeats 10]
-                                [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K]
+                                [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--flush-mb 0]
+    python tools/bench_quant.py --baseline OLD_QUANT.py ...   (e.g. git show HEAD:sparse_ops/quant.py)
     python tools/bench_quant.py --requant [--gguf MODEL.gguf]
+
+--baseline times an older copy of sparse_ops/quant.py on the same blocks, taking turns with the
+current kernels (rows marked "(base)"): an A/B comparison that the machine's load hits alike.
 
 --requant measures instead what `transpose_quantized` costs in accuracy: W_down [D, I] is quantised
 as TYPE (our quantiser, from Gaussian weights), then transposed to [I, D] and requantised as the same
@@ -26,6 +31,8 @@ ffn_down tensors of a GGUF file (their llama.cpp quantisation is the reference; 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import time
 
 import numpy as np
@@ -34,14 +41,19 @@ import torch
 from hotcold.sparse_ops import cpu, quant
 
 
-def best_times(cases, sels) -> list[float]:
+def best_times(cases, sels, flush=None) -> list[float]:
     """Best wall time of each case's fn(selection). The cases take turns within each repeat, so that
-    load from other processes hits them alike; one warm-up call each first (compilation)."""
+    load from other processes hits them alike, each call with a selection of its own (a case that
+    re-read the rows its neighbour just read would find them in the cache); one warm-up call each
+    first (compilation). flush: an array summed before each timed call, to evict the caches."""
     for c in cases:
         c["fn"](sels[0])
     best = [float("inf")] * len(cases)
-    for s in sels:
+    for r in range(len(sels) // len(cases)):
         for i, c in enumerate(cases):
+            s = sels[r * len(cases) + i]
+            if flush is not None:
+                flush.sum()
             t0 = time.perf_counter()
             c["fn"](s)
             best[i] = min(best[i], time.perf_counter() - t0)
@@ -49,7 +61,7 @@ def best_times(cases, sels) -> list[float]:
 
 
 def row(name: str, nbytes: int, k: int, t: float) -> str:
-    return f"{name:24} {nbytes / t / 1e9:8.1f} {k / t / 1e6:9.2f} {t * 1e6:10.0f}"
+    return f"{name:28} {nbytes / t / 1e9:8.1f} {k / t / 1e6:9.2f} {t * 1e6:10.0f}"
 
 
 def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
@@ -97,6 +109,15 @@ def requant(args) -> None:
             print(f"{t.name:24} {name:5} {str(list(m.shape)):>12} {' '.join(cells)}")
 
 
+def load_baseline(path: str):
+    """An older copy of sparse_ops/quant.py, imported as a module of its own (for A/B runs)."""
+    spec = importlib.util.spec_from_file_location("hotcold_quant_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # numba's cache looks kernels' modules up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=11008, help="I, FFN neurons (rows of up / down_t)")
@@ -107,6 +128,10 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(quant.QTYPES))
     ap.add_argument("--no-ffn", action="store_true", help="skip qffn_rows")
     ap.add_argument("--settle", type=float, default=0.5, help="seconds to let torch's threads go idle")
+    ap.add_argument("--flush-mb", type=int, default=0,
+                    help="read this many MiB before each timed call (> the L3 cache: rows come from DRAM)")
+    ap.add_argument("--baseline", default=None, metavar="QUANT_PY",
+                    help="also time the kernels of this copy of an older sparse_ops/quant.py, turn about")
     ap.add_argument("--requant", action="store_true", help="measure transpose_quantized's error instead")
     ap.add_argument("--gguf", default=None, help="with --requant: also a GGUF file's ffn_down tensors")
     ap.add_argument("--layers", type=int, default=4, help="with --gguf: how many ffn_down tensors")
@@ -118,10 +143,10 @@ def main() -> None:
     if args.threads:
         cpu.set_threads(args.threads)
         torch.set_num_threads(args.threads)
+    baseline = load_baseline(args.baseline) if args.baseline else None
     n, d = args.rows, args.dim
     k = max(1, round(n * args.frac))
     rng = np.random.default_rng(0)
-    sels = [np.sort(rng.choice(n, k, replace=False)).astype(np.int64) for _ in range(args.repeats)]
     x = rng.standard_normal(d, dtype=np.float32)
     coeff = rng.standard_normal(k, dtype=np.float32)
     out_k = np.empty(k, np.float32)
@@ -141,9 +166,12 @@ def main() -> None:
         cases.append(dict(section=ref, name="f16 ffn_rows (x3 rows)", bytes=3 * k * rb, rows=k,
                           fn=lambda s: cpu.ffn_rows(x, s, f16[0], f16[1], "silu", gate=f16[2], out=out_d)))
     for name in args.types.split(","):
-        cases += type_cases(name, args, k, x, coeff, out_k, out_d)
+        cases += type_cases(name, args, k, x, coeff, out_k, out_d, baseline)
+    sels = [np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+            for _ in range(args.repeats * (len(cases) + 2))]  # + the 2 torch cases below
+    flush = np.ones(args.flush_mb << 18, np.float32) if args.flush_mb else None
     time.sleep(args.settle)  # torch's OpenMP threads spin a while after an op and slow numba's down
-    best = best_times(cases, sels)
+    best = best_times(cases, sels, flush)
 
     with torch.inference_mode():  # after the numba kernels, for the same reason
         w32 = torch.randn(n, d) * 0.02
@@ -152,7 +180,7 @@ def main() -> None:
             cases.append(dict(section="torch dense matvec over all rows", name=f"torch mv {str(dt)[6:]}",
                               bytes=wt.numel() * wt.element_size(), rows=n,
                               fn=lambda s, wt=wt, xt=xt: torch.mv(wt, xt)))
-        best += best_times(cases[len(best):], sels)
+        best += best_times(cases[len(best):], sels, flush)
 
     section = None
     for c, t in zip(cases, best):
@@ -164,25 +192,27 @@ def main() -> None:
         print(row(c["name"], c["bytes"], c["rows"], t))
 
 
-HDR = f"{'kernel':24} {'GB/s':>8} {'Mrows/s':>9} {'µs':>10}"
+HDR = f"{'kernel':28} {'GB/s':>8} {'Mrows/s':>9} {'µs':>10}"
 
 
-def type_cases(name, args, k, x, coeff, out_k, out_d) -> list[dict]:
+def type_cases(name, args, k, x, coeff, out_k, out_d, baseline=None) -> list[dict]:
     n, d = args.rows, args.dim
     up, down_t, gate = (quant.random_matrix(name, (n, d), seed=i) for i in (1, 2, 3))
     rb = up.row_bytes()
     sec = f"{name}: {rb} bytes per row of {d} ({8 * rb / d:.2f} bits/weight)"
-    cases = [dict(section=sec, name="qgemv_rows", bytes=k * rb, rows=k,
-                  fn=lambda s: quant.qgemv_rows(up, s, x, out_k, xq=False))]
+    impls = [("", quant, up, down_t, gate)]
+    if baseline is not None:  # the same blocks, wrapped in the baseline module's QuantMatrix
+        impls.append((" (base)", baseline)
+                     + tuple(baseline.QuantMatrix(m.data, name, m.shape) for m in (up, down_t, gate)))
+    kernels = [("qgemv_rows", 1, lambda q, u, dt, g: lambda s: q.qgemv_rows(u, s, x, out_k, xq=False))]
     if name in ("Q8_0", "Q4_0"):
-        cases.append(dict(section=sec, name="qgemv_rows xq", bytes=k * rb, rows=k,
-                          fn=lambda s: quant.qgemv_rows(up, s, x, out_k, xq=True)))
-    cases.append(dict(section=sec, name="qaxpy_rows (down_t)", bytes=k * rb, rows=k,
-                      fn=lambda s: quant.qaxpy_rows(down_t, s, coeff, out_d)))
+        kernels.append(("qgemv_rows xq", 1, lambda q, u, dt, g: lambda s: q.qgemv_rows(u, s, x, out_k, xq=True)))
+    kernels.append(("qaxpy_rows (down_t)", 1, lambda q, u, dt, g: lambda s: q.qaxpy_rows(dt, s, coeff, out_d)))
     if not args.no_ffn:
-        cases.append(dict(section=sec, name="qffn_rows (x3 rows)", bytes=3 * k * rb, rows=k,
-                          fn=lambda s: quant.qffn_rows(x, s, up, down_t, "silu", gate=gate, out=out_d)))
-    return cases
+        kernels.append(("qffn_rows (x3 rows)", 3,
+                        lambda q, u, dt, g: lambda s: q.qffn_rows(x, s, u, dt, "silu", gate=g, out=out_d)))
+    return [dict(section=sec, name=kname + label, bytes=mult * k * rb, rows=k, fn=make(*impl))
+            for kname, mult, make in kernels for label, *impl in impls]
 
 
 if __name__ == "__main__":
