@@ -106,10 +106,21 @@ def _all_rows(cold: ColdFFN) -> np.ndarray:
 
 
 class CPUExecutor:
-    """A worker thread that runs ColdJobs in submission order. close() stops and joins it."""
+    """A worker thread that runs ColdJobs in submission order. close() stops and joins it.
 
-    def __init__(self, threads: int | None = None, name: str = "hotcold-cpu"):
+    inline: no worker thread; submit() runs the job at once in the calling thread. For a CPU fast
+    tier there is nothing to overlap with, and a second thread only adds hand-offs and a second
+    OpenMP team contending for the same cores (Q4_0 7B shape, 4 layers, 2 cores: see engine.py)."""
+
+    def __init__(self, threads: int | None = None, name: str = "hotcold-cpu", inline: bool = False):
         self.threads = threads or default_threads(cuda=False)
+        self.inline = inline
+        if inline:  # the caller's thread runs the kernels: its numba thread count is set here
+            set_threads(self.threads)
+            self.thread_count = get_threads()
+            self._closed = False
+            self._thread = None
+            return
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._started = threading.Event()
         self.thread_count: int | None = None  # numba threads as seen inside the worker
@@ -136,12 +147,20 @@ class CPUExecutor:
     def submit(self, job: ColdJob) -> ColdJob:
         if self._closed:
             raise RuntimeError("CPU executor is closed")
+        if self.inline:
+            try:
+                job.run()
+            except BaseException as e:  # reported by job.wait(), as from the worker
+                job.error = e
+            finally:
+                job.done.set()
+            return job
         self._jobs.put(job)
         return job
 
     def call(self, fn, *args):
         """fn(*args) on the worker thread, after the jobs already queued; returns its result."""
-        if threading.current_thread() is self._thread:
+        if self.inline or threading.current_thread() is self._thread:
             return fn(*args)
         job = CallJob(fn, args, torch.is_inference_mode_enabled())
         self.submit(job).wait()
@@ -149,10 +168,13 @@ class CPUExecutor:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.inline and not self._closed or self._thread is not None and self._thread.is_alive()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker after the jobs already submitted; idempotent."""
+        if self.inline:
+            self._closed = True
+            return
         if not self._closed:
             self._closed = True
             self._jobs.put(None)

@@ -118,7 +118,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
                 stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
                 prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
-                cuda_graphs: bool = True, gpu_int4: bool = False) -> HybridEngine:
+                cuda_graphs: bool = True, gpu_int4: bool = False, cpu_inline: bool | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -146,6 +146,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       (executors/graphs.py); the FFNs stay eager.
     gpu_int4: a quantised model's 4-bit matrices outside the split FFNs (attention, LM head) stay
       4-bit on a CUDA tier (Int4Linear, torch's int4 kernels) instead of being expanded to dtype.
+    cpu_inline: run the CPU parts in the calling thread rather than a worker (default: on a CPU tier).
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -173,7 +174,10 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     gpu_experts = {l: check_experts(e, lm.config.num_experts) for l, e in gpu_experts.items()}  # before the worker
 
     cpu_threads = threads or default_threads(tier.cuda)  # the worker's, CPU attention's and CPU predictors'
-    cpu = CPUExecutor(cpu_threads)  # every CPU part of the plan runs on this one thread (see HostAttention)
+    # every CPU part of the plan runs on this one thread (see HostAttention); on a CPU fast tier, the
+    # calling thread itself (nothing to overlap with: a worker only added hand-offs and a second
+    # OpenMP team on the same cores)
+    cpu = CPUExecutor(cpu_threads, inline=not tier.cuda if cpu_inline is None else cpu_inline)
     book = StatsBook(enabled=stats)
     parts = {}
     for l in layers:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from hotcold.errors import HotcoldError
 
-FORMAT = "2"  # 2: the quantised kernels' rates (QKINDS)
+FORMAT = "3"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices
 KINDS = ("f32", "bf16", "f16", "i8")
 # GGUF block types the CPU kernels compute on (sparse_ops/quant.py), measured as the runtime uses them:
 # gate/up rows of the type, W_down transposed as Q8_0 (executors/weights.py); rates in quantised bytes.
@@ -270,7 +270,10 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
     rng = np.random.default_rng(0)
     sels = [np.sort(part).astype(np.int64) for part in np.array_split(rng.permutation(rows_n), 8)]
     sel = sels[0]  # 1/8 of the rows
-    x = rng.standard_normal(d).astype(np.float32)
+    # small enough that every row's activation is non-zero: the fused FFN kernels skip the up and
+    # down rows of a neuron whose SiLU underflows to 0 (x ~ N(0, 1) did that for every row of the
+    # uniform Q4_0 pool, which then measured "52 GB/s" on 2 cores)
+    x = (rng.standard_normal(d) / (8 * d)).astype(np.float32)
     try:
         from hotcold.sparse_ops import cpu
     except ImportError:  # pragma: no cover - the kernels ship with hotcold
@@ -303,12 +306,15 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
     for kind in KINDS:
         mats = _matrix_pool(cpu, raw, kind, rows_n, d)
         pool = itertools.cycle(mats)
-        # (matrix, selection) pairs: 8 disjoint selections, so a cycle reads the whole pool once
-        picks = itertools.cycle([(m, s) for s in sels for m in mats])
+        # (up, gate, down_t, selection): 8 disjoint selections, so a cycle reads the whole pool once;
+        # the FFN's three matrices are three of the pool (one matrix three times had its second and
+        # third passes read from the cache the first had filled)
+        n = len(mats)
+        picks = itertools.cycle([(m, mats[(i + 1) % n], mats[(i + 2) % n], s) for s in sels for i, m in enumerate(mats)])
         rb = mats[0].row_bytes()
         _measure_kind(hw, kind, len(sel), rows_n, rb, 3 * rb, min_time, log,
-                      gather=lambda: cpu.gemv_rows(*next(picks), x, out_rows),
-                      ffn=lambda: cpu.ffn_rows(x, (p := next(picks))[1], p[0], p[0], "silu", gate=p[0], out=out_ffn),
+                      gather=lambda: cpu.gemv_rows((p := next(picks))[0], p[3], x, out_rows),
+                      ffn=lambda: cpu.ffn_rows(x, (p := next(picks))[3], p[0], p[2], "silu", gate=p[1], out=out_ffn),
                       dense=lambda: cpu.gemv(next(pool), x, out_all))
         if kind == "f32":
             one = sel[:1].copy()
@@ -333,12 +339,14 @@ def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, m
     for kind in QKINDS:
         mats = _quant_pool(quant, raw, kind.upper(), rows_n, d)
         pool = itertools.cycle(mats)
-        picks = itertools.cycle([(m, s) for s in sels for m in mats])
+        # (up, gate, selection): gate another matrix of the pool, as above (the same matrix for both
+        # had Q4_0's FFN at 62 GB/s on 2 cores whose DRAM gives 29)
+        picks = itertools.cycle([(m, mats[(i + 1) % len(mats)], s) for s in sels for i, m in enumerate(mats)])
         rb = mats[0].row_bytes()
         dn = itertools.cycle(downs)
         _measure_kind(hw, kind, len(out_rows), rows_n, rb, 2 * rb + downs[0].row_bytes(), min_time, log,
-                      gather=lambda: quant.qgemv_rows(*next(picks), x, out_rows),
-                      ffn=lambda: quant.qffn_rows(x, (p := next(picks))[1], p[0], next(dn), "silu", gate=p[0],
+                      gather=lambda: quant.qgemv_rows((p := next(picks))[0], p[2], x, out_rows),
+                      ffn=lambda: quant.qffn_rows(x, (p := next(picks))[2], p[0], next(dn), "silu", gate=p[1],
                                                   out=out_ffn),
                       dense=lambda: quant.qgemv(next(pool), x, out_all))
 

@@ -410,7 +410,7 @@ def test_auto_regime_is_cpu_without_cuda(folder):
 
 def test_worker_thread_lifecycle(folder):
     lm = fresh(folder, "llama")
-    eng = make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=1)
+    eng = make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=1, cpu_inline=False)  # as on CUDA
     cpu = eng.cpu
     assert cpu.alive and cpu.thread_count == 1  # numba's threads were set inside the worker
     cold = eng.layers[0].cold
@@ -426,6 +426,27 @@ def test_worker_thread_lifecycle(folder):
     eng.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         cpu.submit(bad)
+
+
+def test_cpu_tier_runs_cold_parts_inline(folder):
+    """On a CPU fast tier the cold parts run in the calling thread (no worker thread, no second
+    OpenMP team); an error still fails the job with the same message; results are the worker's."""
+    ref = reference(folder, "llama")
+    toks = tokens(seed=31)
+    want = {}
+    for inline in (False, True):
+        lm = fresh(folder, "llama")
+        n_threads = threading.active_count()
+        with make_hybrid(lm, random_hot(lm, 0.5), "oracle", cpu_dtype="f32", threads=1, cpu_inline=inline) as eng:
+            assert eng.cpu.inline == inline and threading.active_count() == n_threads + (not inline)
+            want[inline] = decode_logits(lm, toks)
+            if inline:
+                bad = ColdJob(eng.layers[0].cold, np.zeros((1, 5), np.float32), None, np.zeros((1, 64), np.float32))
+                with pytest.raises(RuntimeError, match="CPU executor failed"):
+                    eng.cpu.submit(bad).wait()
+        assert not eng.cpu.alive
+    assert torch.equal(want[True], want[False])
+    assert_close(want[True], decode_logits(ref, toks))
 
 
 def test_worker_finishes_queued_jobs_before_stopping():
