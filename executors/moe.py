@@ -377,7 +377,7 @@ class HybridMoE(FFN):
                                                                              nxt.expert_rows[nxt.pos[e]])))
         if self.fast.ids and tier.cuda:
             y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
-            book.add("decode", experts_gpu=sum(self.pos[e] < 0 for e in routed_ids))
+            book.add("decode", experts_gpu=int(sum(self.pos[e] < 0 for e in routed_ids)))
         elif self.fast.ids:
             y = self._gpu_experts(x2, weights, routing.ids_np[:1], y, "decode")
         for e, slot in hits.items():
@@ -404,7 +404,7 @@ class HybridMoE(FFN):
             return "cpu"
         if self.prefill == "stream":
             return "stream"
-        cold_ids, counts = np.unique(ids[self.pos[ids] >= 0], return_counts=True)
+        _, counts = np.unique(ids[self.pos[ids] >= 0], return_counts=True)  # tokens per routed host expert
         c, I = self.costs, self.hidden
         return moe_prefill_regime(counts.tolist(), self.cold.nbytes / self.n_cold, self.n_cold, 3 * I * self.dim,
                                   c.cpu_bw, c.pcie_bw, c.gpu_flops, tokens_per_pass=cpu_tokens_per_pass(self.dim),
