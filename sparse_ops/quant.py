@@ -154,7 +154,7 @@ class QuantMatrix:
 
 
 # ---------------------------------------------------------------------------------------------
-# Block decoding (all types but Q8_0 / Q4_0, which have the LLVM IR kernels further down). wr: uint8
+# Block decoding (all types but Q8_0 / Q4_0 / Q4_1, which have the LLVM IR kernels further down). wr: uint8
 # [bytes_per_row] (one row), b: block index, xs: float32 [C/16] sums of x over 16 elements. *_dot
 # return block b of the row · x; *_axpy do p[block b] += c * block b.
 #
@@ -187,17 +187,6 @@ def _u8f(v):
     # small non-negative integer (int64 in numba) -> float32, through uint8 so that LLVM converts
     # 16 lanes at a time (measured +23% on Q4_0)
     return np.float32(np.uint8(v))
-
-
-@njit(**_INLINE)
-def _q4_1_dot(wr, b, x, xs, n):
-    o, xo = b * 20 + 4, b * 32
-    s = np.float32(0.0)
-    uo, ux, ux16 = _U(o), _U(xo), _U(xo + 16)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        s += _u8f(q & 15) * x[ux + l] + _u8f(q >> 4) * x[ux16 + l]
-    return _f16(wr, o - 4) * s + _f16(wr, o - 2) * (xs[2 * b] + xs[2 * b + 1])
 
 
 @njit(**_INLINE)
@@ -321,17 +310,6 @@ def _q6_k_dot(wr, b, x, xs, n):
 
 
 @njit(**_INLINE)
-def _q4_1_axpy(wr, b, c, p, n):
-    o, po = b * 20 + 4, b * 32
-    cd, cm = c * _f16(wr, o - 4), c * _f16(wr, o - 2)
-    uo, up, up16 = _U(o), _U(po), _U(po + 16)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        p[up + l] += cd * _u8f(q & 15) + cm
-        p[up16 + l] += cd * _u8f(q >> 4) + cm
-
-
-@njit(**_INLINE)
 def _u32(wr, o):
     # uint32 stored little-endian at wr[o:o + 4]
     return (np.uint32(wr[o]) | (np.uint32(wr[o + 1]) << 8) | (np.uint32(wr[o + 2]) << 16)
@@ -422,7 +400,7 @@ def _q6_k_axpy(wr, b, c, p, n):
 
 
 # ---------------------------------------------------------------------------------------------
-# Q8_0 / Q4_0 in LLVM vector IR. These two types carry most decode work (Q4_0 weights with Q8
+# Q8_0 / Q4_0 (and Q4_1) in LLVM vector IR. These two types carry most decode work (Q4_0 weights with Q8
 # activations, the Q8_0 W_down copy), and LLVM vectorises their numba block loops above badly: for
 # 16-lane blocks it picks wider vectors, runs every block through its remainder loop and reduces it
 # to a scalar, and it forms no VNNI dot products. So each (type, kernel) is a numba intrinsic that
@@ -443,6 +421,9 @@ def _q6_k_axpy(wr, b, c, p, n):
 #   Q4_0      6.9 / 11.9    9.5 / 14.3      6.3 / 10.8    8.1 / 14.0
 #   before    4.2 /  7.9    3.9 /  7.1      4.2 /  7.6    4.0 /  7.5
 # Re-reading one selection (rows in the L3 cache), Q4_0 xq at 2 threads: 30 against 9.5 (4 rows).
+# Q4_1 (float x only: w = d q + m, the min times the block's sum of x, from _sums16) takes the same
+# kernels: 2 threads, from DRAM, qgemv_rows / qaxpy_rows / qffn_rows 7.5 / 7.7 / 8.0 -> 12.5 / 10.1 /
+# 12.7 GB/s (SmolLM2's file is Q4_1).
 #
 # A block's 32 values are handled in element order (Q4_0: its 16 low nibbles are elements 0-15, the
 # high ones 16-31), as x and the Q8 activations are stored. Row pointers come from numba arrays, so
@@ -491,26 +472,34 @@ def _hsum(bd, v):
     return bd.extract_element(v, ir.Constant(_I32, 0))
 
 
+_IR_BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
+
+
 def _block(bd, qt, row, b):
-    # block b of a Q8_0 / Q4_0 row (i8*) -> (d, q of elements 0-15, q of elements 16-31), q as <16 x i8>;
-    # Q4_0's q are the stored nibbles (weight d * (q - 8))
-    o = bd.mul(b, ir.Constant(_I64, 18 if qt == Q4_0 else 34))
+    # block b of a Q8_0 / Q4_0 / Q4_1 row (i8*) -> (d, q of elements 0-15, q of elements 16-31, m),
+    # q as <16 x i8>; Q4_0's / Q4_1's q are the stored nibbles (weight d * (q - 8), d * q + m); m:
+    # Q4_1's min, else None
+    o = bd.mul(b, ir.Constant(_I64, _IR_BLOCK_BYTES[qt]))
     d = bd.fpext(_load(bd, row, o, ir.HalfType()), _F32)
+    m = None
+    if qt == Q4_1:
+        m = bd.fpext(_load(bd, row, bd.add(o, ir.Constant(_I64, 2)), ir.HalfType()), _F32)
+        o = bd.add(o, ir.Constant(_I64, 2))
     o = bd.add(o, ir.Constant(_I64, 2))
     v16 = ir.VectorType(_I8, 16)
     if qt == Q8_0:
-        return d, _load(bd, row, o, v16), _load(bd, row, bd.add(o, ir.Constant(_I64, 16)), v16)
+        return d, _load(bd, row, o, v16), _load(bd, row, bd.add(o, ir.Constant(_I64, 16)), v16), m
     qs = _load(bd, row, o, v16)
-    return d, bd.and_(qs, _vconst(_I8, 16, 15)), bd.lshr(qs, _vconst(_I8, 16, 4))
+    return d, bd.and_(qs, _vconst(_I8, 16, 15)), bd.lshr(qs, _vconst(_I8, 16, 4)), m
 
 
 def _block_f32(bd, qt, row, b):
-    # block b -> (d, two <16 x float> of its values / d); kept as two halves, not one <32 x i8>: the
-    # concatenation and split cost 5% in axpy
-    d, lo, hi = _block(bd, qt, row, b)
+    # block b -> (d, two <16 x float> of its values / d (Q4_1: of its q), m); kept as two halves, not
+    # one <32 x i8>: the concatenation and split cost 5% in axpy
+    d, lo, hi, m = _block(bd, qt, row, b)
     if qt == Q4_0:
         lo, hi = bd.sub(lo, _vconst(_I8, 16, 8)), bd.sub(hi, _vconst(_I8, 16, 8))
-    return d, [bd.sitofp(h, ir.VectorType(_F32, 16)) for h in (lo, hi)]
+    return d, [bd.sitofp(h, ir.VectorType(_F32, 16)) for h in (lo, hi)], m
 
 
 def _int_dot(bd, qt, q, xq):
@@ -556,14 +545,14 @@ def _row_ptrs(context, bd, qt, sig, args):
         row = bd.load(cgutils.get_item_pointer(context, bd, sig.args[1], rows, [i]))
         ptrs.append(bd.gep(w.data, [bd.mul(row, stride)]))
         pos.append(i)
-    nb = bd.sdiv(bd.extract_value(w.shape, 1), ir.Constant(_I64, 18 if qt == Q4_0 else 34))
+    nb = bd.sdiv(bd.extract_value(w.shape, 1), ir.Constant(_I64, _IR_BLOCK_BYTES[qt]))
     return ptrs, pos, nb
 
 
 def _make_dot(qt, xq):
     """Intrinsic (w, rows, j, hi, x, xd, out): out[i] = w[rows[i]] . x for i in [j, min(j + _IR_ROWS, hi)).
-    w: uint8 [R, bytes_per_row] of qt blocks. xq False: x float32 [C] (xd unused); xq True: x int8 [C]
-    and xd as _quantize_x returns."""
+    w: uint8 [R, bytes_per_row] of qt blocks. xq False: x float32 [C] and xd its sums over 16 elements
+    (_sums16; read for Q4_1's mins only); xq True: x int8 [C] and xd as _quantize_x returns."""
 
     def dot(typingctx, w, rows, j, hi, x, xd, out):
         if not _ir_types_ok(w, rows, (x, types.int8 if xq else types.float32), (xd, types.float32),
@@ -588,21 +577,28 @@ def _make_dot(qt, xq):
                     xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, h)), ir.VectorType(_F32, 16)) for h in (0, 16)]
                 for ptr, acc, off in zip(ptrs, accs, offs):
                     if xq:
-                        d, lo, hi = _block(bd, qt, ptr, b)
+                        d, lo, hi, _ = _block(bd, qt, ptr, b)
                         q = _shuffle(bd, lo, list(range(32)), hi)
                         t = bd.sitofp(_int_dot(bd, qt, q, xv), ir.VectorType(_F32, lanes))
                         sc = bd.fmul(d, dx, flags=_FAST)
                         if qt == Q4_0:  # sum((q - 8) xq) = sum(q xq) - 8 sum(xq)
                             bd.store(bd.fadd(bd.load(off), bd.fmul(d, sx, flags=_FAST), flags=_FAST), off)
                     else:
-                        d, f = _block_f32(bd, qt, ptr, b)
+                        d, f, m = _block_f32(bd, qt, ptr, b)
                         t = bd.fadd(bd.fmul(f[0], xv[0], flags=_FAST), bd.fmul(f[1], xv[1], flags=_FAST), flags=_FAST)
                         sc = d
+                        if m is not None:  # Q4_1: + m * (sum of x over the block)
+                            b2 = bd.mul(b, ir.Constant(_I64, 2))
+                            xsum = bd.fadd(bd.load(bd.gep(xdp, [b2])), bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))])),
+                                           flags=_FAST)
+                            bd.store(bd.fadd(bd.load(off), bd.fmul(m, xsum, flags=_FAST), flags=_FAST), off)
                     bd.store(bd.fadd(bd.load(acc), bd.fmul(t, _splat(bd, sc, lanes), flags=_FAST), flags=_FAST), acc)
             for i, acc, off in zip(pos, accs, offs):
                 s = _hsum(bd, bd.load(acc))
                 if xq and qt == Q4_0:
                     s = bd.fsub(s, bd.fmul(ir.Constant(_F32, 8.0), bd.load(off), flags=_FAST), flags=_FAST)
+                elif qt == Q4_1:
+                    s = bd.fadd(s, bd.load(off), flags=_FAST)
                 bd.store(s, bd.gep(op, [i]))
             return context.get_dummy_value()
 
@@ -633,9 +629,12 @@ def _make_axpy(qt):
                 po = [bd.add(bd.mul(b, ir.Constant(_I64, 32)), ir.Constant(_I64, h)) for h in (0, 16)]
                 pv = [_load(bd, pp, o, ir.VectorType(_F32, 16)) for o in po]
                 for ptr, c in zip(ptrs, cs):
-                    d, f = _block_f32(bd, qt, ptr, b)
+                    d, f, m = _block_f32(bd, qt, ptr, b)
                     cd = _splat(bd, bd.fmul(c, d, flags=_FAST), 16)
                     pv = [bd.fadd(v, bd.fmul(h, cd, flags=_FAST), flags=_FAST) for v, h in zip(pv, f)]
+                    if m is not None:  # Q4_1: + c * m on every element
+                        cm = _splat(bd, bd.fmul(c, m, flags=_FAST), 16)
+                        pv = [bd.fadd(v, cm, flags=_FAST) for v in pv]
                 for o, v in zip(po, pv):
                     bd.store(v, bd.bitcast(bd.gep(pp, [o]), v.type.as_pointer()), align=4)
             return context.get_dummy_value()
@@ -649,6 +648,7 @@ def _make_axpy(qt):
 _q8_0_dot, _q4_0_dot = _make_dot(Q8_0, False), _make_dot(Q4_0, False)
 _q8_0_dot_xq, _q4_0_dot_xq = _make_dot(Q8_0, True), _make_dot(Q4_0, True)
 _q8_0_axpy, _q4_0_axpy = _make_axpy(Q8_0), _make_axpy(Q4_0)
+_q4_1_dot_ir, _q4_1_axpy_ir = _make_dot(Q4_1, False), _make_axpy(Q4_1)
 
 
 @njit(**_INLINE)
@@ -783,7 +783,7 @@ def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
     elif qt == Q4_0:
         _dot_rows_ir(_q4_0_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q4_1:
-        _dot_rows4(_q4_1_dot, w.shape[1] // 20, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q4_1_dot_ir, w, rows, lo, hi, x, xs, out)
     elif qt == Q5_0:
         _dot_rows4(_q5_0_dot, w.shape[1] // 22, w, rows, lo, hi, x, xs, n, out)
     elif qt == Q5_1:
@@ -813,7 +813,7 @@ def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
     elif qt == Q4_0:
         _axpy_rows_ir(_q4_0_axpy, w, rows, lo, hi, a, p)
     elif qt == Q4_1:
-        _axpy_rows4(_q4_1_axpy, w.shape[1] // 20, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q4_1_axpy_ir, w, rows, lo, hi, a, p)
     elif qt == Q5_0:
         _axpy_rows4(_q5_0_axpy, w.shape[1] // 22, w, rows, lo, hi, a, n, p)
     elif qt == Q5_1:
