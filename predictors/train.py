@@ -24,8 +24,10 @@ def ffn_params(config, layer: int) -> int:
 
 
 def sample_magnitude(ffn, x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """|h|, the down projection's input, of a dense/gated FFN on samples x [S, D] -> float16 [S, I]."""
-    dtype = next(ffn.parameters()).dtype
+    """|h|, the down projection's input, of a dense/gated FFN on samples x [S, D] -> float16 [S, I].
+    A quantised FFN (QuantLinear: blocks, no float weight parameters) takes float32 inputs."""
+    p = next(ffn.parameters(), None)
+    dtype = p.dtype if p is not None else torch.float32
     with torch.no_grad():
         return torch.cat([ffn.activations(c.to(dtype)).abs().to(torch.float16) for c in x.split(chunk)])
 

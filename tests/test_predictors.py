@@ -238,3 +238,18 @@ def test_cli_profile_gated_trains_with_magnitude_weights(tiny, tmp_path):
 def test_run_sparse_without_predictors_is_a_clear_error(tiny):
     r = run_cli("run", str(tiny("qwen2")), "--prompt", "hi", "-n", "2", "--sparse")
     assert r.returncode == 2 and "no predictors for this model" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_sample_magnitude_of_a_quantised_ffn(tiny):
+    """A GGUF loads on the CPU in its blocks (QuantLinear: no float weight parameters); the |h| the
+    gated predictors weigh their loss by is still computed (it crashed `hotcold profile` on quantised
+    gated models), close to the float model's."""
+    from hotcold.predictors.train import sample_magnitude
+
+    path = tiny("llama")
+    ref = load_model(path, "cpu", "float32")
+    q = load_model(path, "cpu", "float32", quantize="q8_0")
+    x = torch.randn(16, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = sample_magnitude(ref.model.layers[0].ffn, x).float()
+    got = sample_magnitude(q.model.layers[0].ffn, x).float()
+    assert got.shape == want.shape and (got - want).abs().max() <= 0.05 * want.abs().max()
