@@ -54,7 +54,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sl
     weights: [k]; slot_of: int32 [E]; gate, up: [G, I, D]; down: [G, D, I] -> float32 [D]."""
     if act not in _ACT_CODE:
         raise ValueError(f"act must be one of {tuple(_ACT_CODE)}, got {act!r}")
-    if not triton_available(x.device) or gate.shape[0] == 0:
+    if not triton_available(x.device) or gate.shape[0] == 0 or not all(
+            t.is_contiguous() for t in (gate, up, down, slot_of)):  # the kernels index contiguous stacks
         return routed_experts_torch(x, ids, weights, slot_of, gate, up, down, act)
     G, I, D = gate.shape
     k = ids.numel()
