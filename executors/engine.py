@@ -118,7 +118,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
                 stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
                 prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
-                cuda_graphs: bool = True, gpu_int4: bool = False, cpu_inline: bool | None = None) -> HybridEngine:
+                cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -142,8 +142,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       about 1.4x the time its CPU computes it, so naming more than the hits repay costs time); the
       look-ahead is the PredictorSet's corrected router where the profile trained one, else the
       next layer's router; expert_cache_policy: "lru" or "lfu" eviction.
-    cuda_graphs: on CUDA, replay each block's attention half as a CUDA graph in one-token steps
-      (executors/graphs.py); the FFNs stay eager.
+    cuda_graphs: on CUDA, replay each block's attention half, and the device half of its hybrid FFN
+      or MoE layer, as a CUDA graph in one-token steps (executors/graphs.py); "attention": the
+      attention half only (the FFNs eager, as before 2026-11-30: to compare).
     gpu_int4: a quantised model's 4-bit matrices outside the split FFNs (attention, LM head) stay
       4-bit on a CUDA tier (Int4Linear, torch's int4 kernels) instead of being expanded to dtype.
     cpu_inline: run the CPU parts in the calling thread rather than a worker (default: on a CPU tier).
@@ -240,7 +241,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts,
                                 expert_cache_policy)
     if tier.cuda and cuda_graphs:
-        graph_blocks(model)
+        graph_blocks(model, ffn=cuda_graphs != "attention")
     lm.device, lm.dtype = device, dtype
     return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe)
 

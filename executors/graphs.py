@@ -8,8 +8,12 @@ Block and, for one-token steps on CUDA, replays a captured graph of
     x ─ attn_norm ─ attention (cache write at a device-side position) ─ (post_attn_norm) ─ + x = res
     res ─ ffn_norm = f_in
 
-so the layer costs one graph launch and two small copies before its FFN, which runs eagerly (the
-hybrid FFN/MoE synchronise with the CPU worker, which a graph cannot). Prefill (several tokens),
+so the layer costs one graph launch and two small copies before its FFN. A hybrid FFN or MoE layer
+that offers a split one-token step (`graph_ready()`, `graph_pre`, `graph_post`: HybridFFN,
+HybridMoE) has its device half captured in the same graph (predictor or router, the fast tier's
+neurons or experts, the input packed for the host); after the replay its host half runs eagerly
+(one copy to the host, the CPU's share, one copy back and a sum), since a graph cannot wait for the
+CPU. Other FFNs run eagerly after the replay. Prefill (several tokens),
 CPU tiers, blocks whose attention runs on the host (HostAttention) and post-norm blocks (OPT) run
 the block as before. A graph belongs to one KV cache (its buffers' addresses are baked in): a new
 cache re-captures it, dropping the old one.
@@ -37,16 +41,18 @@ class _Captured:
     positions: torch.Tensor  # static int64 [1]
     res: torch.Tensor  # static outputs: the residual after attention, and the FFN's input
     f_in: torch.Tensor
+    pre: tuple | None = None  # static outputs of the FFN's graph_pre (None: the FFN runs eagerly)
 
 
 class GraphedBlock(nn.Module):
     """A Block whose one-token steps on CUDA replay a graph of the attention half (see the module
     docstring); same forward signature as Block. `block` keeps the modules (and their names)."""
 
-    def __init__(self, block: Block, pool=None):
+    def __init__(self, block: Block, pool=None, ffn: bool = True):
         super().__init__()
         self.block = block
         self.pool = pool  # a graph memory pool shared by the layers (torch.cuda.graph_pool_handle())
+        self.ffn_in_graph = ffn  # False: the FFN always runs eagerly after the attention half (to compare)
         self.captured: _Captured | None = None
         self.replays = 0
 
@@ -54,17 +60,24 @@ class GraphedBlock(nn.Module):
         b = self.block
         if not self.graphable(x, cache_kv):
             return b(x, positions, cache_kv, start)
-        key = (cache_kv[0].data_ptr(), tuple(cache_kv[0].shape), tuple(x.shape), x.dtype)
+        split = x.shape[0] == 1 and self.split_ffn()  # the split steps take one token
+        key = (cache_kv[0].data_ptr(), tuple(cache_kv[0].shape), tuple(x.shape), x.dtype, split)
         c = self.captured
         if c is None or c.key != key:
             self.captured = None  # frees the old graph before capturing the new one
-            c = self.captured = self._capture(key, x, positions, cache_kv)
+            c = self.captured = self._capture(key, x, positions, cache_kv, split)
         else:
             c.x.copy_(x)
             c.positions.copy_(positions)
-        c.graph.replay()
+        if c.pre is None:
+            c.graph.replay()
+            h = b.ffn(c.f_in)
+        else:
+            tier = b.ffn.tier
+            g0 = tier.mark()
+            c.graph.replay()
+            h = b.ffn.graph_post(c.f_in, *c.pre, marks=(g0, tier.mark()))
         self.replays += 1
-        h = b.ffn(c.f_in)
         if b.sandwich:
             h = b.post_ffn_norm(h)
         return c.res + h
@@ -85,6 +98,11 @@ class GraphedBlock(nn.Module):
         return (x.is_cuda and x.shape[1] == 1 and cache_kv is not None and cache_kv[0].is_cuda
                 and b.pre_norm and isinstance(b.attn, Attention))
 
+    def split_ffn(self) -> bool:
+        """Whether the FFN's device half joins the graph (see the module docstring)."""
+        ffn = self.block.ffn
+        return self.ffn_in_graph and callable(getattr(ffn, "graph_pre", None)) and ffn.graph_ready()
+
     def _attention_half(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, 1, D] -> (res, f_in) [B, 1, D]
         b = self.block
@@ -94,31 +112,37 @@ class GraphedBlock(nn.Module):
         res = x + h
         return res, b.ffn_norm(res)
 
-    def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> _Captured:
+    def _body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool):
+        # what the graph holds: the attention half, then the FFN's device half when split
+        res, f_in = self._attention_half(x, positions, cache_kv)
+        return res, f_in, self.block.ffn.graph_pre(f_in) if split else None
+
+    def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool) -> _Captured:
         sx, sp = x.clone(), positions.clone()
-        # warm up on a side stream (lazy initialisations must not happen inside the capture); it
-        # writes this step's key/value at its position, as the replay will again
+        # warm up on a side stream (lazy initialisations, Triton compilation, must not happen inside
+        # the capture); it writes this step's key/value at its position, as the replay will again
         side = torch.cuda.Stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
-            self._attention_half(sx, sp, cache_kv)
+            self._body(sx, sp, cache_kv, split)
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            res, f_in = self._attention_half(sx, sp, cache_kv)
-        return _Captured(key, graph, sx, sp, res, f_in)
+            res, f_in, pre = self._body(sx, sp, cache_kv, split)
+        return _Captured(key, graph, sx, sp, res, f_in, pre)
 
 
-def graph_blocks(model: nn.Module) -> list[int]:
+def graph_blocks(model: nn.Module, ffn: bool = True) -> list[int]:
     """Wrap every Block of model.layers in a GraphedBlock sharing one graph memory pool (CUDA only;
-    blocks that cannot be graphed still run eagerly through the wrapper). Returns the wrapped layers."""
+    blocks that cannot be graphed still run eagerly through the wrapper; ffn=False keeps every FFN
+    out of the graphs). Returns the wrapped layers."""
     if not torch.cuda.is_available():
         return []
     pool = torch.cuda.graph_pool_handle()
     done = []
     for i, block in enumerate(model.layers):
         if isinstance(block, Block):
-            model.layers[i] = GraphedBlock(block, pool)
+            model.layers[i] = GraphedBlock(block, pool, ffn)
             done.append(i)
     return done
 

@@ -92,6 +92,55 @@ class HybridFFN(FFN):
                               cold_params=self.cold.n * len(self.cold.mats) * self.dim,
                               tokens_per_pass=cpu_tokens_per_pass(self.dim), cuda=self.tier.cuda)
 
+    # ------------------------------------------------------------------ one token, its device half in a CUDA graph
+
+    def graph_ready(self) -> bool:
+        """Whether a one-token step may run as graph_pre inside the block's CUDA graph, then
+        graph_post (executors/graphs.py): on CUDA, with the predictor on the fast tier."""
+        m = self.gpu.mask_fn
+        return self.tier.cuda and getattr(m, "worker", None) is None
+
+    def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The device half of one token: predictor, hot neurons, and the CPU's inputs. Device ops
+        only (a graph captures them once). f_in: [1, 1, D] -> (y [1, D], x float32 [1, D], the
+        predicted mask bool [1, I] hot-first or None)."""
+        x2 = f_in.reshape(1, -1)
+        mask = self.gpu.predict(x2)  # bool [1, I] hot-first, or None
+        y = self.gpu.compute(x2, None if mask is None else mask[:, : self.gpu.n_hot])
+        return y, x2.float(), mask
+
+    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, xf: torch.Tensor, mask: torch.Tensor | None,
+                   marks=(None, None)) -> torch.Tensor:
+        """The host half after graph_pre's replay: x and the cold mask cross to the host, the
+        predicted cold rows run on the CPU, their sum comes back and is added to y in place.
+        marks: timing marks around the replay. -> [1, 1, D]."""
+        book, tier = self.book, self.tier
+        if self.first:
+            book.resolve()
+            book.add("decode", tokens=1, forwards=1)
+        book.span("decode", "gpu_s", *marks)
+        H = self.gpu.n_hot
+        cold_mask = None if mask is None else mask[0, H:]  # [C]
+        if book.enabled:
+            book.add("decode", layer_calls=1, hot_rows=H, cold_rows=self.cold.n)
+            if mask is not None and H:
+                book.count("decode", "rows_gpu", mask[0, :H].sum())
+            elif H:
+                book.add("decode", rows_gpu=H)
+            if self.cold.n:
+                regimes = book.phases["decode"].regimes
+                regimes["cpu"] = regimes.get("cpu", 0) + 1
+        if self.cold.n:
+            t0 = tier.mark()
+            self.decode_io.x.copy_(xf, non_blocking=True)
+            if cold_mask is not None:
+                self.mask_host.copy_(cold_mask, non_blocking=True)
+            book.span("decode", "transfer_s", t0, tier.mark())
+            job = ColdJob(self.cold, self.decode_io.x_np, None if cold_mask is None else self.mask_np,
+                          self.decode_io.out_np, ready=tier.event(), keep=(xf, cold_mask), io=self.decode_io)
+            y = self._receive(self.cpu.submit(job), y, "decode")
+        return y.reshape(f_in.shape)
+
     # ------------------------------------------------------------------ CPU regime
 
     def _send(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str) -> ColdJob:

@@ -291,6 +291,11 @@ class HybridMoE(FFN):
         self.row_scale = np.zeros(self.n_cold * I, np.float32)  # decode: routing weight per cold row
         self.decode_io = HostRows(tier.host_empty, self.dim, 1 if self.n_cold else 0)
         self.decode_routing = HostRouting(tier.host_empty, self.top_k, 1)
+        # a graphed one-token step's input for the host, packed as int32: x (float32 bits) [D], routing
+        # weights (float32 bits) [k], expert ids [k]; numpy views of its parts
+        self.packed = tier.host_empty((self.dim + 2 * self.top_k,), torch.int32)
+        p, D, k = self.packed.numpy(), self.dim, self.top_k
+        self.packed_x, self.packed_w, self.packed_ids = p[:D].view(np.float32)[None], p[D:D + k].view(np.float32)[None], p[D + k:][None]
         self.prefill_io = prefill_io
         self.prefill_routing = prefill_routing or HostRouting(tier.host_empty, self.top_k, 0)
         self.first = False  # the engine's first hybrid layer counts tokens
@@ -306,7 +311,7 @@ class HybridMoE(FFN):
 
     @property
     def buffer_bytes(self) -> int:
-        return self.decode_io.nbytes + self.decode_routing.nbytes + self.row_scale.nbytes
+        return self.decode_io.nbytes + self.decode_routing.nbytes + self.row_scale.nbytes + self.packed.nbytes
 
     # ------------------------------------------------------------------ forward
 
@@ -392,6 +397,51 @@ class HybridMoE(FFN):
         if job is not None:
             y = self._receive(job, y, "decode")
         return y
+
+    # ------------------------------------------------------------------ one token, its device half in a CUDA graph
+
+    def graph_ready(self) -> bool:
+        """Whether a one-token step may run as graph_pre inside the block's CUDA graph, then
+        graph_post (executors/graphs.py): on CUDA, without an expert cache (its hits are decided on
+        the host before the fast tier computes them)."""
+        return self.tier.cuda and self.cache is None
+
+    def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device half of one token: router, shared expert, routed fast-tier experts, and the
+        input packed for the host. Device ops only (a graph captures them once). f_in: [1, 1, D] ->
+        (y [1, D] in the tier's dtype, packed int32 [D + 2k]: see self.packed)."""
+        x2 = f_in.reshape(1, -1)  # [1, D]
+        weights, ids = route(self.router(x2), self.top_k, self.renormalise)  # [1, k] fp32, int64
+        y = self._shared(x2)
+        if self.fast.ids:
+            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
+        packed = torch.cat([x2[0].float().view(torch.int32), weights[0].view(torch.int32), ids[0].to(torch.int32)])
+        return y, packed
+
+    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, marks=(None, None)) -> torch.Tensor:
+        """The host half after graph_pre's replay: the packed input crosses to the host (one copy),
+        the routed host experts run on the CPU, their sum comes back (one copy) and is added to y
+        in place. marks: timing marks around the replay. -> [1, 1, D]."""
+        book, tier = self.book, self.tier
+        if self.first:
+            book.resolve()
+            book.add("decode", tokens=1, forwards=1)
+        book.span("decode", "gpu_s", *marks)
+        book.add("decode", layer_calls=1)
+        if self.n_cold or book.enabled:
+            t0 = tier.mark()
+            self.packed.copy_(packed, non_blocking=True)
+            book.span("decode", "transfer_s", t0, tier.mark())
+            ready = tier.event()
+            if self.n_cold:
+                job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, self.packed_x, self.packed_ids,
+                             self.packed_w, self.decode_io.out_np[:1], ready=ready, keep=(packed,), io=self.decode_io)
+                y = self._receive(self.cpu.submit(job), y, "decode")
+            if book.enabled:
+                if ready is not None:
+                    ready.synchronize()
+                book.add("decode", experts_gpu=int((self.pos[self.packed_ids[0]] < 0).sum()))
+        return y.reshape(f_in.shape)
 
     # ------------------------------------------------------------------ prefill: the CPU or streamed experts
 

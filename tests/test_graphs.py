@@ -3,7 +3,8 @@
 The graphed engine must give the eager engine's logits (and the dense reference's) token by token,
 across families with rotary scaling, sliding windows, QK-norm and sandwich norms, for a dense and a
 MoE FFN; a new KV cache re-captures. CUDA only (run on the GPU machine); on the CPU the wrapper is
-not installed, which one test checks.
+not installed, which one test checks, and the hybrid FFNs' split one-token step (graph_pre, then
+graph_post: what a graph replays, run eagerly) must equal their forward.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hotcold.executors.engine import random_hot
 from hotcold.executors.graphs import GraphedBlock
 from hotcold.executors.moe import random_experts
 from hotcold.models.transformer import KVCache
-from test_executors import assert_close, folder, fresh, reference, tokens  # noqa: F401 (fixture)
+from test_executors import assert_close, folder, fresh, random_predictors, reference, tokens  # noqa: F401 (fixture)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,6 +37,39 @@ def test_cpu_tier_is_not_wrapped(folder):
     lm = fresh(folder, "llama")
     with make_hybrid(lm, random_hot(lm, 0.5), None, threads=2):
         assert not any(isinstance(b, GraphedBlock) for b in lm.model.layers)
+
+
+@pytest.mark.parametrize("family,frac,learned", [("llama", 0.5, True), ("llama", 0.0, True), ("llama", 1.0, False),
+                                                ("qwen3_moe", 0.5, False), ("qwen2_moe", 0.0, False),
+                                                ("qwen2_moe", 1.0, False), ("mixtral", 0.25, False)])
+def test_split_step_matches_forward(folder, family, frac, learned):
+    lm = fresh(folder, family)
+    preds = random_predictors(lm) if learned else None
+    with make_hybrid(lm, random_hot(lm, frac), preds, cpu_dtype="f32", threads=2,
+                     gpu_experts=random_experts(lm, frac)) as eng:
+        gen = torch.Generator().manual_seed(3)
+        split = 0
+        for block in lm.model.layers:
+            ffn = block.ffn
+            if not hasattr(ffn, "graph_pre"):
+                continue
+            for _ in range(3):
+                x = torch.randn(1, 1, lm.config.hidden_size, generator=gen)
+                with torch.inference_mode():
+                    want = ffn(x)
+                    eng.reset_stats()
+                    pre = ffn.graph_pre(x)
+                    got = ffn.graph_post(x, *pre)
+                    split_stats = eng.stats()["decode"]
+                    eng.reset_stats()
+                    ffn(x)
+                    eager_stats = eng.stats()["decode"]
+                assert got.shape == want.shape
+                assert_close(got, want, tol=1e-5)
+                for k in ("rows_gpu", "rows_cpu", "experts_gpu", "experts_cpu", "layer_calls"):
+                    assert split_stats[k] == eager_stats[k], k
+            split += 1
+        assert split == lm.config.num_layers
 
 
 @pytest.mark.cuda

@@ -7,7 +7,7 @@ after a 64-token prompt and prints tok/s; --profile adds, per configuration, tor
 top host-side ops and the kernel launches per token (where eager decoding spends its time).
 
     python tools/make_model.py qwen3-30b-a3b --layers 4 --calib-tokens 64 --format hf --out /tmp/q3
-    python tools/bench_moe_decode.py /tmp/q3/hf [--fractions 1,0.25] [--cache 2GiB] [--profile]
+    python tools/bench_moe_decode.py /tmp/q3/hf [--fractions 1,0.25] [--cache 2GiB] [--inline no,yes] [--profile]
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from hotcold.models.sampling import SamplingParams
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
-def measure(path: str, fraction: float, cache: int, graphs: bool, args) -> str:
+def measure(path: str, fraction: float, cache: int, graphs, inline: bool, args) -> str:
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
-                      expert_cache_bytes=cache, stats=False, threads=args.threads, cuda_graphs=graphs)
+                      expert_cache_bytes=cache, stats=False, threads=args.threads, cuda_graphs=graphs,
+                      cpu_inline=inline)
     try:
         gen = Generator(eng.lm, 512)
         prompt, greedy = list(range(100, 164)), SamplingParams(temperature=0.0)
@@ -38,7 +39,9 @@ def measure(path: str, fraction: float, cache: int, graphs: bool, args) -> str:
         for _ in gen.generate(prompt, args.tokens, greedy, ignore_eos=True):
             pass
         tps = gen.stats.decode_tok_per_s
-        line = f"{fraction:>9.2f} {cache / 2**30:>9.1f} {'yes' if graphs else 'no':>7} {tps:>9.1f} {1e3 / tps:>9.2f}"
+        g = graphs if isinstance(graphs, str) else "yes" if graphs else "no"
+        line = (f"{fraction:>9.2f} {cache / 2**30:>9.1f} {g:>9} {'yes' if inline else 'no':>7}"
+                f" {tps:>9.1f} {1e3 / tps:>9.2f}")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -64,17 +67,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: one per core, less one)")
     ap.add_argument("--fractions", default="1,0.25", help="shares of each layer's experts on the fast tier")
     ap.add_argument("--cache", default="0", help="expert cache size (e.g. 2GiB), CUDA only; 0: none")
-    ap.add_argument("--graphs", default="no,yes", help="CUDA graphs off / on (comma-separated)")
+    ap.add_argument("--graphs", default="no,yes", help="CUDA graphs: no / attention (the attention half only) / yes "
+                    "(attention and the FFN's device half), comma-separated")
+    ap.add_argument("--inline", default="no", help="CPU experts in the main thread rather than a worker: no / yes / no,yes")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0
     print(f"model {args.model}, device {args.device}, {args.dtype}, greedy {args.tokens} tokens after 64")
-    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>7} {'tok/s':>9} {'ms/token':>9}"
+    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'tok/s':>9} {'ms/token':>9}"
           + (f" {'launches':>9}" if args.profile else ""))
     for frac in (float(f) for f in args.fractions.split(",")):
-        for graphs in (g.strip() == "yes" for g in args.graphs.split(",")):
-            print(measure(args.model, frac, cache, graphs, args), flush=True)
+        for graphs in ({"yes": True, "no": False}.get(g.strip(), g.strip()) for g in args.graphs.split(",")):
+            for inline in (i.strip() == "yes" for i in args.inline.split(",")):
+                print(measure(args.model, frac, cache, graphs, inline, args), flush=True)
 
 
 if __name__ == "__main__":
