@@ -63,7 +63,8 @@ class HybridFFN(FFN):
         hot_mask = None if mask is None else mask[..., :H]
         cold_mask = None if mask is None else mask[..., H:].reshape(-1)  # [C]
         regime = self.regime(n) if self.cold.n else None
-        job = self._send(x2, cold_mask, phase) if regime == "cpu" else None
+        late = self.cpu.inline  # an inline job runs when submitted: queue the fast tier's work first
+        job = self._send(x2, cold_mask, phase, submit=not late) if regime == "cpu" else None
         y = self.gpu.compute(x2, hot_mask)  # [N, D]
         if regime == "stream":
             y = y + self._streamed(x2, cold_mask, phase)
@@ -77,6 +78,8 @@ class HybridFFN(FFN):
             if regime:
                 book.phases[phase].regimes[regime] = book.phases[phase].regimes.get(regime, 0) + 1
         if job is not None:
+            if late:
+                self.cpu.submit(job)
             y = self._receive(job, y, phase)
         return y.reshape(shape)
 
@@ -143,8 +146,8 @@ class HybridFFN(FFN):
 
     # ------------------------------------------------------------------ CPU regime
 
-    def _send(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str) -> ColdJob:
-        """Queue the D2H copies of x and the cold mask, and hand the job to the worker."""
+    def _send(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str, submit: bool = True) -> ColdJob:
+        """Queue the D2H copies of x and the cold mask, and hand the job to the worker (or return it unsubmitted)."""
         n, tier = x2.shape[0], self.tier
         io = self.decode_io if n == 1 else self.prefill_io.ensure(n)
         xf = x2.float()  # on the compute stream
@@ -157,7 +160,7 @@ class HybridFFN(FFN):
             ready = tier.event(tier.copy)
         job = ColdJob(self.cold, io.x_np[:n], None if cold_mask is None else self.mask_np, io.out_np[:n],
                       ready=ready, keep=(xf, cold_mask), io=io)
-        return self.cpu.submit(job)
+        return self.cpu.submit(job) if submit else job
 
     def _receive(self, job: ColdJob, y: torch.Tensor, phase: str) -> torch.Tensor:
         """Wait for the worker, copy its result to the fast tier (H2D on the compute stream), add."""

@@ -330,7 +330,8 @@ class HybridMoE(FFN):
             return self._forward_cached(x2, weights, ids, g0).reshape(shape)
         if n > 1 and self.n_cold and self._may_stream():
             return self._forward_prefill(x2, weights, ids, g0).reshape(shape)
-        routing, ready, job = self._send(x2, weights, ids, phase)
+        late = self.cpu.inline  # an inline job runs when submitted: queue the fast tier's work first
+        routing, ready, job = self._send(x2, weights, ids, phase, submit=not late)
         y = self._shared(x2)  # [N, D]
         device_side = n == 1 and tier.cuda  # one token on CUDA: the routing need not reach the host first
         if self.fast.ids and device_side:
@@ -344,6 +345,8 @@ class HybridMoE(FFN):
         book.span(phase, "gpu_s", g0, tier.mark())
         book.add(phase, layer_calls=1)
         if job is not None:
+            if late:
+                self.cpu.submit(job)
             y = self._receive(job, y, phase)
         if self.fast.ids and device_side and book.enabled:  # count the fast tier's experts (the routing has landed
             ready.synchronize()  # by now: the worker waited for it, or the GPU is past it)
@@ -372,7 +375,8 @@ class HybridMoE(FFN):
             book.add("decode", lookahead_named=sum(e in self.named for e in host), lookahead_routed=len(host))
         if job is not None:
             job.skip = frozenset(hits)
-            self.cpu.submit(job)
+            if not self.cpu.inline:  # an inline job runs when submitted: after the fast tier's work is queued
+                self.cpu.submit(job)
         if ahead_ids is not None:  # copies for the next layer start now, beside this layer's compute
             nxt = self.ahead.target
             nxt.named = {int(e) for e in routing.extra_np[: len(ahead_ids)]}
@@ -395,6 +399,8 @@ class HybridMoE(FFN):
         cache.pinned = set()
         book.span("decode", "gpu_s", g0, tier.mark())
         if job is not None:
+            if self.cpu.inline:
+                self.cpu.submit(job)
             y = self._receive(job, y, "decode")
         return y
 
@@ -472,10 +478,13 @@ class HybridMoE(FFN):
         book.add("prefill", wait_s=now() - w0)
         ids_np = routing.ids_np[:n]
         regime = self.regime(ids_np)
-        if regime == "cpu":
+        late = self.cpu.inline  # an inline job runs when submitted: queue the fast tier's work first
+        if regime == "cpu" and not late:
             self.cpu.submit(job)
         if self.fast.ids:
             y = self._gpu_experts(x2, weights, ids_np, y, "prefill")
+        if regime == "cpu" and late:
+            self.cpu.submit(job)
         if regime == "stream":
             y = y + self._streamed(x2, weights, ids_np).to(y.dtype)
         book.span("prefill", "gpu_s", g0, tier.mark())
