@@ -81,12 +81,17 @@ def penalise(logits: torch.Tensor, history: torch.Tensor, params: SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick one id from (already penalised) logits [V]."""
+    """Pick one id from (already penalised) logits [V]. With top_k on, the filters after it work on
+    the k candidates alone, as llama.cpp's sampler chain does (top_p sorting a 151,936-token vocabulary
+    took 9 ms per token on a 2-core machine; the k candidates take microseconds)."""
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
-    logits = top_k_filter(logits, params.top_k)
+    ids = None
+    if 0 < params.top_k < logits.shape[-1]:
+        logits, ids = torch.topk(logits, params.top_k)  # [k] candidates and their ids
     logits = top_p_filter(logits, params.top_p)
     logits = min_p_filter(logits, params.min_p)
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    i = int(torch.multinomial(probs, 1, generator=generator))
+    return i if ids is None else int(ids[i])

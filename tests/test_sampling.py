@@ -89,3 +89,20 @@ def test_split_stop():
     assert split_stop("hello", ["xyz"]) == ("hello", False, "")
     assert split_stop("a</s", ["</s>", "s>"]) == ("a", False, "</s")
     assert split_stop("ab", []) == ("ab", False, "")
+
+
+def test_top_k_candidates_match_full_vocabulary_filters():
+    """The candidate path (top_k first, then top_p / min_p on the k candidates) gives the same
+    distribution as the filters applied in turn to the whole vocabulary."""
+    V = 2000
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(1)) * 3
+    p = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02)
+    ref = logits / p.temperature
+    for f, arg in ((top_k_filter, p.top_k), (top_p_filter, p.top_p), (min_p_filter, p.min_p)):
+        ref = f(ref, arg)
+    want = torch.softmax(ref, dim=-1)
+    n = 6000
+    g = torch.Generator().manual_seed(2)
+    got = torch.bincount(torch.tensor([sample(logits, p, g) for _ in range(n)]), minlength=V).float() / n
+    assert set(torch.nonzero(got).flatten().tolist()) <= set(torch.nonzero(want).flatten().tolist())
+    assert torch.allclose(got, want, atol=0.02)
