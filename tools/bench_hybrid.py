@@ -31,7 +31,6 @@ import torch
 
 from hotcold.executors import make_hybrid, random_hot
 from hotcold.executors.cpu_executor import ColdJob
-from hotcold.executors.host_attention import HostAttention
 from hotcold.models.config import config_from_hf
 from hotcold.models.layers import Rotary
 from hotcold.models.loader import LoadedModel
@@ -186,11 +185,8 @@ def run(args, frac: float) -> dict:
     attn_cpu = set(range(int(round(args.attention_cpu * args.layers))))
     attn_cpu_bytes = sum(p.numel() * p.element_size() for l in attn_cpu for p in lm.model.layers[l].attn.parameters())
     eng = make_hybrid(lm, random_hot(lm, frac, seed=1), None, device=device, dtype=dtype, cpu_dtype=args.cpu_dtype,
-                      threads=args.threads, stats=True, prefill="cpu", attention_cpu=attn_cpu)
-    if args.host_thread == "main":  # the CPU attention in the calling thread, as before it ran on the worker
-        for m in eng.lm.model.modules():
-            if isinstance(m, HostAttention):
-                m.worker = None
+                      threads=args.threads, stats=True, prefill="cpu", attention_cpu=attn_cpu,
+                      cpu_inline=args.host_thread == "inline")
     gc.collect()
     r2 = rss()
     k = int(round(args.active * args.ffn))
@@ -260,8 +256,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU worker's numba threads")
     ap.add_argument("--attention-cpu", type=float, default=0.0,
                     help="fraction of layers (the first ones) whose attention and KV cache stay on the CPU")
-    ap.add_argument("--host-thread", choices=("worker", "main"), default="worker",
-                    help="where CPU attention runs: the CPU worker thread (the engine's way) or the calling thread")
+    ap.add_argument("--host-thread", choices=("inline", "worker"), default="inline",
+                    help="where the CPU parts (cold FFN, CPU attention) run: the calling thread (the engine's default "
+                    "on CUDA with graphs and on the CPU) or a worker thread")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch's intra-op threads (CPU attention's rotary, cache and SDPA ops); default: torch's")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--gpu-bw", type=float, default=None, help="bytes/s instead of measuring")
@@ -269,6 +268,8 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="also time the unconverted model on the device")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "f32")
     if args.device.startswith("cuda"):
         torch.backends.cuda.enable_cudnn_sdp(False)
