@@ -1,0 +1,49 @@
+"""sparse_ops.attention.decode_attention against torch: rotary (rotate halves), the cache write, GQA,
+a sliding window, and scaled_dot_product_attention over the written positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hotcold.models.layers import Rotary, apply_rope, attention_mask
+from hotcold.sparse_ops.attention import decode_attention
+
+
+@pytest.mark.parametrize("H,Hkv,Dh,pos,window,rotary", [(4, 4, 16, 0, None, True), (8, 2, 32, 9, None, True),
+                                                         (6, 3, 8, 20, 5, True), (4, 1, 64, 30, None, False),
+                                                         (2, 2, 16, 31, 32, True)])
+def test_decode_attention_matches_torch(H, Hkv, Dh, pos, window, rotary):
+    gen = torch.Generator().manual_seed(pos)
+    S = 32
+    kc, vc = torch.randn(1, Hkv, S, Dh, generator=gen), torch.randn(1, Hkv, S, Dh, generator=gen)
+    q, k, v = (torch.randn(1, 1, n, Dh, generator=gen) for n in (H, Hkv, Hkv))  # [B, T, heads, Dh]
+    positions = torch.tensor([pos])
+    scale = 0.3
+    rot = Rotary(Dh, 10000.0, None)
+    cos, sin = rot(positions)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    qr, kr = (apply_rope(t, cos, sin) if rotary else t for t in (q, k))
+    want_kc[:, :, pos] = kr[0, 0]
+    want_vc[:, :, pos] = v[0, 0]
+    want = F.scaled_dot_product_attention(qr.transpose(1, 2), want_kc[:, :, : pos + 1], want_vc[:, :, : pos + 1],
+                                          attn_mask=attention_mask(positions, pos + 1, window), scale=scale,
+                                          enable_gqa=H != Hkv)[0, :, 0]  # [H, Dh]
+    got_kc, got_vc = kc[0].numpy().copy(), vc[0].numpy().copy()
+    got = decode_attention(q[0, 0].numpy(), k[0, 0].numpy(), v[0, 0].numpy(), got_kc, got_vc, pos, scale,
+                           cos[0].numpy() if rotary else None, sin[0].numpy() if rotary else None, window)
+    np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
+    np.testing.assert_allclose(got_kc, want_kc[0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(got_vc, want_vc[0].numpy(), atol=0)
+
+
+def test_decode_attention_rejects_mismatched_shapes():
+    z = np.zeros
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention(z((3, 8), np.float32), z((2, 8), np.float32), z((2, 8), np.float32),
+                         z((2, 4, 8), np.float32), z((2, 4, 8), np.float32), 0, 1.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention(z((2, 8), np.float32), z((2, 8), np.float32), z((2, 8), np.float32),
+                         z((2, 4, 8), np.float32), z((2, 4, 8), np.float32), 4, 1.0)
