@@ -16,6 +16,7 @@ from torch import nn
 
 from hotcold.models.config import ModelConfig, MoEConfig
 from hotcold.sparse_ops.attention import decode_attention
+from hotcold.sparse_ops.norm import rms_norm
 
 # ----------------------------------------------------------------------------- norms
 
@@ -30,6 +31,13 @@ class RMSNorm(nn.Module):
         self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= 64 * x.shape[-1] \
+                and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            # a few float32 rows on the CPU (a decode step's norms, QK-norm's heads): one numba call
+            # (sparse_ops.norm), not seven torch ops
+            rows = np.ascontiguousarray(x.detach().reshape(-1, x.shape[-1]).numpy())  # [N, D]
+            y = rms_norm(rows, self.weight.detach().numpy(), self.eps, self.plus_one)
+            return torch.from_numpy(y).reshape(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:

@@ -1,5 +1,6 @@
-"""sparse_ops.attention.decode_attention against torch: rotary (rotate halves), the cache write, GQA,
-a sliding window, and scaled_dot_product_attention over the written positions."""
+"""The CPU decode kernels against torch: sparse_ops.attention.decode_attention (rotary, the cache
+write, GQA, a sliding window, scaled_dot_product_attention over the written positions) and
+sparse_ops.norm.rms_norm (RMSNorm, Gemma's 1 + w)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hotcold.models.layers import Rotary, apply_rope, attention_mask
+from hotcold.models.layers import RMSNorm, Rotary, apply_rope, attention_mask
 from hotcold.sparse_ops.attention import decode_attention
+from hotcold.sparse_ops.norm import rms_norm
 
 
 @pytest.mark.parametrize("H,Hkv,Dh,pos,window,rotary", [(4, 4, 16, 0, None, True), (8, 2, 32, 9, None, True),
@@ -47,3 +49,18 @@ def test_decode_attention_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention(z((2, 8), np.float32), z((2, 8), np.float32), z((2, 8), np.float32),
                          z((2, 4, 8), np.float32), z((2, 4, 8), np.float32), 4, 1.0)
+
+
+@pytest.mark.parametrize("plus_one", [False, True])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rms_norm_matches_torch(plus_one, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=gen) * 3, torch.randn(96, generator=gen)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w if plus_one else w)
+    np.testing.assert_allclose(rms_norm(x.numpy(), w.numpy(), 1e-6, plus_one), want.numpy(), rtol=1e-5, atol=1e-6)
+    norm = RMSNorm(96, 1e-6, plus_one)
+    norm.weight.data = w
+    with torch.inference_mode():  # the module takes the kernel for a few float32 rows on the CPU
+        np.testing.assert_allclose(norm(x).numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # and torch for many rows
+        np.testing.assert_allclose(norm(x.repeat(10, 1)).numpy(), want.repeat(10, 1).numpy(), rtol=1e-5, atol=1e-6)
