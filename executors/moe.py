@@ -291,11 +291,7 @@ class HybridMoE(FFN):
         self.row_scale = np.zeros(self.n_cold * I, np.float32)  # decode: routing weight per cold row
         self.decode_io = HostRows(tier.host_empty, self.dim, 1 if self.n_cold else 0)
         self.decode_routing = HostRouting(tier.host_empty, self.top_k, 1)
-        # a graphed one-token step's input for the host, packed as int32: x (float32 bits) [D], routing
-        # weights (float32 bits) [k], expert ids [k]; numpy views of its parts
-        self.packed = tier.host_empty((self.dim + 2 * self.top_k,), torch.int32)
-        p, D, k = self.packed.numpy(), self.dim, self.top_k
-        self.packed_x, self.packed_w, self.packed_ids = p[:D].view(np.float32)[None], p[D:D + k].view(np.float32)[None], p[D + k:][None]
+        self._packed_buffers(self.dim + 2 * self.top_k)
         self.prefill_io = prefill_io
         self.prefill_routing = prefill_routing or HostRouting(tier.host_empty, self.top_k, 0)
         self.first = False  # the engine's first hybrid layer counts tokens
@@ -308,6 +304,15 @@ class HybridMoE(FFN):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, gpu_experts={len(self.fast.ids)}, cpu_experts={self.n_cold}, top_k={self.top_k}"
+
+    def _packed_buffers(self, n: int) -> None:
+        """The host buffer of a graphed step's packed input, int32 [n]: x (float32 bits) [D], routing
+        weights (float32 bits) [k], expert ids [k], then the look-ahead's guess [n - D - 2k]; numpy
+        views of its parts."""
+        self.packed = self.tier.host_empty((n,), torch.int32)
+        p, D, k = self.packed.numpy(), self.dim, self.top_k
+        self.packed_x, self.packed_w = p[:D].view(np.float32)[None], p[D:D + k].view(np.float32)[None]
+        self.packed_ids, self.packed_named = p[D + k:D + 2 * k][None], p[D + 2 * k:]
 
     @property
     def buffer_bytes(self) -> int:
@@ -355,8 +360,8 @@ class HybridMoE(FFN):
 
     def _forward_cached(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g0) -> torch.Tensor:
         """One token with the expert cache: routed host experts found in the cache run on the fast
-        tier, the rest on the CPU worker; then the next MoE layer's likely experts are prefetched."""
-        book, tier, cache = self.book, self.tier, self.cache
+        tier, the rest on the CPU, while the next MoE layer's likely experts are prefetched."""
+        book, tier = self.book, self.tier
         ahead_ids = self.ahead.guess(self.residual) if self.ahead is not None else None  # [m] on the fast tier
         routing, ready, job = self._send(x2, weights, ids, "decode", submit=False, extra=ahead_ids)
         y = self._shared(x2)  # [1, D]
@@ -364,7 +369,29 @@ class HybridMoE(FFN):
         if ready is not None:
             ready.synchronize()  # routing (and the look-ahead's guess) on the host
         book.add("decode", wait_s=now() - w0)
-        routed_ids = [int(e) for e in routing.ids_np[0]]
+        routed_ids = routing.ids_np[0]
+        if self.fast.ids and tier.cuda:
+            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
+            book.add("decode", experts_gpu=int((self.pos[routed_ids] < 0).sum()))
+        elif self.fast.ids:
+            y = self._gpu_experts(x2, weights, routing.ids_np[:1], y, "decode")
+        named = None if ahead_ids is None else routing.extra_np[: len(ahead_ids)]
+        y = self._cache_step(x2, weights, routed_ids, named, job, y)
+        book.span("decode", "gpu_s", g0, tier.mark())
+        if job is not None:
+            if self.cpu.inline:
+                self.cpu.submit(job)
+            y = self._receive(job, y, "decode")
+        return y
+
+    def _cache_step(self, x2: torch.Tensor, weights: torch.Tensor, routed_ids: np.ndarray, named: np.ndarray | None,
+                    job: "MoEJob | None", y: torch.Tensor) -> torch.Tensor:
+        """The expert cache's part of one token, once its routing is on the host: the routed host
+        experts found in the cache are queued on the fast tier (and skipped by the CPU job, which a
+        worker gets now), the experts the look-ahead `named` for the next MoE layer are prefetched.
+        x2, y: [1, D]; weights: [1, k] on the fast tier; routed_ids: [k] host. Returns y + the hits."""
+        book, cache = self.book, self.cache
+        routed_ids = [int(e) for e in routed_ids]
         host = [e for e in routed_ids if self.pos[e] >= 0]
         cache.pinned = {(self.layer, e) for e in host}
         for key in cache.pinned:
@@ -377,18 +404,13 @@ class HybridMoE(FFN):
             job.skip = frozenset(hits)
             if not self.cpu.inline:  # an inline job runs when submitted: after the fast tier's work is queued
                 self.cpu.submit(job)
-        if ahead_ids is not None:  # copies for the next layer start now, beside this layer's compute
+        if named is not None:  # copies for the next layer start now, beside this layer's compute
             nxt = self.ahead.target
-            nxt.named = {int(e) for e in routing.extra_np[: len(ahead_ids)]}
+            nxt.named = {int(e) for e in named}
             for e in sorted(nxt.named):
                 if nxt.pos[e] >= 0:
                     book.add("decode", experts_prefetched=int(cache.prefetch((nxt.layer, e), nxt.cold,
                                                                              nxt.expert_rows[nxt.pos[e]])))
-        if self.fast.ids and tier.cuda:
-            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
-            book.add("decode", experts_gpu=int(sum(self.pos[e] < 0 for e in routed_ids)))
-        elif self.fast.ids:
-            y = self._gpu_experts(x2, weights, routing.ids_np[:1], y, "decode")
         for e, slot in hits.items():
             gate, up, down_t = cache.weights(slot)
             h = self.fast.act(x2 @ gate.T) * (x2 @ up.T)  # [1, I]
@@ -397,56 +419,72 @@ class HybridMoE(FFN):
             cache.release(slot)
         book.add("decode", experts_gpu=len(hits), experts_cached=len(hits), layer_calls=1)
         cache.pinned = set()
-        book.span("decode", "gpu_s", g0, tier.mark())
-        if job is not None:
-            if self.cpu.inline:
-                self.cpu.submit(job)
-            y = self._receive(job, y, "decode")
         return y
 
     # ------------------------------------------------------------------ one token, its device half in a CUDA graph
 
     def graph_ready(self) -> bool:
         """Whether a one-token step may run as graph_pre inside the block's CUDA graph, then
-        graph_post (executors/graphs.py): on CUDA, without an expert cache (its hits are decided on
-        the host before the fast tier computes them)."""
-        return self.tier.cuda and self.cache is None
+        graph_post (executors/graphs.py): on CUDA."""
+        return self.tier.cuda
 
-    def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The device half of one token: router, shared expert, routed fast-tier experts, and the
-        input packed for the host. Device ops only (a graph captures them once). f_in: [1, 1, D] ->
-        (y [1, D] in the tier's dtype, packed int32 [D + 2k]: see self.packed)."""
+        input packed for the host (with the expert cache, also the look-ahead's guess for the next
+        MoE layer). Device ops only (a graph captures them once; the look-ahead reads the static
+        residual its hook captured). f_in: [1, 1, D] -> (y [1, D] in the tier's dtype, packed int32
+        [D + 2k (+ m)]: see self.packed, routing weights float32 [1, k])."""
         x2 = f_in.reshape(1, -1)  # [1, D]
         weights, ids = route(self.router(x2), self.top_k, self.renormalise)  # [1, k] fp32, int64
         y = self._shared(x2)
         if self.fast.ids:
             y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
-        packed = torch.cat([x2[0].float().view(torch.int32), weights[0].view(torch.int32), ids[0].to(torch.int32)])
-        return y, packed
+        parts = [x2[0].float().view(torch.int32), weights[0].view(torch.int32), ids[0].to(torch.int32)]
+        guess = self.ahead.guess(self.residual) if self.cache is not None and self.ahead is not None else None
+        if guess is not None:
+            parts.append(guess.to(torch.int32))  # [m]
+        return y, torch.cat(parts), weights
 
-    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, marks=(None, None)) -> torch.Tensor:
+    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, weights: torch.Tensor,
+                   marks=(None, None)) -> torch.Tensor:
         """The host half after graph_pre's replay: the packed input crosses to the host (one copy),
-        the routed host experts run on the CPU, their sum comes back (one copy) and is added to y
-        in place. marks: timing marks around the replay. -> [1, 1, D]."""
-        book, tier = self.book, self.tier
+        the routed host experts run on the CPU (or, found in the expert cache, on the fast tier),
+        their sum comes back (one copy) and is added to y in place. marks: timing marks around the
+        replay. -> [1, 1, D]."""
+        book, tier, cache = self.book, self.tier, self.cache
         if self.first:
             book.resolve()
             book.add("decode", tokens=1, forwards=1)
         book.span("decode", "gpu_s", *marks)
-        book.add("decode", layer_calls=1)
-        if self.n_cold or book.enabled:
-            t0 = tier.mark()
-            self.packed.copy_(packed, non_blocking=True)
-            book.span("decode", "transfer_s", t0, tier.mark())
-            ready = tier.event()
-            if self.n_cold:
-                job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, self.packed_x, self.packed_ids,
-                             self.packed_w, self.decode_io.out_np[:1], ready=ready, keep=(packed,), io=self.decode_io)
-                y = self._receive(self.cpu.submit(job), y, "decode")
-            if book.enabled:
-                if ready is not None:
-                    ready.synchronize()
-                book.add("decode", experts_gpu=int((self.pos[self.packed_ids[0]] < 0).sum()))
+        if cache is None:
+            book.add("decode", layer_calls=1)
+        if not (self.n_cold or book.enabled):
+            return y.reshape(f_in.shape)
+        if self.packed.numel() != packed.numel():  # the look-ahead's guess rides along
+            self._packed_buffers(packed.numel())
+        t0 = tier.mark()
+        self.packed.copy_(packed, non_blocking=True)
+        book.span("decode", "transfer_s", t0, tier.mark())
+        ready = tier.event()
+        job = None
+        if self.n_cold:
+            job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, self.packed_x, self.packed_ids,
+                         self.packed_w, self.decode_io.out_np[:1], ready=ready, keep=(packed,), io=self.decode_io)
+        if cache is not None:
+            w0 = now()
+            if ready is not None:
+                ready.synchronize()  # the cache's hits are decided on the host
+            book.add("decode", wait_s=now() - w0)
+            named = self.packed_named if len(self.packed_named) else None
+            y = self._cache_step(f_in.reshape(1, -1), weights, self.packed_ids[0], named, job, y)
+        if job is not None:
+            if cache is None or self.cpu.inline:  # (with the cache, a worker got it in _cache_step)
+                self.cpu.submit(job)
+            y = self._receive(job, y, "decode")
+        if book.enabled:
+            if ready is not None:
+                ready.synchronize()
+            book.add("decode", experts_gpu=int((self.pos[self.packed_ids[0]] < 0).sum()))
         return y.reshape(f_in.shape)
 
     # ------------------------------------------------------------------ prefill: the CPU or streamed experts

@@ -72,6 +72,33 @@ def test_split_step_matches_forward(folder, family, frac, learned):
         assert split == lm.config.num_layers
 
 
+def test_split_step_with_the_expert_cache_matches_forward(folder):
+    ref = reference(folder, "qwen3_moe")
+    lm = fresh(folder, "qwen3_moe")
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=random_experts(lm, 0.25),
+                     expert_cache_bytes=1 << 20, prefetch_experts=4) as eng:
+        gen = torch.Generator().manual_seed(4)
+        layers = [l for l, b in enumerate(lm.model.layers) if hasattr(b.ffn, "cache")]
+        moes = [lm.model.layers[l].ffn for l in layers]
+        assert moes[0].cache is not None and moes[0].ahead is not None
+        k, cached = lm.config.top_k, 0
+        for step in range(6):
+            for l, ffn in zip(layers, moes):
+                x = torch.randn(1, 1, lm.config.hidden_size, generator=gen)
+                ffn.residual = torch.randn(1, 1, lm.config.hidden_size, generator=gen)  # what the norm's hook holds
+                with torch.inference_mode():
+                    want = ref.model.layers[l].ffn(x)  # the dense MoE layer
+                    eager = ffn(x)
+                    eng.reset_stats()
+                    got = ffn.graph_post(x, *ffn.graph_pre(x))
+                    st = eng.stats()["decode"]
+                assert_close(eager, want, tol=1e-5)
+                assert_close(got, want, tol=1e-5)
+                assert st["experts_gpu"] + st["experts_cpu"] == k and st["layer_calls"] == 1, (step, st)
+                cached += st["experts_cached"]
+        assert cached > 0  # the split step computed experts from the cache
+
+
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "opt"])
@@ -95,3 +122,18 @@ def test_graphed_steps_match_eager_and_reference(folder, family):
                 assert [b.replays for b in blocks] == [2 * (toks.shape[1] - 3)] * len(blocks)
     assert_close(got[True], got[False], tol=1e-5)
     assert_close(got[True], want, tol=2e-5)
+
+
+@pytest.mark.cuda
+@CUDA
+def test_graphed_steps_with_the_expert_cache_match_reference(folder):
+    toks = tokens(n=14, seed=22, device="cuda")
+    want = step_logits(reference(folder, "qwen3_moe", "cuda"), toks, 20)
+    lm = fresh(folder, "qwen3_moe", "cuda")
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=random_experts(lm, 0.25),
+                     expert_cache_bytes=1 << 20, prefetch_experts=4) as eng:
+        got = step_logits(lm, toks, 20)
+        st = eng.stats()["decode"]
+        assert all(b.replays == toks.shape[1] - 3 for b in lm.model.layers)
+    assert st["experts_cached"] > 0 and st["experts_prefetched"] > 0
+    assert_close(got, want, tol=2e-5)
