@@ -26,7 +26,7 @@ from hotcold.models.sampling import SamplingParams
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
-def measure(path: str, fraction: float, cache: int, graphs, inline: bool, args) -> str:
+def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, args) -> str:
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
                       expert_cache_bytes=cache, stats=False, threads=args.threads, cuda_graphs=graphs,
@@ -40,7 +40,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool, args) 
             pass
         tps = gen.stats.decode_tok_per_s
         g = graphs if isinstance(graphs, str) else "yes" if graphs else "no"
-        line = (f"{fraction:>9.2f} {cache / 2**30:>9.1f} {g:>9} {'yes' if inline else 'no':>7}"
+        line = (f"{fraction:>9.2f} {cache / 2**30:>9.1f} {g:>9} {'auto' if inline is None else 'yes' if inline else 'no':>7}"
                 f" {tps:>9.1f} {1e3 / tps:>9.2f}")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--cache", default="0", help="expert cache size (e.g. 2GiB), CUDA only; 0: none")
     ap.add_argument("--graphs", default="no,yes", help="CUDA graphs: no / attention (the attention half only) / yes "
                     "(attention and the FFN's device half), comma-separated")
-    ap.add_argument("--inline", default="no", help="CPU experts in the main thread rather than a worker: no / yes / no,yes")
+    ap.add_argument("--inline", default="auto", help="CPU experts in the main thread rather than a worker: no / yes / "
+                    "auto (the engine's default: yes with graphs) / no,yes")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     args = ap.parse_args()
@@ -79,7 +80,7 @@ def main() -> None:
           + (f" {'launches':>9}" if args.profile else ""))
     for frac in (float(f) for f in args.fractions.split(",")):
         for graphs in ({"yes": True, "no": False}.get(g.strip(), g.strip()) for g in args.graphs.split(",")):
-            for inline in (i.strip() == "yes" for i in args.inline.split(",")):
+            for inline in ({"yes": True, "no": False}.get(i.strip()) for i in args.inline.split(",")):
                 print(measure(args.model, frac, cache, graphs, inline, args), flush=True)
 
 
