@@ -45,8 +45,9 @@ class _Captured:
 
 
 class GraphedBlock(nn.Module):
-    """A Block whose one-token steps on CUDA replay a graph of the attention half (see the module
-    docstring); same forward signature as Block. `block` keeps the modules (and their names)."""
+    """A Block whose one-token steps on CUDA replay a graph of the attention half and, where the FFN
+    offers one, of its device half (see the module docstring); same forward signature as Block.
+    `block` keeps the modules (and their names)."""
 
     def __init__(self, block: Block, pool=None, ffn: bool = True):
         super().__init__()

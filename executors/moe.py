@@ -14,7 +14,8 @@ only the routed GPU experts, so the fast tier never synchronises on data-depende
 main thread blocks twice: on the routing copy (while the shared expert runs) and on the CPU result.
 x is copied for every token (choosing the CPU-routed ones on the device would need a sync first).
 One token on CUDA finds its fast-tier experts on the device (sparse_ops/moe_gpu.py), without the
-routing sync. For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the
+routing sync; with CUDA graphs the whole device half (router to the packed host input) is replayed
+inside the block's graph (`graph_pre`) and `graph_post` does the host half after the replay. For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the
 host first and `moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the
 fast tier from their rows streamed through the two slots (a long prompt routes tokens to nearly
 every expert, and the worker would re-read each one per token tile).
