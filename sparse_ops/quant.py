@@ -4,9 +4,9 @@ A `QuantMatrix` is R rows of C logical columns, each row a contiguous run of C /
 blocks of one type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), held as uint8 [R, bytes_per_row]: exactly
 what `gguf.GGUFReader` exposes for a quantised tensor, so a memory-mapped file is used in place.
 The kernels never expand the matrix: each block is decoded in registers and multiplied by float32
-x (or accumulated into out), reading only the selected rows, 2 or 4 rows side by side (see "Rows side by
-side" below). Accumulation is float32. Same threading model as `cpu`: numba, `nogil`, thread count
-from `cpu.set_threads` in the calling thread.
+x (or accumulated into out), reading only the selected rows, several side by side (8 on AVX-512, else
+4; see "Rows side by side" below). Accumulation is float32. Same threading model as `cpu`: numba,
+`nogil`, thread count from `cpu.set_threads` in the calling thread.
 
 Offsets that are constant over a block (Q4_0's -8, Q5_0's -16, Q4_1's / Q5_1's min, the K-quants' mins,
 Q6_K's -32) are
@@ -24,15 +24,20 @@ Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the 
   Q5_K 176 B / 256: d, dmin, scales[12], qh[32], qs[128] as Q4_K with a 5th bit (qh[l] >> s) & 1
   Q6_K 210 B / 256: ql[128], qh[64], scales int8[16], d  16 sub-blocks of 16: w = d * sc_g * (q - 32)
 
-Q8 activations (`xq=True`, Q8_0 / Q4_0 only): x is quantised per 32-block to int8 with a float32
-scale, as llama.cpp does, and blocks are dotted in integers (AVX-512 VNNI where the CPU has it; see
-"Q8_0 / Q4_0 in LLVM vector IR" for these two types' kernels). Measured (`tools/bench_quant.py
---flush-mb 128`: rows from DRAM, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads): Q8_0
-12.4 / 20.0 float x against 14.0 / 20.5 xq; Q4_0 6.9 / 11.9 against 9.5 / 14.3. It costs accuracy:
-relative RMS error of y against the stored weights 0.0056 (Gaussian x) to 0.011 (x with outlier
-channels), 0 for float x. For Q4_0 that is lost in the weights' own error (total against float
-weights 0.0868 -> 0.0869 / 0.0870), so Q4_0 uses xq by default; for Q8_0 it would double the total
-error (0.0055 -> 0.0078 / 0.012), so Q8_0 keeps float x (`XQ_DEFAULT`).
+Q8 activations (`xq=True`; Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): x is quantised per 32-block to int8 with a
+float32 scale, as llama.cpp does (it uses 256-blocks for the K-quants), and blocks are dotted in
+integers (AVX-512 VNNI where the CPU has it; see the LLVM IR sections). Measured (`tools/bench_quant.py
+--flush-mb 128`: rows from DRAM, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads), float x
+against xq: Q8_0 16.2 / 24.4 against 19.5 / 24.2, Q4_0 8.4 / 14.1 against 12.5 / 19.6, Q4_K 7.2 / 12.5
+against 12.3 / 17.4, Q5_K 8.3 / 14.6 against 12.7 / 18.8, Q6_K 8.5 / 14.7 against 13.1 / 20.4. It costs
+accuracy (`tools/bench_quant.py --xq-error`: quantised Gaussian W [4096, 4096], relative RMS error of
+y = W x, Gaussian x | x with 8 outlier channels at 30x): against the stored weights 0.0053 | 0.0107
+for every type (0 for float x); against the float weights, float x -> xq:
+  Q8_0 0.0054 -> 0.0075 | 0.0052 -> 0.0119     Q4_0 0.0861 -> 0.0864 | 0.0833 -> 0.0841
+  Q4_K 0.0773 -> 0.0775 | 0.0754 -> 0.0764     Q5_K 0.0377 -> 0.0379 | 0.0373 -> 0.0388
+  Q6_K 0.0192 -> 0.0199 | 0.0186 -> 0.0215
+xq is the default only where its error is lost in the weights' own (`XQ_DEFAULT`): Q4_0 and Q4_K.
+Q5_K's nearly is (+0.5% / +4%); for Q6_K it would add 4% / 16%, for Q8_0 40% / 130%.
 
 Q5_0 / Q5_1 take float x only. An integer Q5_0 path (a numba block loop, 5-bit q in int16 lanes) was
 measured slower, 2.8 / 5.8 GB/s against 3.1 / 6.2 for float x (1 / 2 threads), and it would raise the
@@ -64,7 +69,8 @@ _NAME_OF_ID = {v[0]: k for k, v in QTYPES.items()}
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (
     QTYPES[k][0] for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
 DOWN_T_DEFAULT = "Q8_0"  # type of the transposed W_down built at load time (see transpose_quantized)
-XQ_DEFAULT = frozenset({"Q4_0"})  # types whose GEMVs quantise x to Q8 by default (see module docstring)
+XQ_DEFAULT = frozenset({"Q4_0", "Q4_K"})  # types whose GEMVs quantise x to Q8 by default (see module docstring)
+_XQ_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")  # types with Q8-activation kernels
 _JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)
 _BLOCK = 8  # rows per parallel task
 
@@ -154,7 +160,7 @@ class QuantMatrix:
 
 
 # ---------------------------------------------------------------------------------------------
-# Block decoding (all types but Q8_0 / Q4_0 / Q4_1, which have the LLVM IR kernels further down). wr: uint8
+# Block decoding (Q5_0, Q5_1; the other types have the LLVM IR kernels further down). wr: uint8
 # [bytes_per_row] (one row), b: block index, xs: float32 [C/16] sums of x over 16 elements. *_dot
 # return block b of the row · x; *_axpy do p[block b] += c * block b.
 #
@@ -163,7 +169,7 @@ class QuantMatrix:
 # - the loop lengths come from `n` (= 16, passed at run time by the kernels): with a constant trip
 #   count of 16 or 32, LLVM unrolls the loop fully and leaves it scalar;
 # - indices inside the loops are uint64 (`_U`): numba wraps negative signed indices, and where LLVM
-#   cannot prove an index >= 0 the loads become per-lane inserts (Q6_K: 2.5x slower).
+#   cannot prove an index >= 0 the loads become per-lane inserts (2.5x slower in a former Q6_K loop).
 
 _INLINE = dict(nogil=True, fastmath=True, inline="always")
 _N16 = 16  # the run-time loop length handed to the kernels
@@ -174,12 +180,6 @@ _U = np.uint64
 def _f16(wr, o):
     # fp16 stored little-endian at wr[o], wr[o + 1] -> float32
     return _f16_bits_to_f32(np.uint16(np.uint32(wr[o]) | (np.uint32(wr[o + 1]) << 8)))
-
-
-@njit(**_INLINE)
-def _i8(v):
-    # uint8 byte -> its int8 value, as float32
-    return np.float32(np.int8(v))
 
 
 @njit(**_INLINE)
@@ -227,89 +227,6 @@ def _q5_1_dot(wr, b, x, xs, n):
 
 
 @njit(**_INLINE)
-def _k_scale_min(wr, o, j):
-    # 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes at wr[o:o + 12]
-    if j < 4:
-        return np.float32(wr[o + j] & 63), np.float32(wr[o + j + 4] & 63)
-    sc = (wr[o + j + 4] & 15) | ((wr[o + j - 4] >> 6) << 4)
-    m = (wr[o + j + 4] >> 4) | ((wr[o + j] >> 6) << 4)
-    return np.float32(sc), np.float32(m)
-
-
-@njit(**_INLINE)
-def _q4_k_dot(wr, b, x, xs, n):
-    o, xo = b * 144, b * 256
-    acc = np.float32(0.0)
-    mins = np.float32(0.0)
-    for c in range(4):
-        sl, ml = _k_scale_min(wr, o + 4, 2 * c)
-        sh, mh = _k_scale_min(wr, o + 4, 2 * c + 1)
-        lo = np.float32(0.0)
-        hi = np.float32(0.0)
-        q0, x0, x32 = _U(o + 16 + 32 * c), _U(xo + 64 * c), _U(xo + 64 * c + 32)
-        for l in range(_U(2 * n)):
-            q = wr[q0 + l]
-            lo += _u8f(q & 15) * x[x0 + l]
-            hi += _u8f(q >> 4) * x[x32 + l]
-        acc += sl * lo + sh * hi
-        s16 = xo // 16 + 4 * c
-        mins += ml * (xs[s16] + xs[s16 + 1]) + mh * (xs[s16 + 2] + xs[s16 + 3])
-    return _f16(wr, o) * acc - _f16(wr, o + 2) * mins
-
-
-@njit(**_INLINE)
-def _q5_k_dot(wr, b, x, xs, n):
-    o, xo = b * 176, b * 256
-    acc = np.float32(0.0)
-    mins = np.float32(0.0)
-    for c in range(4):
-        sl, ml = _k_scale_min(wr, o + 4, 2 * c)
-        sh, mh = _k_scale_min(wr, o + 4, 2 * c + 1)
-        lo = np.float32(0.0)
-        hi = np.float32(0.0)
-        q0, h0, x0, x32 = _U(o + 48 + 32 * c), _U(o + 16), _U(xo + 64 * c), _U(xo + 64 * c + 32)
-        bl, bh = np.uint8(1 << (2 * c)), np.uint8(2 << (2 * c))  # 5th bit of sub-blocks 2c, 2c + 1 in qh
-        fl, fh = np.float32(16.0) / np.float32(bl), np.float32(16.0) / np.float32(bh)
-        for l in range(_U(2 * n)):
-            q = wr[q0 + l]
-            h = wr[h0 + l]
-            lo += (_u8f(q & 15) + _u8f(h & bl) * fl) * x[x0 + l]
-            hi += (_u8f(q >> 4) + _u8f(h & bh) * fh) * x[x32 + l]
-        acc += sl * lo + sh * hi
-        s16 = xo // 16 + 4 * c
-        mins += ml * (xs[s16] + xs[s16 + 1]) + mh * (xs[s16 + 2] + xs[s16 + 3])
-    return _f16(wr, o) * acc - _f16(wr, o + 2) * mins
-
-
-@njit(**_INLINE)
-def _q6_k_dot(wr, b, x, xs, n):
-    # element 128h + 32k + l (k < 4, l < 32): low 4 bits from ql[64h + l + 32 (k & 1)] (>> 4 if k >= 2),
-    # high 2 bits from qh[32h + l] >> 2k; scale of group 8h + 2k + l // 16
-    o, xo = b * 210, b * 256
-    acc = np.float32(0.0)
-    for h in range(2):
-        for half in range(2):
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            q0, h0 = _U(o + 64 * h + 16 * half), _U(o + 128 + 32 * h + 16 * half)
-            x0 = _U(xo + 128 * h + 16 * half)
-            for l in range(_U(n)):
-                a = wr[q0 + l]
-                c = wr[q0 + _U(32) + l]
-                hb = wr[h0 + l]
-                s0 += _u8f((a & 15) | ((hb & 3) << 4)) * x[x0 + l]
-                s1 += _u8f((c & 15) | ((hb & 12) << 2)) * x[x0 + _U(32) + l]
-                s2 += _u8f((a >> 4) | (hb & 48)) * x[x0 + _U(64) + l]
-                s3 += _u8f((c >> 4) | ((hb & 192) >> 2)) * x[x0 + _U(96) + l]
-            sc = o + 192 + 8 * h + half
-            x16 = xo // 16 + 8 * h + half
-            acc += (_i8(wr[sc]) * (s0 - np.float32(32.0) * xs[x16])
-                    + _i8(wr[sc + 2]) * (s1 - np.float32(32.0) * xs[x16 + 2])
-                    + _i8(wr[sc + 4]) * (s2 - np.float32(32.0) * xs[x16 + 4])
-                    + _i8(wr[sc + 6]) * (s3 - np.float32(32.0) * xs[x16 + 6]))
-    return _f16(wr, o + 208) * acc
-
-
-@njit(**_INLINE)
 def _u32(wr, o):
     # uint32 stored little-endian at wr[o:o + 4]
     return (np.uint32(wr[o]) | (np.uint32(wr[o + 1]) << 8) | (np.uint32(wr[o + 2]) << 16)
@@ -345,63 +262,9 @@ def _q5_1_axpy(wr, b, c, p, n):
         p[up16 + l] += cd * (_u8f(q >> 4) + _hi16(h, m << np.uint32(16))) + cm
 
 
-@njit(**_INLINE)
-def _q4_k_axpy(wr, b, c, p, n):
-    o, po = b * 144, b * 256
-    cd, cm = c * _f16(wr, o), c * _f16(wr, o + 2)
-    for k in range(4):
-        sl, ml = _k_scale_min(wr, o + 4, 2 * k)
-        sh, mh = _k_scale_min(wr, o + 4, 2 * k + 1)
-        dl, dh, ol, oh = cd * sl, cd * sh, cm * ml, cm * mh
-        q0, p0, p32 = _U(o + 16 + 32 * k), _U(po + 64 * k), _U(po + 64 * k + 32)
-        for l in range(_U(2 * n)):
-            q = wr[q0 + l]
-            p[p0 + l] += dl * _u8f(q & 15) - ol
-            p[p32 + l] += dh * _u8f(q >> 4) - oh
-
-
-@njit(**_INLINE)
-def _q5_k_axpy(wr, b, c, p, n):
-    o, po = b * 176, b * 256
-    cd, cm = c * _f16(wr, o), c * _f16(wr, o + 2)
-    for k in range(4):
-        sl, ml = _k_scale_min(wr, o + 4, 2 * k)
-        sh, mh = _k_scale_min(wr, o + 4, 2 * k + 1)
-        dl, dh, ol, oh = cd * sl, cd * sh, cm * ml, cm * mh
-        q0, h0, p0, p32 = _U(o + 48 + 32 * k), _U(o + 16), _U(po + 64 * k), _U(po + 64 * k + 32)
-        bl, bh = np.uint8(1 << (2 * k)), np.uint8(2 << (2 * k))  # 5th bit of sub-blocks 2k, 2k + 1 in qh
-        fl, fh = np.float32(16.0) / np.float32(bl), np.float32(16.0) / np.float32(bh)
-        for l in range(_U(2 * n)):
-            q = wr[q0 + l]
-            h = wr[h0 + l]
-            p[p0 + l] += dl * (_u8f(q & 15) + _u8f(h & bl) * fl) - ol
-            p[p32 + l] += dh * (_u8f(q >> 4) + _u8f(h & bh) * fh) - oh
-
-
-@njit(**_INLINE)
-def _q6_k_axpy(wr, b, c, p, n):
-    o, po = b * 210, b * 256
-    cd = c * _f16(wr, o + 208)
-    for h in range(2):
-        for half in range(2):
-            sc = o + 192 + 8 * h + half
-            d0, d1 = cd * _i8(wr[sc]), cd * _i8(wr[sc + 2])
-            d2, d3 = cd * _i8(wr[sc + 4]), cd * _i8(wr[sc + 6])
-            q0, h0 = _U(o + 64 * h + 16 * half), _U(o + 128 + 32 * h + 16 * half)
-            p0 = _U(po + 128 * h + 16 * half)
-            for l in range(_U(n)):
-                a = wr[q0 + l]
-                e = wr[q0 + _U(32) + l]
-                hb = wr[h0 + l]
-                p[p0 + l] += d0 * (_u8f((a & 15) | ((hb & 3) << 4)) - np.float32(32.0))
-                p[p0 + _U(32) + l] += d1 * (_u8f((e & 15) | ((hb & 12) << 2)) - np.float32(32.0))
-                p[p0 + _U(64) + l] += d2 * (_u8f((a >> 4) | (hb & 48)) - np.float32(32.0))
-                p[p0 + _U(96) + l] += d3 * (_u8f((e >> 4) | ((hb & 192) >> 2)) - np.float32(32.0))
-
-
 # ---------------------------------------------------------------------------------------------
 # Q8_0 / Q4_0 (and Q4_1) in LLVM vector IR. These two types carry most decode work (Q4_0 weights with Q8
-# activations, the Q8_0 W_down copy), and LLVM vectorises their numba block loops above badly: for
+# activations, the Q8_0 W_down copy), and LLVM vectorises numba block loops like the ones above badly: for
 # 16-lane blocks it picks wider vectors, runs every block through its remainder loop and reduces it
 # to a scalar, and it forms no VNNI dot products. So each (type, kernel) is a numba intrinsic that
 # walks all blocks of _IR_ROWS rows with explicit vectors:
@@ -411,19 +274,25 @@ def _q6_k_axpy(wr, b, c, p, n):
 #   vpmaddwd (Q8_0) when numba compiles for a CPU that has them, else even / odd int32 products,
 #   which LLVM lowers to pmaddwd where it can;
 # - 8 rows side by side rather than 4 (more memory streams in flight): +10-20% with rows from DRAM,
-#   1 / 2 threads (Q4_0 xq 7.9 / 14.3 -> 9.4 / 15.6 GB/s, Q8_0 xq 11.7 / 19.9 -> 14.1 / 21.7).
-# Prefetching the next rows' first lines was tried: +0-12%, not consistently, so left out.
+#   1 / 2 threads (Q4_0 xq 7.9 / 14.3 -> 9.4 / 15.6 GB/s, Q8_0 xq 11.7 / 19.9 -> 14.1 / 21.7);
+# - while a group of rows is read, the next group's are prefetched into L2 (`_prefetch`: block b of
+#   each next row with block b of the current ones). The hardware prefetchers start over on every
+#   row, and a selection's rows are short and scattered; "no pf" below is without. Prefetching only
+#   the next rows' first lines gave +0-12%; prefetcht0 (into L1) instead of L2, less than L2; two
+#   groups ahead, the same as one.
 # Measured (`tools/bench_quant.py --flush-mb 128 --baseline`: rows from DRAM, 2-core AVX-512 VNNI
-# machine, GB/s of weights, 1 / 2 threads; "before": the numba block loops above, 4 rows):
+# machine, GB/s of weights, 1 / 2 threads; "before": the numba block loops, 4 rows):
 #            qgemv_rows    qgemv_rows xq   qaxpy_rows    qffn_rows (one type for all three)
-#   Q8_0     12.4 / 20.0   14.0 / 20.5     12.0 / 17.5   13.1 / 20.5
+#   Q8_0     16.2 / 24.4   19.5 / 24.2     15.4 / 21.0   16.9 / 25.4
+#   no pf    13.0 / 21.2   14.2 / 22.4     12.7 / 19.9   13.4 / 21.8
 #   before    8.0 / 14.4    7.3 / 13.5      7.3 / 13.1    7.8 / 14.4
-#   Q4_0      6.9 / 11.9    9.5 / 14.3      6.3 / 10.8    8.1 / 14.0
+#   Q4_0      8.4 / 14.1   12.5 / 19.6      7.9 / 13.0   11.1 / 18.5
+#   no pf     7.3 / 12.4    9.6 / 15.1      7.0 / 11.0    8.5 / 14.3
 #   before    4.2 /  7.9    3.9 /  7.1      4.2 /  7.6    4.0 /  7.5
 # Re-reading one selection (rows in the L3 cache), Q4_0 xq at 2 threads: 30 against 9.5 (4 rows).
 # Q4_1 (float x only: w = d q + m, the min times the block's sum of x, from _sums16) takes the same
-# kernels: 2 threads, from DRAM, qgemv_rows / qaxpy_rows / qffn_rows 7.5 / 7.7 / 8.0 -> 12.5 / 10.1 /
-# 12.7 GB/s (SmolLM2's file is Q4_1).
+# kernels: 2 threads, from DRAM, qgemv_rows / qaxpy_rows / qffn_rows 7.5 / 7.7 / 8.0 (numba loops) ->
+# 12.9 / 10.4 / 12.8 (no pf) -> 14.8 / 11.6 / 15.2 GB/s (SmolLM2's file is Q4_1).
 #
 # A block's 32 values are handled in element order (Q4_0: its 16 low nibbles are elements 0-15, the
 # high ones 16-31), as x and the Q8 activations are stored. Row pointers come from numba arrays, so
@@ -502,24 +371,32 @@ def _block_f32(bd, qt, row, b):
     return d, [bd.sitofp(h, ir.VectorType(_F32, 16)) for h in (lo, hi)], m
 
 
-def _int_dot(bd, qt, q, xq):
-    # q (Q4_0: unsigned nibbles) . xq, <32 x i8> each -> <8 or 16 x i32> of partial sums
+def _dot_lanes(qt):
+    # int32 lanes of _int_dot's result for qt (float accumulators of the xq kernels have as many)
+    return 8 if _VNNI and qt != Q8_0 else 16
+
+
+def _int_dot(bd, qt, q, xq, acc=None):
+    # q . xq, <32 x i8> each -> <_dot_lanes(qt) x i32> of partial sums (+ acc); q signed for Q8_0,
+    # unsigned for the others (Q4_0's nibbles, the K-quants' 4-6 bit values). Lanes are in element
+    # order: the first half of the lanes sums elements 0-15, the second half 16-31.
     v16 = ir.VectorType(_I16, 32)
-    if _VNNI and qt == Q4_0:  # 4 u8 x s8 products per int32 lane
+    if _VNNI and qt != Q8_0:  # 4 u8 x s8 products per int32 lane, added to acc
         t = ir.VectorType(_I32, 8)
         f = bd.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(t, [t] * 3))
-        return bd.call(f, [_vconst(_I32, 8, 0), bd.bitcast(q, t), bd.bitcast(xq, t)])
+        return bd.call(f, [_vconst(_I32, 8, 0) if acc is None else acc, bd.bitcast(q, t), bd.bitcast(xq, t)])
     if _VNNI:  # Q8_0: int16 pairs
         f = bd.module.declare_intrinsic("llvm.x86.avx512.pmaddw.d.512",
                                         fnty=ir.FunctionType(ir.VectorType(_I32, 16), [v16] * 2))
-        return bd.call(f, [bd.sext(q, v16), bd.sext(xq, v16)])
-    # portable: even + odd products in int32, which LLVM turns into pmaddwd where it can
-    t = ir.VectorType(_I32, 16)
-    ext = bd.zext if qt == Q4_0 else bd.sext
-    ev, od = list(range(0, 32, 2)), list(range(1, 32, 2))
-    return bd.add(bd.mul(ext(_shuffle(bd, q, ev), t), bd.sext(_shuffle(bd, xq, ev), t), flags=["nsw"]),
-                  bd.mul(ext(_shuffle(bd, q, od), t), bd.sext(_shuffle(bd, xq, od), t), flags=["nsw"]),
-                  flags=["nsw"])
+        r = bd.call(f, [bd.sext(q, v16), bd.sext(xq, v16)])
+    else:  # portable: even + odd products in int32, which LLVM turns into pmaddwd where it can
+        t = ir.VectorType(_I32, 16)
+        ext = bd.sext if qt == Q8_0 else bd.zext
+        ev, od = list(range(0, 32, 2)), list(range(1, 32, 2))
+        r = bd.add(bd.mul(ext(_shuffle(bd, q, ev), t), bd.sext(_shuffle(bd, xq, ev), t), flags=["nsw"]),
+                   bd.mul(ext(_shuffle(bd, q, od), t), bd.sext(_shuffle(bd, xq, od), t), flags=["nsw"]),
+                   flags=["nsw"])
+    return r if acc is None else bd.add(r, acc)
 
 
 def _ir_types_ok(w, rows, *vectors):
@@ -529,6 +406,33 @@ def _ir_types_ok(w, rows, *vectors):
             and isinstance(rows, types.Array) and rows.ndim == 1 and rows.dtype == types.int64
             and all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt
                     for a, dt in vectors))
+
+
+def _next_rows(context, bd, sig, args):
+    # args (w, rows, j, ...) -> pointers to the next _IR_ROWS rows, rows[j + _IR_ROWS + r] of w (r <
+    # _IR_ROWS; past the end of rows, its last row), which the kernels prefetch (_prefetch)
+    w = context.make_array(sig.args[0])(context, bd, args[0])
+    rows = context.make_array(sig.args[1])(context, bd, args[1])
+    last = bd.sub(bd.extract_value(rows.shape, 0), ir.Constant(_I64, 1))
+    stride = bd.extract_value(w.strides, 0)
+    ptrs = []
+    for r in range(_IR_ROWS):
+        i = bd.add(args[2], ir.Constant(_I64, _IR_ROWS + r))
+        i = bd.select(bd.icmp_signed("<", i, last), i, last)
+        row = bd.load(cgutils.get_item_pointer(context, bd, sig.args[1], rows, [i]))
+        ptrs.append(bd.gep(w.data, [bd.mul(row, stride)]))
+    return ptrs
+
+
+def _prefetch(bd, ptrs, b, qt):
+    # block b of the rows at ptrs into the L2 cache (prefetcht1 every 64 bytes of the block)
+    f = bd.module.declare_intrinsic("llvm.prefetch", [ir.PointerType(_I8)],
+                                    fnty=ir.FunctionType(ir.VoidType(), [ir.PointerType(_I8), _I32, _I32, _I32]))
+    o = bd.mul(b, ir.Constant(_I64, _IR_BLOCK_BYTES[qt]))
+    for ptr in ptrs:
+        for k in range(-(-_IR_BLOCK_BYTES[qt] // 64)):  # read, locality 2, data
+            bd.call(f, [bd.gep(ptr, [bd.add(o, ir.Constant(_I64, 64 * k))]), ir.Constant(_I32, 0),
+                        ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
 
 
 def _row_ptrs(context, bd, qt, sig, args):
@@ -561,12 +465,14 @@ def _make_dot(qt, xq):
 
         def codegen(context, bd, sig, args):
             ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+            nxt = _next_rows(context, bd, sig, args)
             xp, xdp, op = (context.make_array(t)(context, bd, a).data for t, a in zip(sig.args[4:], args[4:]))
-            lanes = 8 if (xq and _VNNI and qt == Q4_0) else 16
+            lanes = _dot_lanes(qt) if xq else 16
             accs = [cgutils.alloca_once_value(bd, _vconst(_F32, lanes, 0.0)) for _ in ptrs]
             offs = [cgutils.alloca_once_value(bd, ir.Constant(_F32, 0.0)) for _ in ptrs]
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
+                _prefetch(bd, nxt, b, qt)
                 xo = bd.mul(b, ir.Constant(_I64, 32))
                 if xq:
                     xv = _load(bd, xp, xo, ir.VectorType(_I8, 32))
@@ -619,6 +525,7 @@ def _make_axpy(qt):
 
         def codegen(context, bd, sig, args):
             ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+            nxt = _next_rows(context, bd, sig, args)
             av = context.make_array(sig.args[4])(context, bd, args[4])
             pp = context.make_array(sig.args[5])(context, bd, args[5]).data
             cs = [bd.select(bd.icmp_signed("==", i, bd.add(args[2], ir.Constant(_I64, r))),  # 0 for repeats
@@ -626,6 +533,7 @@ def _make_axpy(qt):
                             ir.Constant(_F32, 0.0)) for r, i in enumerate(pos)]
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
+                _prefetch(bd, nxt, b, qt)
                 po = [bd.add(bd.mul(b, ir.Constant(_I64, 32)), ir.Constant(_I64, h)) for h in (0, 16)]
                 pv = [_load(bd, pp, o, ir.VectorType(_F32, 16)) for o in po]
                 for ptr, c in zip(ptrs, cs):
@@ -649,6 +557,217 @@ _q8_0_dot, _q4_0_dot = _make_dot(Q8_0, False), _make_dot(Q4_0, False)
 _q8_0_dot_xq, _q4_0_dot_xq = _make_dot(Q8_0, True), _make_dot(Q4_0, True)
 _q8_0_axpy, _q4_0_axpy = _make_axpy(Q8_0), _make_axpy(Q4_0)
 _q4_1_dot_ir, _q4_1_axpy_ir = _make_dot(Q4_1, False), _make_axpy(Q4_1)
+
+
+# ---------------------------------------------------------------------------------------------
+# K-quants (Q4_K, Q5_K, Q6_K) in LLVM vector IR: the scheme above (_IR_ROWS rows side by side, one
+# float accumulator per row, p loaded and stored once per block for all rows) over 256-element
+# blocks. A block's scales and mins are unpacked with vector ops, without branches, and its values
+# come as 8 pieces of 32 unsigned q (<32 x i8>, in element order: piece k = elements 32k..32k+31).
+# All three types are w = sc_g q - mn_g over groups g of 32 (Q4_K, Q5_K: one per piece) or 16
+# elements (Q6_K, whose mn_g = 32 sc_g): the scale multiplies the group's dot, the min the sum of x
+# over the group (float x: from _sums16; xq: dx * sum of xq of the 32-block, and for Q6_K, whose
+# groups are smaller, -32 sum(xq) is where the integer dot starts: vpdpbusd adds to it).
+# Float x is compute-bound: per 16 weights a zero-extension, a conversion and 1-2 FMAs; rows in L2,
+# 1 thread, Q4_K / Q6_K reach 9.4 / 10.9 GB/s with float x, 20 / 26 with xq (one vpdpbusd per 32
+# weights, a conversion and an FMA per 8 lanes of it). Q6_K's -32 in int8 before the conversion
+# instead of in mn: 12% slower. Measured as the IR section above ("before": the numba block loops,
+# 2 rows side by side; qffn_rows with all three matrices of the type, gate / up with float x, xq:
+# with Q8 activations):
+#            qgemv_rows    qgemv_rows xq   qaxpy_rows    qffn_rows     qffn_rows xq
+#   Q4_K      7.2 / 12.5   12.3 / 17.4      7.2 / 12.0    9.4 / 16.1   13.8 / 20.7
+#   before    3.3 /  6.2                    3.7 /  6.4    4.3 /  8.2
+#   Q5_K      8.3 / 14.6   12.7 / 18.8      7.8 / 12.8   12.1 / 19.9   16.1 / 24.5
+#   before    2.8 /  5.1                    3.4 /  6.0    4.4 /  7.9
+#   Q6_K      8.5 / 14.7   13.1 / 20.4      8.2 / 13.6   11.8 / 21.1   15.7 / 24.7
+#   before    2.4 /  4.7                    3.0 /  5.6    3.6 /  6.9
+# Without the prefetch (`_prefetch`), 1 / 2 threads: Q4_K 5.0 / 9.5 float x, 7.5 / 13.2 xq; Q6_K 4.6 /
+# 8.5, 5.3 / 9.8.
+
+_IR_BLOCK_BYTES.update({Q4_K: 144, Q5_K: 176, Q6_K: 210})
+_K_GROUPS = {Q4_K: 8, Q5_K: 8, Q6_K: 16}  # scale groups per block
+
+
+def _kblock(bd, qt, row, b):
+    # block b of a K-quant row (i8*) -> (pieces, sc, mn): the 8 pieces; sc, mn <G x float> (G =
+    # _K_GROUPS[qt]) such that q in group g weighs sc_g * q - mn_g: Q4_K / Q5_K d * scale, dmin * min;
+    # Q6_K d * scale, 32 d * scale
+    o = bd.mul(b, ir.Constant(_I64, _IR_BLOCK_BYTES[qt]))
+    v32 = ir.VectorType(_I8, 32)
+
+    def at(k, ty):  # value of type ty at byte k of the block
+        return _load(bd, row, bd.add(o, ir.Constant(_I64, k)), ty)
+
+    def c8(v):
+        return _vconst(_I8, 32, v)
+
+    if qt == Q6_K:  # element 128h + 32k + l: low 4 bits in ql[64h + 32(k & 1) + l] (k >= 2: high
+        pieces = []  # nibble), high 2 bits in qh[32h + l] >> 2k
+        for h in range(2):
+            ql0, ql1, qh = at(64 * h, v32), at(64 * h + 32, v32), at(128 + 32 * h, v32)
+            pieces += [bd.or_(bd.and_(ql0, c8(15)), bd.shl(bd.and_(qh, c8(3)), c8(4))),
+                       bd.or_(bd.and_(ql1, c8(15)), bd.shl(bd.and_(qh, c8(12)), c8(2))),
+                       bd.or_(bd.lshr(ql0, c8(4)), bd.and_(qh, c8(48))),
+                       bd.or_(bd.lshr(ql1, c8(4)), bd.lshr(bd.and_(qh, c8(192)), c8(2)))]
+        d = bd.fpext(at(208, ir.HalfType()), _F32)
+        sc = bd.fmul(bd.sitofp(at(192, ir.VectorType(_I8, 16)), ir.VectorType(_F32, 16)), _splat(bd, d, 16),
+                     flags=_FAST)
+        return pieces, sc, bd.fmul(sc, _vconst(_F32, 16, 32.0), flags=_FAST)
+    # scales[12] at byte 4, as llama.cpp unpacks them: bytes 0-3 / 4-7 hold scales / mins 0-3 in their
+    # low 6 bits, bytes 8-11 the low 4 bits of scales / mins 4-7 in their low / high nibbles, whose
+    # top 2 bits are the top 2 bits of bytes 0-3 / 4-7
+    v2 = ir.VectorType(_I32, 2)
+    u = at(4, v2)  # bytes 0-3, 4-7
+    u2 = _splat(bd, at(12, _I32), 2)  # bytes 8-11, twice
+    lo = bd.and_(u, _vconst(_I32, 2, 0x3F3F3F3F))  # scales 0-3, mins 0-3
+    hi = bd.or_(bd.and_(bd.lshr(u2, ir.Constant(v2, [ir.Constant(_I32, 0), ir.Constant(_I32, 4)])),
+                        _vconst(_I32, 2, 0x0F0F0F0F)),
+                bd.shl(bd.and_(bd.lshr(u, _vconst(_I32, 2, 6)), _vconst(_I32, 2, 0x03030303)),
+                       _vconst(_I32, 2, 4)))
+    d, dmin = bd.fpext(at(0, ir.HalfType()), _F32), bd.fpext(at(2, ir.HalfType()), _F32)
+    sc, mn = (bd.fmul(bd.uitofp(bd.bitcast(_shuffle(bd, lo, [i, i + 2], hi), ir.VectorType(_I8, 8)),
+                                ir.VectorType(_F32, 8)), _splat(bd, f, 8), flags=_FAST)
+              for i, f in ((0, d), (1, dmin)))
+    # qs[128]: piece 2c / 2c + 1 = low / high nibbles of qs[32c:32c + 32]; Q5_K: qh[32] before qs, bit
+    # k of qh[l] the 5th bit of element l of piece k
+    qs0 = 16 if qt == Q4_K else 48
+    qh = at(16, v32) if qt == Q5_K else None
+    pieces = []
+    for c in range(4):
+        v = at(qs0 + 32 * c, v32)
+        for k, q in ((2 * c, bd.and_(v, c8(15))), (2 * c + 1, bd.lshr(v, c8(4)))):
+            if qh is not None:  # (qh >> k & 1) << 4
+                h = bd.shl(qh, c8(4 - k)) if k <= 4 else bd.lshr(qh, c8(k - 4))
+                q = bd.or_(q, bd.and_(h, c8(16)))
+            pieces.append(q)
+    return pieces, sc, mn
+
+
+def _khalf_f32(bd, q, h):
+    # elements 16h..16h+15 of a piece as <16 x float>
+    return bd.uitofp(_shuffle(bd, q, list(range(16 * h, 16 * h + 16))), ir.VectorType(_F32, 16))
+
+
+def _fadd_wide(bd, acc, v):
+    # acc + v, v <8 x float> added to the first 8 lanes of acc <8 or 16 x float>
+    n = acc.type.count
+    if n != v.type.count:
+        v = _shuffle(bd, v, list(range(8)) + [8] * (n - 8), _vconst(_F32, 8, 0.0))
+    return bd.fadd(acc, v, flags=_FAST)
+
+
+def _make_kdot(qt, xq):
+    """Intrinsic (w, rows, j, hi, x, xd, out) as _make_dot's, for K-quant rows: xq False: x float32 [C],
+    xd its sums over 16 elements (_sums16; for the mins); xq True: x int8 [C], xd as _quantize_x returns."""
+    G = _K_GROUPS[qt]
+
+    def dot(typingctx, w, rows, j, hi, x, xd, out):
+        if not _ir_types_ok(w, rows, (x, types.int8 if xq else types.float32), (xd, types.float32),
+                            (out, types.float32)):
+            return None
+
+        def codegen(context, bd, sig, args):
+            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+            nxt = _next_rows(context, bd, sig, args)
+            xp, xdp, op = (context.make_array(t)(context, bd, a).data for t, a in zip(sig.args[4:], args[4:]))
+            lanes = _dot_lanes(qt) if xq else 16
+            accs = [cgutils.alloca_once_value(bd, _vconst(_F32, lanes, 0.0)) for _ in ptrs]
+            even, odd = list(range(0, 16, 2)), list(range(1, 16, 2))
+            with cgutils.for_range(bd, nb) as loop:
+                b = loop.index
+                xo = bd.mul(b, ir.Constant(_I64, 256))
+                xd16 = _load(bd, xdp, bd.mul(b, ir.Constant(_I64, 16)), ir.VectorType(_F32, 16))
+                if xq:  # xd16: (dx, dx * sum of xq) of the block's 8 sub-blocks of 32
+                    xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, 32 * k)), ir.VectorType(_I8, 32))
+                          for k in range(8)]
+                    dxg = _shuffle(bd, xd16, [2 * (g * 8 // G) for g in range(G)])  # dx of each group
+                    xsum = _shuffle(bd, xd16, odd)  # Q4_K, Q5_K
+                    z = [None] * 8
+                    if qt == Q6_K:  # -32 * (sums of xq), the start of each piece's integer dot
+                        z = [bd.sub(_vconst(_I32, lanes, 0), _int_dot(bd, qt, _vconst(_I8, 32, 32), v))
+                             for v in xv]
+                else:  # xd16: sums of x over 16 elements
+                    xv = [[_load(bd, xp, bd.add(xo, ir.Constant(_I64, 32 * k + 16 * h)),
+                                 ir.VectorType(_F32, 16)) for h in range(2)] for k in range(8)]
+                    xsum = xd16 if G == 16 else bd.fadd(_shuffle(bd, xd16, even), _shuffle(bd, xd16, odd),
+                                                        flags=_FAST)
+                _prefetch(bd, nxt, b, qt)
+                for ptr, acc in zip(ptrs, accs):
+                    pieces, sc, mn = _kblock(bd, qt, ptr, b)
+                    a = bd.load(acc)
+                    if xq:
+                        sv = bd.fmul(sc, dxg, flags=_FAST)  # d * scale * dx per group
+                        for k, q in enumerate(pieces):
+                            t = bd.sitofp(_int_dot(bd, qt, q, xv[k], z[k]), ir.VectorType(_F32, lanes))
+                            s = _shuffle(bd, sv, [(2 * k + 2 * i // lanes) * G // 16 for i in range(lanes)])
+                            a = bd.fadd(a, bd.fmul(t, s, flags=_FAST), flags=_FAST)
+                    else:
+                        for k, q in enumerate(pieces):
+                            t = [bd.fmul(_khalf_f32(bd, q, h), xv[k][h], flags=_FAST) for h in range(2)]
+                            if G == 8:  # one scale for the piece
+                                t = [bd.fadd(t[0], t[1], flags=_FAST)]
+                            for g, th in enumerate(t):
+                                s = _splat(bd, bd.extract_element(sc, ir.Constant(_I32, k * len(t) + g)), 16)
+                                a = bd.fadd(a, bd.fmul(th, s, flags=_FAST), flags=_FAST)
+                    if not (xq and qt == Q6_K):  # - sum over the groups of mn * (sum of x over it)
+                        a = _fadd_wide(bd, a, bd.fneg(bd.fmul(mn, xsum, flags=_FAST), flags=_FAST))
+                    bd.store(a, acc)
+            for i, acc in zip(pos, accs):
+                bd.store(_hsum(bd, bd.load(acc)), bd.gep(op, [i]))
+            return context.get_dummy_value()
+
+        return types.void(w, rows, j, hi, x, xd, out), codegen
+
+    dot.__name__ = dot.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_dot{'_xq' if xq else ''}"
+    return intrinsic(dot)
+
+
+def _make_kaxpy(qt):
+    """Intrinsic (w, rows, j, hi, a, p) as _make_axpy's, for K-quant rows."""
+    G = _K_GROUPS[qt]
+
+    def axpy(typingctx, w, rows, j, hi, a, p):
+        if not (_ir_types_ok(w, rows, (p, types.float32)) and isinstance(a, types.Array) and a.ndim == 1
+                and a.dtype == types.float32):
+            return None
+
+        def codegen(context, bd, sig, args):
+            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+            nxt = _next_rows(context, bd, sig, args)
+            av = context.make_array(sig.args[4])(context, bd, args[4])
+            pp = context.make_array(sig.args[5])(context, bd, args[5]).data
+            cs = [bd.select(bd.icmp_signed("==", i, bd.add(args[2], ir.Constant(_I64, r))),  # 0 for repeats
+                            bd.load(cgutils.get_item_pointer(context, bd, sig.args[4], av, [i])),
+                            ir.Constant(_F32, 0.0)) for r, i in enumerate(pos)]
+            with cgutils.for_range(bd, nb) as loop:
+                b = loop.index
+                _prefetch(bd, nxt, b, qt)
+                blocks = [_kblock(bd, qt, ptr, b) for ptr in ptrs]
+                scs = [bd.fmul(sc, _splat(bd, c, G), flags=_FAST) for (_, sc, _), c in zip(blocks, cs)]
+                mins = _vconst(_F32, G, 0.0)  # sum over the rows of c * mn
+                for (_, _, mn), c in zip(blocks, cs):
+                    mins = bd.fadd(mins, bd.fmul(mn, _splat(bd, c, G), flags=_FAST), flags=_FAST)
+                for k in range(8):
+                    for h in range(2):
+                        o = bd.add(bd.mul(b, ir.Constant(_I64, 256)), ir.Constant(_I64, 32 * k + 16 * h))
+                        pv = _load(bd, pp, o, ir.VectorType(_F32, 16))
+                        for (pieces, _, _), s in zip(blocks, scs):
+                            s = _splat(bd, bd.extract_element(s, ir.Constant(_I32, (2 * k + h) * G // 16)), 16)
+                            pv = bd.fadd(pv, bd.fmul(_khalf_f32(bd, pieces[k], h), s, flags=_FAST), flags=_FAST)
+                        m = bd.extract_element(mins, ir.Constant(_I32, (2 * k + h) * G // 16))
+                        pv = bd.fsub(pv, _splat(bd, m, 16), flags=_FAST)
+                        bd.store(pv, bd.bitcast(bd.gep(pp, [o]), pv.type.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(w, rows, j, hi, a, p), codegen
+
+    axpy.__name__ = axpy.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_axpy"
+    return intrinsic(axpy)
+
+
+_q4_k_dot, _q5_k_dot, _q6_k_dot = (_make_kdot(qt, False) for qt in (Q4_K, Q5_K, Q6_K))
+_q4_k_dot_xq, _q5_k_dot_xq, _q6_k_dot_xq = (_make_kdot(qt, True) for qt in (Q4_K, Q5_K, Q6_K))
+_q4_k_axpy, _q5_k_axpy, _q6_k_axpy = (_make_kaxpy(qt) for qt in (Q4_K, Q5_K, Q6_K))
 
 
 @njit(**_INLINE)
@@ -703,40 +822,12 @@ def _sums16(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Rows side by side: 4 rows (Q4_1, Q5_0, Q5_1) or 2 rows (K-quants) advance block by block together
-# (Q8_0, Q4_0: _IR_ROWS rows, see the IR section).
-# Measured on the 2-core machine, 1 thread, rows read from DRAM (GB/s with 1 / 2 / 4 / 8 rows):
-# Q8_0 5.8 / 8.4 / 9.5 / 9.5, Q4_0 3.4 / 4.2 / 5.1 / 5.3, Q4_K 3.6 / 4.4 / 4.1 / 4.0, Q6_K 3.6 / 3.5 /
-# 2.9 / 2.2: the K-quants' larger blocks run out of registers first. Every unrolled row is one more
-# inlined copy of the block code, which is what numba's first compilation spends its time on.
-# `blk` is one of the block functions above, inlined; the type switch happens once per span.
-
-@njit(**_INLINE)
-def _dot_rows(blk, nb, w, rows, lo, hi, x, xs, n, out):
-    # out[j] = w[rows[j]] · x for j in [lo, hi), 2 rows side by side (an odd last row pairs with itself)
-    for j in range(lo, hi, 2):
-        j1 = min(j + 1, hi - 1)
-        w0, w1 = w[rows[j]], w[rows[j1]]
-        a0 = a1 = np.float32(0.0)
-        for b in range(nb):
-            a0 += blk(w0, b, x, xs, n)
-            a1 += blk(w1, b, x, xs, n)
-        out[j] = a0
-        out[j1] = a1
-
-
-@njit(**_INLINE)
-def _axpy_rows(blk, nb, w, rows, lo, hi, a, n, p):
-    # p += sum_{j in [lo, hi)} a[j] * w[rows[j]], 2 rows side by side (an odd last row pairs with a
-    # zero-weighted copy of itself)
-    for j in range(lo, hi, 2):
-        j1 = min(j + 1, hi - 1)
-        w0, w1 = w[rows[j]], w[rows[j1]]
-        c0, c1 = a[j], a[j1] if j1 > j else np.float32(0.0)
-        for b in range(nb):
-            blk(w0, b, c0, p, n)
-            blk(w1, b, c1, p, n)
-
+# Rows side by side: 4 rows of Q5_0 / Q5_1 advance block by block together (the other types:
+# _IR_ROWS rows, see the IR sections). Measured with numba block loops on the 2-core machine, 1
+# thread, rows read from DRAM (GB/s with 1 / 2 / 4 / 8 rows): Q8_0 5.8 / 8.4 / 9.5 / 9.5, Q4_0 3.4 /
+# 4.2 / 5.1 / 5.3. Every unrolled row is one more inlined copy of the block code, which is what numba's
+# first compilation spends its time on. `blk` is one of the block functions above, inlined; the type
+# switch happens once per span.
 
 @njit(**_INLINE)
 def _dot_rows4(blk, nb, w, rows, lo, hi, x, xs, n, out):
@@ -775,11 +866,11 @@ def _axpy_rows4(blk, nb, w, rows, lo, hi, a, n, p):
 def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
     # out[j] = w[rows[j]] · x for j in [lo, hi); w: uint8 [R, bytes_per_row] of ggml type qt
     if qt == Q4_K:
-        _dot_rows(_q4_k_dot, w.shape[1] // 144, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q4_k_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q6_K:
-        _dot_rows(_q6_k_dot, w.shape[1] // 210, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q6_k_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q5_K:
-        _dot_rows(_q5_k_dot, w.shape[1] // 176, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q5_k_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q4_0:
         _dot_rows_ir(_q4_0_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q4_1:
@@ -794,9 +885,15 @@ def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out):
-    # as _qgemv_span with Q8 activations (see _quantize_x); qt: Q8_0 or Q4_0
+    # as _qgemv_span with Q8 activations (see _quantize_x); qt: one of _XQ_TYPES
     if qt == Q4_0:
         _dot_rows_ir(_q4_0_dot_xq, w, rows, lo, hi, xq, xd, out)
+    elif qt == Q4_K:
+        _dot_rows_ir(_q4_k_dot_xq, w, rows, lo, hi, xq, xd, out)
+    elif qt == Q6_K:
+        _dot_rows_ir(_q6_k_dot_xq, w, rows, lo, hi, xq, xd, out)
+    elif qt == Q5_K:
+        _dot_rows_ir(_q5_k_dot_xq, w, rows, lo, hi, xq, xd, out)
     else:
         _dot_rows_ir(_q8_0_dot_xq, w, rows, lo, hi, xq, xd, out)
 
@@ -805,11 +902,11 @@ def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out):
 def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
     # p += sum_{j in [lo, hi)} a[j] * w[rows[j]]
     if qt == Q4_K:
-        _axpy_rows(_q4_k_axpy, w.shape[1] // 144, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q4_k_axpy, w, rows, lo, hi, a, p)
     elif qt == Q6_K:
-        _axpy_rows(_q6_k_axpy, w.shape[1] // 210, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q6_k_axpy, w, rows, lo, hi, a, p)
     elif qt == Q5_K:
-        _axpy_rows(_q5_k_axpy, w.shape[1] // 176, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q5_k_axpy, w, rows, lo, hi, a, p)
     elif qt == Q4_0:
         _axpy_rows_ir(_q4_0_axpy, w, rows, lo, hi, a, p)
     elif qt == Q4_1:
@@ -853,7 +950,7 @@ def _qaxpy_rows_kernel(qt, w, rows, coeff, nt, n, out):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _qgemv_any(qt, w, rows, lo, hi, x, xs, xq, xd, use_xq, n, out):
-    if use_xq and (qt == Q8_0 or qt == Q4_0):
+    if use_xq and qt != Q4_1 and qt != Q5_0 and qt != Q5_1:  # the types with xq kernels (_XQ_TYPES)
         _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out)
     else:
         _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out)
@@ -943,16 +1040,16 @@ def qgemv_rows(m: QuantMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray 
                xq: bool | None = None) -> np.ndarray:
     """out[i] = m[rows[i]] · x. rows int [K]; x float32 [cols]; returns out float32 [K] (overwritten).
 
-    xq: quantise x to Q8 per 32-block and dot in integers (Q8_0 / Q4_0 only; None: when m's type
-    is in `XQ_DEFAULT`)."""
+    xq: quantise x to Q8 per 32-block and dot in integers (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; None: when
+    m's type is in `XQ_DEFAULT`)."""
     _check_m(m)
     rows = _as_rows(rows, m.rows)
     x = _as_f32(x, (m.cols,), "x")
     out = np.empty(rows.shape[0], np.float32) if out is None else _check_out(out, rows.shape)
     if xq is None:
         xq = m.qtype in XQ_DEFAULT
-    if xq and m.qtype not in ("Q8_0", "Q4_0"):
-        raise ValueError(f"xq=True supports Q8_0 and Q4_0, not {m.qtype}")
+    if xq and m.qtype not in _XQ_TYPES:
+        raise ValueError(f"xq=True supports {', '.join(_XQ_TYPES)}, not {m.qtype}")
     if rows.shape[0]:
         _qgemv_rows_kernel(m._id, m.data, rows, x, bool(xq), _N16, out)
     return out
@@ -989,7 +1086,7 @@ def qffn_rows(x: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMat
     act(up_j·x + up_bias_j); out += sum_j h_j * row_scale_j * down_t[j] over j in rows (row_scale
     float32 [I] or None: e.g. the routing weight of the expert a row belongs to). act: relu | silu |
     gelu_tanh. xq: as in `qgemv_rows`, for gate / up (None: when up's type is in `XQ_DEFAULT`;
-    ignored for types other than Q8_0 / Q4_0).
+    ignored for Q4_1, Q5_0, Q5_1, which have no Q8-activation kernels).
     """
     if act not in ACTS:
         raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")

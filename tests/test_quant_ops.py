@@ -18,6 +18,7 @@ from hotcold.sparse_ops.quant import QuantMatrix
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
+XQ_TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]  # with Q8-activation kernels
 TIGHT = 2e-5  # float32 accumulation, relative to Σ|w·x| (or Σ|c·w|)
 HOWS = ["empty", "one", "some", "unsorted", "full"]
 TORCH_ACT = {"relu": torch.relu, "silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
@@ -157,8 +158,8 @@ def test_qgemv_dense_and_out(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_xq_default_policy(qtype):
-    """xq=None means Q8 activations for the types in XQ_DEFAULT (Q4_0), float x for the others."""
-    assert quant.XQ_DEFAULT == {"Q4_0"}
+    """xq=None means Q8 activations for the types in XQ_DEFAULT (Q4_0, Q4_K), float x for the others."""
+    assert quant.XQ_DEFAULT == {"Q4_0", "Q4_K"}
     r, c = shapes(qtype)[1]
     m = random_q(qtype, (r, c), 5, "floats")
     x = np.random.default_rng(6).standard_normal(c).astype(np.float32)
@@ -169,14 +170,14 @@ def test_xq_default_policy(qtype):
     g = random_q(qtype, (r, c), 7, "floats")
     np.testing.assert_array_equal(quant.qffn_rows(x, rows, m, g, "silu", gate=g),
                                   quant.qffn_rows(x, rows, m, g, "silu", gate=g, xq=use))
-    if qtype in ("Q8_0", "Q4_0"):  # the two paths really differ
+    if qtype in XQ_TYPES:  # the two paths really differ
         assert not np.array_equal(quant.qgemv(m, x, xq=True), quant.qgemv(m, x, xq=False))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-@pytest.mark.parametrize("how", ["one", "unsorted", "full"])
+@pytest.mark.parametrize("qtype", XQ_TYPES)
+@pytest.mark.parametrize("how", ["one", "some", "unsorted", "full"])
 def test_qgemv_rows_q8_activations(qtype, how):
-    r, c = 45, 160
+    r, c = 45, 512 if qtype in K_TYPES else 160
     m = random_q(qtype, (r, c), 7, "floats")
     rows = selection(r, how, seed=1)
     x = np.random.default_rng(8).standard_normal(c).astype(np.float32)
@@ -187,8 +188,8 @@ def test_qgemv_rows_q8_activations(qtype, how):
     bound = np.abs(w) @ dx * (1 + 1e-3) + TIGHT * (np.abs(w) @ np.abs(x))
     assert_within(got, w @ x, bound)
     assert np.abs(got - w @ x).max() > 0  # really the quantised-x path, not the float one
-    with pytest.raises(ValueError, match="Q8_0 and Q4_0"):
-        quant.qgemv_rows(random_q("Q4_K", (8, 256), 0), np.arange(8), np.zeros(256, np.float32), xq=True)
+    with pytest.raises(ValueError, match="xq=True supports"):
+        quant.qgemv_rows(random_q("Q5_0", (8, 256), 0), np.arange(8), np.zeros(256, np.float32), xq=True)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -218,35 +219,40 @@ from hotcold.sparse_ops import quant
 assert not quant._VNNI
 res = {}
 rng = np.random.default_rng(0)
-for qt in ("Q8_0", "Q4_0"):
-    m = quant.random_matrix(qt, (45, 160), seed=3)
+for qt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
+    c = 512 if qt.endswith("K") else 160
+    m = quant.random_matrix(qt, (45, c), seed=3)
     rows = np.array([44, 0, 7, 8, 9, 30, 31], np.int64)
-    x = rng.standard_normal(160).astype(np.float32)
+    x = rng.standard_normal(c).astype(np.float32)
     res[qt + "_x"] = x
     res[qt + "_gemv"] = quant.qgemv_rows(m, rows, x, xq=False)
-    res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
-    res[qt + "_axpy"] = quant.qaxpy_rows(m, rows, np.linspace(-1, 1, 7).astype(np.float32), np.zeros(160, np.float32))
+    if qt != "Q4_1":
+        res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
+    coeff = np.linspace(-1, 1, 7).astype(np.float32)
+    res[qt + "_axpy"] = quant.qaxpy_rows(m, rows, coeff, np.zeros(c, np.float32))
 np.savez(sys.argv[1], **res)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 CPU name")
-def test_portable_q8_0_q4_0_kernels(tmp_path):
-    """The Q8_0 / Q4_0 IR kernels without the AVX-512 VNNI intrinsics (numba compiling for a generic
-    AVX2 CPU, in a subprocess with a cache of its own) give the same results as gguf's decoder and,
-    with Q8 activations, as the kernels of this process."""
+def test_portable_ir_kernels(tmp_path):
+    """The IR kernels (Q8_0, Q4_0, Q4_1, K-quants) without the AVX-512 VNNI intrinsics and with 4 rows
+    side by side (numba compiling for a generic AVX2 CPU, in a subprocess with a cache of its own) give
+    the same results as gguf's decoder and, with Q8 activations, as the kernels of this process."""
     env = dict(os.environ, NUMBA_CPU_NAME="x86-64-v3", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     out = tmp_path / "res.npz"
     subprocess.run([sys.executable, "-c", _PORTABLE_CHILD, str(out)], env=env, check=True, timeout=900)
     res = np.load(out)
     rows = np.array([44, 0, 7, 8, 9, 30, 31], np.int64)
     coeff = np.linspace(-1, 1, 7).astype(np.float32)
-    for qt in ("Q8_0", "Q4_0"):
-        m = quant.random_matrix(qt, (45, 160), seed=3)
+    for qt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
+        m = quant.random_matrix(qt, (45, 512 if qt in K_TYPES else 160), seed=3)
         w, x = deq(m)[rows], res[qt + "_x"]
         assert_within(res[qt + "_gemv"], w @ x, TIGHT * (np.abs(w) @ np.abs(x)))
-        assert_within(res[qt + "_gemv_xq"], quant.qgemv_rows(m, rows, x, xq=True), TIGHT * (np.abs(w) @ np.abs(x)))
+        if qt in XQ_TYPES:
+            assert_within(res[qt + "_gemv_xq"], quant.qgemv_rows(m, rows, x, xq=True),
+                          TIGHT * (np.abs(w) @ np.abs(x)))
         assert_within(res[qt + "_axpy"], coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)))
 
 
@@ -312,7 +318,7 @@ def test_qffn_rows(qtype, act, gated, how):
         assert np.array_equal(out, out0)
     got = quant.qffn_rows(x, rows, up, down_t, act, gate=gate, xq=False)  # out None: zeros
     assert_within(got, want, 10 * TIGHT * max(np.abs(want).max(), 1e-3))
-    if qtype in ("Q8_0", "Q4_0"):  # Q8 activations: x's rounding (~1% of |h|) on top
+    if qtype in XQ_TYPES:  # Q8 activations: x's rounding (~1% of |h|) on top
         got = quant.qffn_rows(x, rows, up, down_t, act, gate=gate, xq=True)
         assert_within(got, want, 0.03 * max(np.abs(want).max(), 1e-3))
 
@@ -328,8 +334,8 @@ def test_qffn_rows_down_of_another_type(qtype, down_type):
     got = quant.qffn_rows(x, rows, up, down_t, "silu", gate=gate, xq=False)
     want = ref_ffn(x, rows, deq(up), deq(down_t), "silu", deq(gate))
     assert_within(got, want, 10 * TIGHT * np.abs(want).max())
-    x_q = quant.qffn_rows(x, rows, up, down_t, "silu", gate=gate, xq=True)  # Q8 x only for Q8_0 / Q4_0
-    assert_within(x_q, want, (0.02 if qtype in ("Q8_0", "Q4_0") else 10 * TIGHT) * np.abs(want).max())
+    x_q = quant.qffn_rows(x, rows, up, down_t, "silu", gate=gate, xq=True)  # Q8 x only for XQ_TYPES
+    assert_within(x_q, want, (0.02 if qtype in XQ_TYPES else 10 * TIGHT) * np.abs(want).max())
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,6 +425,30 @@ def test_real_gguf_q5_0_tensors_decode_as_gguf_does(gemma3_path):
         x = rng.standard_normal(m.cols).astype(np.float32)
         assert_within(quant.qgemv(m, x), want @ x, TIGHT * (np.abs(want) @ np.abs(x)))
         rows = selection(m.rows, "unsorted", seed=5)
+        coeff = rng.standard_normal(rows.size).astype(np.float32)
+        out = quant.qaxpy_rows(m, rows, coeff, np.zeros(m.cols, np.float32))
+        w = want[rows.astype(np.int64)]
+        assert_within(out, coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)) + 1e-7)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_real_gguf_k_quant_tensors(gemma3_path, qtype):
+    """Gemma 3 270M's Q4_K / Q6_K tensors (llama.cpp's quantiser): GEMV with float x and with Q8
+    activations, and axpy, against gguf's decoder."""
+    reader = gguf.GGUFReader(gemma3_path)
+    want_type = gguf.GGMLQuantizationType[qtype]
+    tensors = [t for t in reader.tensors if t.tensor_type == want_type and len(t.shape) == 2]
+    assert tensors
+    rng = np.random.default_rng(31)
+    for t in tensors[:6]:
+        m = QuantMatrix.from_gguf(t)
+        want = deq(m)
+        x = rng.standard_normal(m.cols).astype(np.float32)
+        assert_within(quant.qgemv(m, x, xq=False), want @ x, TIGHT * (np.abs(want) @ np.abs(x)))
+        xq, xd = quant._quantize_x(x)  # with Q8 activations: w · x̂, x̂ the dequantised xq
+        xh = (xq.reshape(-1, 32).astype(np.float64) * xd[0::2, None]).ravel()
+        assert_within(quant.qgemv(m, x, xq=True), want @ xh, TIGHT * (np.abs(want) @ np.abs(x)))
+        rows = selection(m.rows, "unsorted", seed=6)
         coeff = rng.standard_normal(rows.size).astype(np.float32)
         out = quant.qaxpy_rows(m, rows, coeff, np.zeros(m.cols, np.float32))
         w = want[rows.astype(np.int64)]

@@ -31,7 +31,7 @@ def test_qdequantize_matches_gguf(qtype):
     assert qdequantize(m, np.array([], np.int64)).shape == (0, 512)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])  # float-x types (Q4_0 / Q4_K round x to Q8: test_quant_ops)
 @pytest.mark.parametrize("tokens", [1, GEMV_TOKENS + 3])
 def test_quant_linear_matches_dequantised(qtype, tokens):
     m = random_matrix(qtype, (96, 256), seed=1)

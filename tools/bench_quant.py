@@ -2,9 +2,10 @@
 """Throughput of the GGUF-quantised CPU kernels (hotcold.sparse_ops.quant) against the f16 kernel and torch.
 
 Per type, on an FFN of --rows neurons x --dim (llama-7B: 11008 x 4096), 1/8 of the rows selected:
-  qgemv    qgemv_rows over up [I, D] (float x; for Q8_0 / Q4_0 also with Q8 activations, "xq")
+  qgemv    qgemv_rows over up [I, D] (float x; for the types that have them also with Q8 activations, "xq")
   qaxpy    qaxpy_rows over down_t [I, D] (W_down [D, I] transposed, as the sparse down projection reads it)
-  qffn     qffn_rows, SiLU-gated, same type for gate / up / down_t
+  qffn     qffn_rows, SiLU-gated, same type for gate / up / down_t (gate / up with the type's default x,
+           and "xq" with Q8 activations where they are not the default)
 and on the same run and shape the f16 kernels (cpu.gemv_rows / axpy_rows / ffn_rows on a HostMatrix)
 and torch's dense f32 / f16 matvec over all rows. GB/s counts the bytes actually read (quantised
 bytes for the quantised kernels); Mrows/s is rows per second (selected rows; all rows for torch).
@@ -17,6 +18,7 @@ Weights are random blocks (sane fp16 scales): speed does not depend on values.
                                 [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--flush-mb 0]
     python tools/bench_quant.py --baseline OLD_QUANT.py ...   (e.g. git show HEAD:sparse_ops/quant.py)
     python tools/bench_quant.py --requant [--gguf MODEL.gguf]
+    python tools/bench_quant.py --xq-error [--rows 4096]
 
 --baseline times an older copy of sparse_ops/quant.py on the same blocks, taking turns with the
 current kernels (rows marked "(base)"): an A/B comparison that the machine's load hits alike.
@@ -26,6 +28,11 @@ as TYPE (our quantiser, from Gaussian weights), then transposed to [I, D] and re
 type or as Q8_0; relative RMS errors against the dequantised original ("extra") and against the float
 weights ("total", next to the original quantisation's "orig"). With --gguf, the same on the real
 ffn_down tensors of a GGUF file (their llama.cpp quantisation is the reference; no float weights).
+
+--xq-error measures what Q8 activations cost: y = W x over Gaussian weights quantised as TYPE, x
+Gaussian or with 8 outlier channels (x30); relative RMS error of y with xq against float x on the same
+stored weights, and the total errors against the float weights (the rule for XQ_DEFAULT: xq only where
+its error is lost in the weights' own).
 """
 
 from __future__ import annotations
@@ -109,6 +116,35 @@ def requant(args) -> None:
             print(f"{t.name:24} {name:5} {str(list(m.shape)):>12} {' '.join(cells)}")
 
 
+def xq_error(args) -> None:
+    """What Q8 activations cost in accuracy, per type with xq kernels: y = W x over quantised Gaussian
+    weights W [--rows, --dim], x Gaussian or with outlier channels; relative RMS errors of y."""
+    n, d = args.rows, args.dim
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((n, d)).astype(np.float32) * 0.02
+    x_gauss = rng.standard_normal(d).astype(np.float32)
+    x_out = x_gauss.copy()
+    x_out[rng.choice(d, d // 512, replace=False)] *= 30  # 8 channels of 4096 at 30x, as LLM activations have
+    print(f"W [{n}, {d}] Gaussian quantised as TYPE, y = W x; relative RMS errors of y: xq vs float x on the "
+          f"stored weights, and total against the float weights with float x / with xq (Gaussian x | outlier "
+          f"channels)")
+    hdr = f"{'type':5} {'xq vs stored':>14} {'total float x':>15} {'total xq':>15}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name in args.types.split(","):
+        if name not in xq_types(quant):
+            continue
+        m = quant.QuantMatrix.quantize(w, name)
+        cells = [[], [], []]
+        for x in (x_gauss, x_out):
+            y = w.astype(np.float64) @ x
+            yf, yq = quant.qgemv(m, x, xq=False), quant.qgemv(m, x, xq=True)
+            cells[0].append(rel_rms(yq, yf))
+            cells[1].append(rel_rms(yf, y))
+            cells[2].append(rel_rms(yq, y))
+        print(f"{name:5} " + " ".join(f"{c[0]:7.4f}|{c[1]:<6.4f}".rjust(n) for c, n in zip(cells, (14, 15, 15))))
+
+
 def load_baseline(path: str):
     """An older copy of sparse_ops/quant.py, imported as a module of its own (for A/B runs)."""
     spec = importlib.util.spec_from_file_location("hotcold_quant_baseline", path)
@@ -133,11 +169,15 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, metavar="QUANT_PY",
                     help="also time the kernels of this copy of an older sparse_ops/quant.py, turn about")
     ap.add_argument("--requant", action="store_true", help="measure transpose_quantized's error instead")
+    ap.add_argument("--xq-error", action="store_true", help="measure the error of Q8 activations (xq) instead")
     ap.add_argument("--gguf", default=None, help="with --requant: also a GGUF file's ffn_down tensors")
     ap.add_argument("--layers", type=int, default=4, help="with --gguf: how many ffn_down tensors")
     args = ap.parse_args()
     if args.requant:
         requant(args)
+        return
+    if args.xq_error:
+        xq_error(args)
         return
 
     if args.threads:
@@ -205,14 +245,22 @@ def type_cases(name, args, k, x, coeff, out_k, out_d, baseline=None) -> list[dic
         impls.append((" (base)", baseline)
                      + tuple(baseline.QuantMatrix(m.data, name, m.shape) for m in (up, down_t, gate)))
     kernels = [("qgemv_rows", 1, lambda q, u, dt, g: lambda s: q.qgemv_rows(u, s, x, out_k, xq=False))]
-    if name in ("Q8_0", "Q4_0"):
-        kernels.append(("qgemv_rows xq", 1, lambda q, u, dt, g: lambda s: q.qgemv_rows(u, s, x, out_k, xq=True)))
+    kernels.append(("qgemv_rows xq", 1, lambda q, u, dt, g: lambda s: q.qgemv_rows(u, s, x, out_k, xq=True)))
     kernels.append(("qaxpy_rows (down_t)", 1, lambda q, u, dt, g: lambda s: q.qaxpy_rows(dt, s, coeff, out_d)))
-    if not args.no_ffn:
-        kernels.append(("qffn_rows (x3 rows)", 3,
+    if not args.no_ffn:  # gate / up with the type's default x (float or Q8, quant.XQ_DEFAULT), and with Q8
+        kernels.append(("qffn_rows (x3 rows)", 3,  # where that is not the default
                         lambda q, u, dt, g: lambda s: q.qffn_rows(x, s, u, dt, "silu", gate=g, out=out_d)))
+        if name not in quant.XQ_DEFAULT:
+            kernels.append(("qffn_rows xq (x3 rows)", 3, lambda q, u, dt, g: lambda s: q.qffn_rows(
+                x, s, u, dt, "silu", gate=g, out=out_d, xq=True)))
     return [dict(section=sec, name=kname + label, bytes=mult * k * rb, rows=k, fn=make(*impl))
-            for kname, mult, make in kernels for label, *impl in impls]
+            for kname, mult, make in kernels for label, *impl in impls
+            if "xq" not in kname or name in xq_types(impl[0])]
+
+
+def xq_types(q) -> tuple[str, ...]:
+    """Types with Q8-activation kernels in a quant module (older copies: Q8_0 and Q4_0)."""
+    return getattr(q, "_XQ_TYPES", ("Q8_0", "Q4_0"))
 
 
 if __name__ == "__main__":
