@@ -31,18 +31,28 @@ class RMSNorm(nn.Module):
         self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= 64 * x.shape[-1] \
-                and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
-            # a few float32 rows on the CPU (a decode step's norms, QK-norm's heads): one numba call
-            # (sparse_ops.norm), not seven torch ops
-            rows = np.ascontiguousarray(x.detach().reshape(-1, x.shape[-1]).numpy())  # [N, D]
-            y = rms_norm(rows, self.weight.detach().numpy(), self.eps, self.plus_one)
-            return torch.from_numpy(y).reshape(x.shape)
+        if x.numel() == x.shape[-1]:  # one token: a decode step
+            return self.rows(x)
+        return self._torch(x)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for the rows of one decode step (x: [.., D]; QK-norm: one row per head): float32
+        on the CPU in one numba call (sparse_ops.norm) instead of seven torch ops. Prefill keeps
+        torch's reduction, so that a token's norm does not depend on how many tokens share a call
+        (the profiler's counts are checked against a token-by-token recomputation)."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 \
+                or torch.is_grad_enabled():
+            return self._torch(x)
+        rows = np.ascontiguousarray(x.detach().reshape(-1, x.shape[-1]).numpy())  # [N, D]
+        y = rms_norm(rows, self.weight.detach().numpy(), self.eps, self.plus_one)
+        return torch.from_numpy(y).reshape(x.shape)
 
 
 def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -189,8 +199,8 @@ class Attention(nn.Module):
         q = project(self.q, x).detach().reshape(self.n_heads, self.head_dim)
         k = project(self.k, x).detach().reshape(self.n_kv, self.head_dim)
         v = project(self.v, x).detach().reshape(self.n_kv, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        if hasattr(self, "q_norm"):  # an RMSNorm's decode-step form takes the heads' rows in one call
+            q, k = (getattr(n, "rows", n)(t) for n, t in ((self.q_norm, q), (self.k_norm, k)))
         pos = int(positions[0]) if start is None else start
         cos = sin = None
         if self.rotary is not None:
