@@ -5,12 +5,12 @@ blocks of one type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), held as uin
 what `gguf.GGUFReader` exposes for a quantised tensor, so a memory-mapped file is used in place.
 The kernels never expand the matrix: each block is decoded in registers and multiplied by float32
 x (or accumulated into out), reading only the selected rows, several side by side (8 on AVX-512, else
-4; see "Rows side by side" below). Accumulation is float32. Same threading model as `cpu`: numba,
+4; see the LLVM IR sections below). Accumulation is float32. Same threading model as `cpu`: numba,
 `nogil`, thread count from `cpu.set_threads` in the calling thread.
 
-Offsets that are constant over a block (Q4_0's -8, Q5_0's -16, Q4_1's / Q5_1's min, the K-quants' mins,
-Q6_K's -32) are
-applied once per sub-block with precomputed sums of x over 16 elements, not per weight.
+Offsets that are constant over a block (Q4_1's / Q5_1's min, the K-quants' mins, Q6_K's -32; with Q8
+activations also Q4_0's -8 and Q5_0's -16) are applied once per sub-block with precomputed sums of x,
+not per weight.
 
 Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the block):
   Q8_0  34 B / 32:  d, qs int8[32]                       w = d * qs[i]
@@ -24,27 +24,24 @@ Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the 
   Q5_K 176 B / 256: d, dmin, scales[12], qh[32], qs[128] as Q4_K with a 5th bit (qh[l] >> s) & 1
   Q6_K 210 B / 256: ql[128], qh[64], scales int8[16], d  16 sub-blocks of 16: w = d * sc_g * (q - 32)
 
-Q8 activations (`xq=True`; Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): x is quantised per 32-block to int8 with a
-float32 scale, as llama.cpp does (it uses 256-blocks for the K-quants), and blocks are dotted in
-integers (AVX-512 VNNI where the CPU has it; see the LLVM IR sections). Measured (`tools/bench_quant.py
+Q8 activations (`xq=True`; every type but Q4_1): x is quantised per 32-block to int8 with a float32
+scale, as llama.cpp does (it uses 256-blocks for the K-quants), and blocks are dotted in integers
+(AVX-512 VNNI where the CPU has it; see the LLVM IR sections). Measured (`tools/bench_quant.py
 --flush-mb 128`: rows from DRAM, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads), float x
-against xq: Q8_0 16.2 / 24.4 against 19.5 / 24.2, Q4_0 8.4 / 14.1 against 12.5 / 19.6, Q4_K 7.2 / 12.5
-against 12.3 / 17.4, Q5_K 8.3 / 14.6 against 12.7 / 18.8, Q6_K 8.5 / 14.7 against 13.1 / 20.4. It costs
-accuracy (`tools/bench_quant.py --xq-error`: quantised Gaussian W [4096, 4096], relative RMS error of
-y = W x, Gaussian x | x with 8 outlier channels at 30x): against the stored weights 0.0053 | 0.0107
-for every type (0 for float x); against the float weights, float x -> xq:
+against xq: Q8_0 16.2 / 24.4 against 19.5 / 24.2, Q4_0 8.4 / 14.1 against 12.5 / 19.6, Q5_0 8.7 / 14.8
+against 12.5 / 19.8, Q5_1 8.9 / 15.0 against 12.7 / 20.4, Q4_K 7.2 / 12.5 against 12.3 / 17.4, Q5_K
+8.3 / 14.6 against 12.7 / 18.8, Q6_K 8.5 / 14.7 against 13.1 / 20.4. It costs accuracy
+(`tools/bench_quant.py --xq-error`: quantised Gaussian W [4096, 4096], relative RMS error of y = W x,
+Gaussian x | x with 8 outlier channels at 30x): against the stored weights 0.0053 | 0.0107 for every
+type (0 for float x); against the float weights, float x -> xq:
   Q8_0 0.0054 -> 0.0075 | 0.0052 -> 0.0119     Q4_0 0.0861 -> 0.0864 | 0.0833 -> 0.0841
+  Q5_0 0.0430 -> 0.0434 | 0.0414 -> 0.0427     Q5_1 0.0378 -> 0.0381 | 0.0368 -> 0.0383
   Q4_K 0.0773 -> 0.0775 | 0.0754 -> 0.0764     Q5_K 0.0377 -> 0.0379 | 0.0373 -> 0.0388
   Q6_K 0.0192 -> 0.0199 | 0.0186 -> 0.0215
-xq is the default only where its error is lost in the weights' own (`XQ_DEFAULT`): Q4_0 and Q4_K.
-Q5_K's nearly is (+0.5% / +4%); for Q6_K it would add 4% / 16%, for Q8_0 40% / 130%.
-
-Q5_0 / Q5_1 take float x only. An integer Q5_0 path (a numba block loop, 5-bit q in int16 lanes) was
-measured slower, 2.8 / 5.8 GB/s against 3.1 / 6.2 for float x (1 / 2 threads), and it would raise the
-total error against float weights from 0.0428 to 0.0431 (Gaussian x) / 0.0438 (outlier channels).
-Same machine and benchmark, 2 threads, GB/s of weights (qgemv_rows / qaxpy_rows / qffn_rows): Q5_0
-5.5 / 5.8 / 5.9, Q5_1 5.7 / 5.4 / 6.0, Q4_0 in the same run (numba block loops, before the IR
-kernels) 6.5 (8.5 xq) / 6.9 / 7.5.
+xq is the default only where its error is lost in the weights' own (`XQ_DEFAULT`): Q4_0 and Q4_K
+(+0.3% / +1%). The 5-bit types' nearly is (Q5_0 +0.9% / +3%, Q5_1 +0.8% / +4%, Q5_K +0.5% / +4%);
+for Q6_K it would add 4% / 16%, for Q8_0 40% / 130%. (Gemma 3 270M Q4_K_M, whose attention and FFN
+gate / up are Q5_0, decodes at 57.5 tok/s on 2 threads, 60.0 with Q5_0 in XQ_DEFAULT.)
 """
 
 from __future__ import annotations
@@ -57,7 +54,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hotcold.sparse_ops.cpu import ACTS, _f16_bits_to_f32, _keep_active, _rows_in_range, get_threads
+from hotcold.sparse_ops.cpu import ACTS, _keep_active, _rows_in_range, get_threads
 
 __all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize", "transpose_quantized",
            "quantize_rows", "dequantize_rows", "random_matrix", "QTYPES", "DOWN_T_DEFAULT", "XQ_DEFAULT"]
@@ -70,8 +67,9 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (
     QTYPES[k][0] for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
 DOWN_T_DEFAULT = "Q8_0"  # type of the transposed W_down built at load time (see transpose_quantized)
 XQ_DEFAULT = frozenset({"Q4_0", "Q4_K"})  # types whose GEMVs quantise x to Q8 by default (see module docstring)
-_XQ_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")  # types with Q8-activation kernels
+_XQ_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # types with Q8-activation kernels
 _JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)
+_INLINE = dict(nogil=True, fastmath=True, inline="always")  # the row drivers, inlined into their kernels
 _BLOCK = 8  # rows per parallel task
 
 
@@ -160,117 +158,14 @@ class QuantMatrix:
 
 
 # ---------------------------------------------------------------------------------------------
-# Block decoding (Q5_0, Q5_1; the other types have the LLVM IR kernels further down). wr: uint8
-# [bytes_per_row] (one row), b: block index, xs: float32 [C/16] sums of x over 16 elements. *_dot
-# return block b of the row · x; *_axpy do p[block b] += c * block b.
-#
-# Two things keep these loops vectorised (measured 5-8x faster than without them, Q4_0, 1 thread):
-# - `inline="always"`: one numba-level call per block costs more than the block's arithmetic;
-# - the loop lengths come from `n` (= 16, passed at run time by the kernels): with a constant trip
-#   count of 16 or 32, LLVM unrolls the loop fully and leaves it scalar;
-# - indices inside the loops are uint64 (`_U`): numba wraps negative signed indices, and where LLVM
-#   cannot prove an index >= 0 the loads become per-lane inserts (2.5x slower in a former Q6_K loop).
-
-_INLINE = dict(nogil=True, fastmath=True, inline="always")
-_N16 = 16  # the run-time loop length handed to the kernels
-_U = np.uint64
-
-
-@njit(**_INLINE)
-def _f16(wr, o):
-    # fp16 stored little-endian at wr[o], wr[o + 1] -> float32
-    return _f16_bits_to_f32(np.uint16(np.uint32(wr[o]) | (np.uint32(wr[o + 1]) << 8)))
-
-
-@njit(**_INLINE)
-def _u8f(v):
-    # small non-negative integer (int64 in numba) -> float32, through uint8 so that LLVM converts
-    # 16 lanes at a time (measured +23% on Q4_0)
-    return np.float32(np.uint8(v))
-
-
-@njit(**_INLINE)
-def _hi16(h, m):
-    # 5th bit of a Q5_0 / Q5_1 element as its value 16 (or 0): m = its bit in h (qh or a byte of it)
-    return np.float32(16.0) if h & m else np.float32(0.0)
-
-
-@njit(**_INLINE)
-def _q5_0_dot(wr, b, x, xs, n):
-    # lane l < 16: elements l (low nibble, qh bit l) and l + 16 (high nibble, qh bit l + 16); the qh
-    # byte is read per lane with a constant bit mask per lane (measured fastest of 9 variants; a
-    # per-lane shift of the uint32 qh: -20%, a separate sum over the high bits: -40%)
-    o, xo = b * 22 + 6, b * 32
-    s = np.float32(0.0)
-    uo, ux, ux16, uh = _U(o), _U(xo), _U(xo + 16), _U(o - 4)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        k = l >> _U(3)
-        m = np.uint8(1) << np.uint8(l & _U(7))
-        s += ((_u8f(q & 15) + _hi16(wr[uh + k], m)) * x[ux + l]
-              + (_u8f(q >> 4) + _hi16(wr[uh + _U(2) + k], m)) * x[ux16 + l])
-    return _f16(wr, o - 6) * (s - np.float32(16.0) * (xs[2 * b] + xs[2 * b + 1]))
-
-
-@njit(**_INLINE)
-def _q5_1_dot(wr, b, x, xs, n):
-    o, xo = b * 24 + 8, b * 32
-    s = np.float32(0.0)
-    uo, ux, ux16, uh = _U(o), _U(xo), _U(xo + 16), _U(o - 4)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        k = l >> _U(3)
-        m = np.uint8(1) << np.uint8(l & _U(7))
-        s += ((_u8f(q & 15) + _hi16(wr[uh + k], m)) * x[ux + l]
-              + (_u8f(q >> 4) + _hi16(wr[uh + _U(2) + k], m)) * x[ux16 + l])
-    return _f16(wr, o - 8) * s + _f16(wr, o - 6) * (xs[2 * b] + xs[2 * b + 1])
-
-
-@njit(**_INLINE)
-def _u32(wr, o):
-    # uint32 stored little-endian at wr[o:o + 4]
-    return (np.uint32(wr[o]) | (np.uint32(wr[o + 1]) << 8) | (np.uint32(wr[o + 2]) << 16)
-            | (np.uint32(wr[o + 3]) << 24))
-
-
-@njit(**_INLINE)
-def _q5_0_axpy(wr, b, c, p, n):
-    # unlike _q5_0_dot, qh is read once as a uint32 and tested with the lane's mask 1 << l: reading its
-    # bytes per lane as the dot does runs 6x slower here, a per-lane shift 25% slower
-    o, po = b * 22 + 6, b * 32
-    cd = c * _f16(wr, o - 6)
-    c16 = np.float32(16.0) * cd
-    h = _u32(wr, o - 4)
-    uo, up, up16 = _U(o), _U(po), _U(po + 16)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        m = np.uint32(1) << np.uint32(l)
-        p[up + l] += cd * (_u8f(q & 15) + _hi16(h, m)) - c16
-        p[up16 + l] += cd * (_u8f(q >> 4) + _hi16(h, m << np.uint32(16))) - c16
-
-
-@njit(**_INLINE)
-def _q5_1_axpy(wr, b, c, p, n):
-    o, po = b * 24 + 8, b * 32
-    cd, cm = c * _f16(wr, o - 8), c * _f16(wr, o - 6)
-    h = _u32(wr, o - 4)
-    uo, up, up16 = _U(o), _U(po), _U(po + 16)
-    for l in range(_U(n)):
-        q = wr[uo + l]
-        m = np.uint32(1) << np.uint32(l)
-        p[up + l] += cd * (_u8f(q & 15) + _hi16(h, m)) + cm
-        p[up16 + l] += cd * (_u8f(q >> 4) + _hi16(h, m << np.uint32(16))) + cm
-
-
-# ---------------------------------------------------------------------------------------------
-# Q8_0 / Q4_0 (and Q4_1) in LLVM vector IR. These two types carry most decode work (Q4_0 weights with Q8
-# activations, the Q8_0 W_down copy), and LLVM vectorises numba block loops like the ones above badly: for
+# Q8_0 / Q4_0 (and Q4_1, Q5_0, Q5_1) in LLVM vector IR. Q8_0 and Q4_0 carry most decode work (Q4_0 weights
+# with Q8 activations, the Q8_0 W_down copy), and LLVM vectorises numba block loops over them badly: for
 # 16-lane blocks it picks wider vectors, runs every block through its remainder loop and reduces it
 # to a scalar, and it forms no VNNI dot products. So each (type, kernel) is a numba intrinsic that
 # walks all blocks of _IR_ROWS rows with explicit vectors:
 # - one <16 x float> accumulator per row (<8 x float> after vpdpbusd), reduced once per row; axpy
 #   loads and stores p once per block for all its rows;
-# - Q8 activations: integer products, AVX-512 VNNI vpdpbusd (Q4_0's nibbles as u8 x int8 x) and
+# - Q8 activations: integer products, AVX-512 VNNI vpdpbusd (Q4_0's / Q5_0's q as u8 x int8 x) and
 #   vpmaddwd (Q8_0) when numba compiles for a CPU that has them, else even / odd int32 products,
 #   which LLVM lowers to pmaddwd where it can;
 # - 8 rows side by side rather than 4 (more memory streams in flight): +10-20% with rows from DRAM,
@@ -293,10 +188,20 @@ def _q5_1_axpy(wr, b, c, p, n):
 # Q4_1 (float x only: w = d q + m, the min times the block's sum of x, from _sums16) takes the same
 # kernels: 2 threads, from DRAM, qgemv_rows / qaxpy_rows / qffn_rows 7.5 / 7.7 / 8.0 (numba loops) ->
 # 12.9 / 10.4 / 12.8 (no pf) -> 14.8 / 11.6 / 15.2 GB/s (SmolLM2's file is Q4_1).
+# So do Q5_0 / Q5_1, Q4_0 / Q4_1 with a 5th bit per element from the block's uint32 qh, a <32 x i1>
+# mask (on AVX-512 a mask register: one masked byte move puts 16 or 0 in each lane), xq included
+# (Gemma 3's Q4_K_M file stores attention and FFN gate / up as Q5_0). "before": numba block loops, 4
+# rows side by side (qffn_rows xq: gate / up with Q8 activations):
+#            qgemv_rows    qgemv_rows xq   qaxpy_rows    qffn_rows     qffn_rows xq
+#   Q5_0      8.7 / 14.8   12.5 / 19.8      8.5 / 13.4    9.0 / 15.9   11.5 / 19.3
+#   before    3.1 /  5.6                    3.5 /  6.0    3.2 /  5.9
+#   Q5_1      8.9 / 15.0   12.7 / 20.4      7.3 / 12.6    8.6 / 15.4   10.8 / 18.4
+#   before    3.2 /  6.2                    3.4 /  6.1    3.2 /  6.2
 #
 # A block's 32 values are handled in element order (Q4_0: its 16 low nibbles are elements 0-15, the
-# high ones 16-31), as x and the Q8 activations are stored. Row pointers come from numba arrays, so
-# these intrinsics trust the caller (the *_rows_ir helpers) for bounds.
+# high ones 16-31; Q5_0: bit i of qh is element i's), as x and the Q8 activations are stored. Row
+# pointers come from numba arrays, so these intrinsics trust the caller (the *_rows_ir helpers) for
+# bounds.
 
 def _host_has(*features: str) -> bool:
     # whether numba compiles for this very CPU (not for NUMBA_CPU_NAME=generic etc.) and it has features
@@ -341,33 +246,46 @@ def _hsum(bd, v):
     return bd.extract_element(v, ir.Constant(_I32, 0))
 
 
-_IR_BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
+_IR_BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24}
+_IR_OFFSET = {Q4_0: 8, Q5_0: 16}  # w = d * (q - offset); Q4_1, Q5_1 (_IR_MIN): w = d * q + m
+_IR_MIN = (Q4_1, Q5_1)
 
 
-def _block(bd, qt, row, b):
-    # block b of a Q8_0 / Q4_0 / Q4_1 row (i8*) -> (d, q of elements 0-15, q of elements 16-31, m),
-    # q as <16 x i8>; Q4_0's / Q4_1's q are the stored nibbles (weight d * (q - 8), d * q + m); m:
-    # Q4_1's min, else None
+def _block(bd, qt, row, b, signed=False):
+    # block b of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 row (i8*) -> (d, q of elements 0-15, q of elements
+    # 16-31, m), q as <16 x i8>: Q8_0's int8, else unsigned: the stored nibbles, for Q5_0 / Q5_1 | the
+    # 5th bit << 4 (bit i of the uint32 qh for element i); signed: Q4_0's / Q5_0's q - _IR_OFFSET
+    # instead (w / d); m: Q4_1's / Q5_1's min, else None
     o = bd.mul(b, ir.Constant(_I64, _IR_BLOCK_BYTES[qt]))
     d = bd.fpext(_load(bd, row, o, ir.HalfType()), _F32)
-    m = None
-    if qt == Q4_1:
-        m = bd.fpext(_load(bd, row, bd.add(o, ir.Constant(_I64, 2)), ir.HalfType()), _F32)
-        o = bd.add(o, ir.Constant(_I64, 2))
     o = bd.add(o, ir.Constant(_I64, 2))
+    m = None
+    if qt in _IR_MIN:
+        m = bd.fpext(_load(bd, row, o, ir.HalfType()), _F32)
+        o = bd.add(o, ir.Constant(_I64, 2))
     v16 = ir.VectorType(_I8, 16)
     if qt == Q8_0:
         return d, _load(bd, row, o, v16), _load(bd, row, bd.add(o, ir.Constant(_I64, 16)), v16), m
+    h = None
+    if qt in (Q5_0, Q5_1):  # qh as <32 x i1> (AVX-512: a mask register) -> 16 or 0 per element; signed
+        # Q5_0: 0 or -16, i.e. q - 16 by the same op (1 thread: +4% over subtracting 16 afterwards)
+        hv = (0, -16) if signed and qt == Q5_0 else (16, 0)
+        h = bd.select(bd.bitcast(_load(bd, row, o, _I32), ir.VectorType(ir.IntType(1), 32)),
+                      _vconst(_I8, 32, hv[0]), _vconst(_I8, 32, hv[1]))
+        o = bd.add(o, ir.Constant(_I64, 4))
     qs = _load(bd, row, o, v16)
-    return d, bd.and_(qs, _vconst(_I8, 16, 15)), bd.lshr(qs, _vconst(_I8, 16, 4)), m
+    lo, hi = bd.and_(qs, _vconst(_I8, 16, 15)), bd.lshr(qs, _vconst(_I8, 16, 4))
+    if h is not None:
+        lo, hi = bd.or_(lo, _shuffle(bd, h, list(range(16)))), bd.or_(hi, _shuffle(bd, h, list(range(16, 32))))
+    if signed and qt == Q4_0:
+        lo, hi = bd.sub(lo, _vconst(_I8, 16, 8)), bd.sub(hi, _vconst(_I8, 16, 8))
+    return d, lo, hi, m
 
 
 def _block_f32(bd, qt, row, b):
-    # block b -> (d, two <16 x float> of its values / d (Q4_1: of its q), m); kept as two halves, not
-    # one <32 x i8>: the concatenation and split cost 5% in axpy
-    d, lo, hi, m = _block(bd, qt, row, b)
-    if qt == Q4_0:
-        lo, hi = bd.sub(lo, _vconst(_I8, 16, 8)), bd.sub(hi, _vconst(_I8, 16, 8))
+    # block b -> (d, two <16 x float> of its values / d (Q4_1, Q5_1: of its q), m); kept as two halves,
+    # not one <32 x i8>: the concatenation and split cost 5% in axpy
+    d, lo, hi, m = _block(bd, qt, row, b, signed=True)
     return d, [bd.sitofp(h, ir.VectorType(_F32, 16)) for h in (lo, hi)], m
 
 
@@ -456,7 +374,7 @@ def _row_ptrs(context, bd, qt, sig, args):
 def _make_dot(qt, xq):
     """Intrinsic (w, rows, j, hi, x, xd, out): out[i] = w[rows[i]] . x for i in [j, min(j + _IR_ROWS, hi)).
     w: uint8 [R, bytes_per_row] of qt blocks. xq False: x float32 [C] and xd its sums over 16 elements
-    (_sums16; read for Q4_1's mins only); xq True: x int8 [C] and xd as _quantize_x returns."""
+    (_sums16; read for Q4_1's / Q5_1's mins only); xq True: x int8 [C] and xd as _quantize_x returns."""
 
     def dot(typingctx, w, rows, j, hi, x, xd, out):
         if not _ir_types_ok(w, rows, (x, types.int8 if xq else types.float32), (xd, types.float32),
@@ -483,17 +401,19 @@ def _make_dot(qt, xq):
                     xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, h)), ir.VectorType(_F32, 16)) for h in (0, 16)]
                 for ptr, acc, off in zip(ptrs, accs, offs):
                     if xq:
-                        d, lo, hi, _ = _block(bd, qt, ptr, b)
+                        d, lo, hi, m = _block(bd, qt, ptr, b)
                         q = _shuffle(bd, lo, list(range(32)), hi)
                         t = bd.sitofp(_int_dot(bd, qt, q, xv), ir.VectorType(_F32, lanes))
                         sc = bd.fmul(d, dx, flags=_FAST)
-                        if qt == Q4_0:  # sum((q - 8) xq) = sum(q xq) - 8 sum(xq)
+                        if qt in _IR_OFFSET:  # sum((q - 8) xq) = sum(q xq) - 8 sum(xq) (Q5_0: 16)
                             bd.store(bd.fadd(bd.load(off), bd.fmul(d, sx, flags=_FAST), flags=_FAST), off)
+                        elif m is not None:  # + m * dx * sum(xq)
+                            bd.store(bd.fadd(bd.load(off), bd.fmul(m, sx, flags=_FAST), flags=_FAST), off)
                     else:
                         d, f, m = _block_f32(bd, qt, ptr, b)
                         t = bd.fadd(bd.fmul(f[0], xv[0], flags=_FAST), bd.fmul(f[1], xv[1], flags=_FAST), flags=_FAST)
                         sc = d
-                        if m is not None:  # Q4_1: + m * (sum of x over the block)
+                        if m is not None:  # Q4_1, Q5_1: + m * (sum of x over the block)
                             b2 = bd.mul(b, ir.Constant(_I64, 2))
                             xsum = bd.fadd(bd.load(bd.gep(xdp, [b2])), bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))])),
                                            flags=_FAST)
@@ -501,9 +421,10 @@ def _make_dot(qt, xq):
                     bd.store(bd.fadd(bd.load(acc), bd.fmul(t, _splat(bd, sc, lanes), flags=_FAST), flags=_FAST), acc)
             for i, acc, off in zip(pos, accs, offs):
                 s = _hsum(bd, bd.load(acc))
-                if xq and qt == Q4_0:
-                    s = bd.fsub(s, bd.fmul(ir.Constant(_F32, 8.0), bd.load(off), flags=_FAST), flags=_FAST)
-                elif qt == Q4_1:
+                if xq and qt in _IR_OFFSET:
+                    k = ir.Constant(_F32, float(_IR_OFFSET[qt]))
+                    s = bd.fsub(s, bd.fmul(k, bd.load(off), flags=_FAST), flags=_FAST)
+                elif qt in _IR_MIN:
                     s = bd.fadd(s, bd.load(off), flags=_FAST)
                 bd.store(s, bd.gep(op, [i]))
             return context.get_dummy_value()
@@ -540,7 +461,7 @@ def _make_axpy(qt):
                     d, f, m = _block_f32(bd, qt, ptr, b)
                     cd = _splat(bd, bd.fmul(c, d, flags=_FAST), 16)
                     pv = [bd.fadd(v, bd.fmul(h, cd, flags=_FAST), flags=_FAST) for v, h in zip(pv, f)]
-                    if m is not None:  # Q4_1: + c * m on every element
+                    if m is not None:  # Q4_1, Q5_1: + c * m on every element
                         cm = _splat(bd, bd.fmul(c, m, flags=_FAST), 16)
                         pv = [bd.fadd(v, cm, flags=_FAST) for v in pv]
                 for o, v in zip(po, pv):
@@ -556,7 +477,10 @@ def _make_axpy(qt):
 _q8_0_dot, _q4_0_dot = _make_dot(Q8_0, False), _make_dot(Q4_0, False)
 _q8_0_dot_xq, _q4_0_dot_xq = _make_dot(Q8_0, True), _make_dot(Q4_0, True)
 _q8_0_axpy, _q4_0_axpy = _make_axpy(Q8_0), _make_axpy(Q4_0)
-_q4_1_dot_ir, _q4_1_axpy_ir = _make_dot(Q4_1, False), _make_axpy(Q4_1)
+_q4_1_dot, _q4_1_axpy = _make_dot(Q4_1, False), _make_axpy(Q4_1)
+_q5_0_dot, _q5_1_dot = _make_dot(Q5_0, False), _make_dot(Q5_1, False)
+_q5_0_dot_xq, _q5_1_dot_xq = _make_dot(Q5_0, True), _make_dot(Q5_1, True)
+_q5_0_axpy, _q5_1_axpy = _make_axpy(Q5_0), _make_axpy(Q5_1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -821,49 +745,8 @@ def _sums16(x):
     return xs
 
 
-# ---------------------------------------------------------------------------------------------
-# Rows side by side: 4 rows of Q5_0 / Q5_1 advance block by block together (the other types:
-# _IR_ROWS rows, see the IR sections). Measured with numba block loops on the 2-core machine, 1
-# thread, rows read from DRAM (GB/s with 1 / 2 / 4 / 8 rows): Q8_0 5.8 / 8.4 / 9.5 / 9.5, Q4_0 3.4 /
-# 4.2 / 5.1 / 5.3. Every unrolled row is one more inlined copy of the block code, which is what numba's
-# first compilation spends its time on. `blk` is one of the block functions above, inlined; the type
-# switch happens once per span.
-
-@njit(**_INLINE)
-def _dot_rows4(blk, nb, w, rows, lo, hi, x, xs, n, out):
-    # as _dot_rows, 4 rows side by side (the last rows of an incomplete group repeat the last one)
-    for j in range(lo, hi, 4):
-        j1, j2, j3 = min(j + 1, hi - 1), min(j + 2, hi - 1), min(j + 3, hi - 1)
-        w0, w1, w2, w3 = w[rows[j]], w[rows[j1]], w[rows[j2]], w[rows[j3]]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for b in range(nb):
-            a0 += blk(w0, b, x, xs, n)
-            a1 += blk(w1, b, x, xs, n)
-            a2 += blk(w2, b, x, xs, n)
-            a3 += blk(w3, b, x, xs, n)
-        out[j], out[j1], out[j2], out[j3] = a0, a1, a2, a3
-
-
-@njit(**_INLINE)
-def _axpy_rows4(blk, nb, w, rows, lo, hi, a, n, p):
-    # as _axpy_rows, 4 rows side by side (repeated rows of an incomplete group weigh 0)
-    z = np.float32(0.0)
-    for j in range(lo, hi, 4):
-        j1, j2, j3 = min(j + 1, hi - 1), min(j + 2, hi - 1), min(j + 3, hi - 1)
-        w0, w1, w2, w3 = w[rows[j]], w[rows[j1]], w[rows[j2]], w[rows[j3]]
-        c0 = a[j]
-        c1 = a[j1] if j1 == j + 1 else z
-        c2 = a[j2] if j2 == j + 2 else z
-        c3 = a[j3] if j3 == j + 3 else z
-        for b in range(nb):
-            blk(w0, b, c0, p, n)
-            blk(w1, b, c1, p, n)
-            blk(w2, b, c2, p, n)
-            blk(w3, b, c3, p, n)
-
-
 @njit(nogil=True, fastmath=True, cache=True)
-def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
+def _qgemv_span(qt, w, rows, lo, hi, x, xs, out):
     # out[j] = w[rows[j]] · x for j in [lo, hi); w: uint8 [R, bytes_per_row] of ggml type qt
     if qt == Q4_K:
         _dot_rows_ir(_q4_k_dot, w, rows, lo, hi, x, xs, out)
@@ -874,17 +757,17 @@ def _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out):
     elif qt == Q4_0:
         _dot_rows_ir(_q4_0_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q4_1:
-        _dot_rows_ir(_q4_1_dot_ir, w, rows, lo, hi, x, xs, out)
+        _dot_rows_ir(_q4_1_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q5_0:
-        _dot_rows4(_q5_0_dot, w.shape[1] // 22, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q5_0_dot, w, rows, lo, hi, x, xs, out)
     elif qt == Q5_1:
-        _dot_rows4(_q5_1_dot, w.shape[1] // 24, w, rows, lo, hi, x, xs, n, out)
+        _dot_rows_ir(_q5_1_dot, w, rows, lo, hi, x, xs, out)
     else:
         _dot_rows_ir(_q8_0_dot, w, rows, lo, hi, x, xs, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out):
+def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, out):
     # as _qgemv_span with Q8 activations (see _quantize_x); qt: one of _XQ_TYPES
     if qt == Q4_0:
         _dot_rows_ir(_q4_0_dot_xq, w, rows, lo, hi, xq, xd, out)
@@ -894,12 +777,16 @@ def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out):
         _dot_rows_ir(_q6_k_dot_xq, w, rows, lo, hi, xq, xd, out)
     elif qt == Q5_K:
         _dot_rows_ir(_q5_k_dot_xq, w, rows, lo, hi, xq, xd, out)
+    elif qt == Q5_0:
+        _dot_rows_ir(_q5_0_dot_xq, w, rows, lo, hi, xq, xd, out)
+    elif qt == Q5_1:
+        _dot_rows_ir(_q5_1_dot_xq, w, rows, lo, hi, xq, xd, out)
     else:
         _dot_rows_ir(_q8_0_dot_xq, w, rows, lo, hi, xq, xd, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
+def _qaxpy_span(qt, w, rows, lo, hi, a, p):
     # p += sum_{j in [lo, hi)} a[j] * w[rows[j]]
     if qt == Q4_K:
         _axpy_rows_ir(_q4_k_axpy, w, rows, lo, hi, a, p)
@@ -910,37 +797,37 @@ def _qaxpy_span(qt, w, rows, lo, hi, a, n, p):
     elif qt == Q4_0:
         _axpy_rows_ir(_q4_0_axpy, w, rows, lo, hi, a, p)
     elif qt == Q4_1:
-        _axpy_rows_ir(_q4_1_axpy_ir, w, rows, lo, hi, a, p)
+        _axpy_rows_ir(_q4_1_axpy, w, rows, lo, hi, a, p)
     elif qt == Q5_0:
-        _axpy_rows4(_q5_0_axpy, w.shape[1] // 22, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q5_0_axpy, w, rows, lo, hi, a, p)
     elif qt == Q5_1:
-        _axpy_rows4(_q5_1_axpy, w.shape[1] // 24, w, rows, lo, hi, a, n, p)
+        _axpy_rows_ir(_q5_1_axpy, w, rows, lo, hi, a, p)
     else:
         _axpy_rows_ir(_q8_0_axpy, w, rows, lo, hi, a, p)
 
 
 @njit(**_JIT)
-def _qgemv_rows_kernel(qt, w, rows, x, use_xq, n, out):
+def _qgemv_rows_kernel(qt, w, rows, x, use_xq, out):
     # w: uint8 [R, bytes_per_row], rows: [K], x: [C], out: [K] (overwritten); whole blocks of 8 per task
     K = rows.shape[0]
     nb = (K + _BLOCK - 1) // _BLOCK
     if use_xq:
         xq, xd = _quantize_x(x)
         for b in prange(nb):
-            _qgemv_span_xq(qt, w, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), xq, xd, n, out)
+            _qgemv_span_xq(qt, w, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), xq, xd, out)
     else:
         xs = _sums16(x)
         for b in prange(nb):
-            _qgemv_span(qt, w, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, xs, n, out)
+            _qgemv_span(qt, w, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, xs, out)
 
 
 @njit(**_JIT)
-def _qaxpy_rows_kernel(qt, w, rows, coeff, nt, n, out):
+def _qaxpy_rows_kernel(qt, w, rows, coeff, nt, out):
     # out[C] += sum_j coeff[j] * w[rows[j]]: nt chunks of rows with their own partial sums, then reduced
     K, C = rows.shape[0], out.shape[0]
     part = np.zeros((nt, C), np.float32)
     for c in prange(nt):
-        _qaxpy_span(qt, w, rows, c * K // nt, (c + 1) * K // nt, coeff, n, part[c])
+        _qaxpy_span(qt, w, rows, c * K // nt, (c + 1) * K // nt, coeff, part[c])
     for d in prange(C):
         acc = np.float32(0.0)
         for c in range(nt):
@@ -949,16 +836,16 @@ def _qaxpy_rows_kernel(qt, w, rows, coeff, nt, n, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _qgemv_any(qt, w, rows, lo, hi, x, xs, xq, xd, use_xq, n, out):
-    if use_xq and qt != Q4_1 and qt != Q5_0 and qt != Q5_1:  # the types with xq kernels (_XQ_TYPES)
-        _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, n, out)
+def _qgemv_any(qt, w, rows, lo, hi, x, xs, xq, xd, use_xq, out):
+    if use_xq and qt != Q4_1:  # the types with xq kernels (_XQ_TYPES)
+        _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, out)
     else:
-        _qgemv_span(qt, w, rows, lo, hi, x, xs, n, out)
+        _qgemv_span(qt, w, rows, lo, hi, x, xs, out)
 
 
 @njit(**_JIT)
 def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, use_bias, scale, use_scale,
-                     nt, n, out):
+                     nt, out):
     # One token, phases as cpu._ffn_one_kernel: (1) gate (or up) of the selected rows, (2) keep the
     # rows whose activation is not 0, (3) gated: their up rows, (4) out += h @ down rows (per-thread
     # partial sums, reduced). up and gate share type qu; down (W_down transposed) has type qd.
@@ -972,14 +859,14 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, 
     z = np.empty(K, np.float32)
     f = gate if gated else up
     for b in prange(nb):
-        _qgemv_any(qu, f, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, n, z)
+        _qgemv_any(qu, f, rows, b * _BLOCK, min(K, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, z)
     keep, h = _keep_active(z, rows, bias, use_bias, act)
     m = keep.shape[0]
     if gated:
         u = np.empty(m, np.float32)
         nb2 = (m + _BLOCK - 1) // _BLOCK
         for b in prange(nb2):
-            _qgemv_any(qu, up, keep, b * _BLOCK, min(m, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, n, u)
+            _qgemv_any(qu, up, keep, b * _BLOCK, min(m, (b + 1) * _BLOCK), x, xs, xq, xd, use_xq, u)
         for j in range(m):
             h[j] *= u[j]
     if use_scale:
@@ -988,7 +875,7 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, 
     nt = max(1, min(nt, m))
     part = np.zeros((nt, D), np.float32)
     for c in prange(nt):
-        _qaxpy_span(qd, down, keep, c * m // nt, (c + 1) * m // nt, h, n, part[c])
+        _qaxpy_span(qd, down, keep, c * m // nt, (c + 1) * m // nt, h, part[c])
     for d in prange(D):
         acc = np.float32(0.0)
         for c in range(nt):
@@ -997,11 +884,11 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, 
 
 
 @njit(**_JIT)
-def _qdequant_kernel(qt, w, rows, n, out):
+def _qdequant_kernel(qt, w, rows, out):
     # out[j] = w[rows[j]] as float32 (out zeroed by the caller); one row at a time through the axpy code
     one = np.ones(1, np.float32)
     for j in prange(rows.shape[0]):
-        _qaxpy_span(qt, w, rows[j:j + 1], 0, 1, one, n, out[j])
+        _qaxpy_span(qt, w, rows[j:j + 1], 0, 1, one, out[j])
 
 # ---------------------------------------------------------------------------------------------
 # Python entry points
@@ -1040,8 +927,8 @@ def qgemv_rows(m: QuantMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray 
                xq: bool | None = None) -> np.ndarray:
     """out[i] = m[rows[i]] · x. rows int [K]; x float32 [cols]; returns out float32 [K] (overwritten).
 
-    xq: quantise x to Q8 per 32-block and dot in integers (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; None: when
-    m's type is in `XQ_DEFAULT`)."""
+    xq: quantise x to Q8 per 32-block and dot in integers (every type but Q4_1; None: when m's type
+    is in `XQ_DEFAULT`)."""
     _check_m(m)
     rows = _as_rows(rows, m.rows)
     x = _as_f32(x, (m.cols,), "x")
@@ -1051,7 +938,7 @@ def qgemv_rows(m: QuantMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray 
     if xq and m.qtype not in _XQ_TYPES:
         raise ValueError(f"xq=True supports {', '.join(_XQ_TYPES)}, not {m.qtype}")
     if rows.shape[0]:
-        _qgemv_rows_kernel(m._id, m.data, rows, x, bool(xq), _N16, out)
+        _qgemv_rows_kernel(m._id, m.data, rows, x, bool(xq), out)
     return out
 
 
@@ -1071,7 +958,7 @@ def qaxpy_rows(m: QuantMatrix, rows: np.ndarray, coeff: np.ndarray, out: np.ndar
     _check_out(out, (m.cols,))
     k = rows.shape[0]
     if k:
-        _qaxpy_rows_kernel(m._id, m.data, rows, coeff, min(get_threads(), k), _N16, out)
+        _qaxpy_rows_kernel(m._id, m.data, rows, coeff, min(get_threads(), k), out)
     return out
 
 
@@ -1086,7 +973,7 @@ def qffn_rows(x: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMat
     act(up_j·x + up_bias_j); out += sum_j h_j * row_scale_j * down_t[j] over j in rows (row_scale
     float32 [I] or None: e.g. the routing weight of the expert a row belongs to). act: relu | silu |
     gelu_tanh. xq: as in `qgemv_rows`, for gate / up (None: when up's type is in `XQ_DEFAULT`;
-    ignored for Q4_1, Q5_0, Q5_1, which have no Q8-activation kernels).
+    ignored for Q4_1, which has no Q8-activation kernels).
     """
     if act not in ACTS:
         raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
@@ -1110,7 +997,7 @@ def qffn_rows(x: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMat
         scale = _NONE if row_scale is None else _as_f32(row_scale, (n,), "row_scale")
         _qffn_one_kernel(x, rows, up._id, up.data, g.data, down_t._id, down_t.data, ACTS[act],
                          gate is not None, use_xq, bias, bias is not _NONE, scale, scale is not _NONE,
-                         min(get_threads(), k), _N16, out)
+                         min(get_threads(), k), out)
     return out
 
 
@@ -1172,7 +1059,7 @@ def qdequantize(m: QuantMatrix, rows: np.ndarray | None = None, out: np.ndarray 
             raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
         out[:] = 0.0
     if rows.shape[0]:
-        _qdequant_kernel(m._id, m.data, rows, _N16, out)
+        _qdequant_kernel(m._id, m.data, rows, out)
     return out
 
 # ---------------------------------------------------------------------------------------------
