@@ -459,7 +459,7 @@ class HybridMoE(FFN):
         book.span("decode", "gpu_s", *marks)
         if cache is None:
             book.add("decode", layer_calls=1)
-        if not (self.n_cold or book.enabled):
+        if cache is None and not (self.n_cold or book.enabled):  # (the cache's step also prefetches for the next layer)
             return y.reshape(f_in.shape)
         if self.packed.numel() != packed.numel():  # the look-ahead's guess rides along
             self._packed_buffers(packed.numel())

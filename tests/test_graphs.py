@@ -137,3 +137,20 @@ def test_graphed_steps_with_the_expert_cache_match_reference(folder):
         assert all(b.replays == toks.shape[1] - 3 for b in lm.model.layers)
     assert st["experts_cached"] > 0 and st["experts_prefetched"] > 0
     assert_close(got, want, tol=2e-5)
+
+
+def test_split_step_prefetches_for_the_next_layer_without_host_experts(folder):
+    """A MoE layer whose experts all sit on the fast tier still runs the cache's step after the
+    replay (statistics off): its look-ahead prefetches the next layer's host experts."""
+    lm = fresh(folder, "qwen3_moe")
+    n = lm.config.num_experts
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts={0: list(range(n)), 1: []},
+                     expert_cache_bytes=1 << 20, prefetch_experts=2, stats=False):
+        first = lm.model.layers[0].ffn
+        assert first.n_cold == 0 and first.ahead is not None
+        first.residual = torch.randn(1, 1, lm.config.hidden_size)
+        x = torch.randn(1, 1, lm.config.hidden_size)
+        first.cache.take_copied()
+        with torch.inference_mode():
+            first.graph_post(x, *first.graph_pre(x))
+        assert first.cache.take_copied() > 0
