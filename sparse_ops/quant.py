@@ -342,6 +342,32 @@ def _next_rows(context, bd, sig, args):
     return ptrs
 
 
+def _dot_args(context, bd, qt, sig, args):
+    """A dot intrinsic's operands: the rows' pointers and positions i (out[i]), the next rows'
+    pointers (for _prefetch), blocks per row, and the data pointers of x, xd, out."""
+    ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+    data = tuple(context.make_array(t)(context, bd, a).data for t, a in zip(sig.args[4:], args[4:]))
+    return ptrs, pos, _next_rows(context, bd, sig, args), nb, data
+
+
+def _axpy_types_ok(w, rows, a, p) -> bool:
+    # as _ir_types_ok, for an axpy's coefficients a (float32, read element by element: any layout) and p
+    return (_ir_types_ok(w, rows, (p, types.float32)) and isinstance(a, types.Array) and a.ndim == 1
+            and a.dtype == types.float32)
+
+
+def _axpy_args(context, bd, qt, sig, args):
+    """An axpy intrinsic's operands: the rows' pointers, the next rows', blocks per row, each row's
+    coefficient a[i] (0 for a repeated last row), and the data pointer of p."""
+    ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
+    av = context.make_array(sig.args[4])(context, bd, args[4])
+    cs = [bd.select(bd.icmp_signed("==", i, bd.add(args[2], ir.Constant(_I64, r))),  # 0 for repeats
+                    bd.load(cgutils.get_item_pointer(context, bd, sig.args[4], av, [i])),
+                    ir.Constant(_F32, 0.0)) for r, i in enumerate(pos)]
+    pp = context.make_array(sig.args[5])(context, bd, args[5]).data
+    return ptrs, _next_rows(context, bd, sig, args), nb, cs, pp
+
+
 def _prefetch(bd, ptrs, b, qt):
     # block b of the rows at ptrs into the L2 cache (prefetcht1 every 64 bytes of the block)
     f = bd.module.declare_intrinsic("llvm.prefetch", [ir.PointerType(_I8)],
@@ -382,9 +408,7 @@ def _make_dot(qt, xq):
             return None
 
         def codegen(context, bd, sig, args):
-            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
-            nxt = _next_rows(context, bd, sig, args)
-            xp, xdp, op = (context.make_array(t)(context, bd, a).data for t, a in zip(sig.args[4:], args[4:]))
+            ptrs, pos, nxt, nb, (xp, xdp, op) = _dot_args(context, bd, qt, sig, args)
             lanes = _dot_lanes(qt) if xq else 16
             accs = [cgutils.alloca_once_value(bd, _vconst(_F32, lanes, 0.0)) for _ in ptrs]
             offs = [cgutils.alloca_once_value(bd, ir.Constant(_F32, 0.0)) for _ in ptrs]
@@ -440,18 +464,11 @@ def _make_axpy(qt):
     p is loaded and stored once per block for all the rows."""
 
     def axpy(typingctx, w, rows, j, hi, a, p):
-        if not (_ir_types_ok(w, rows, (p, types.float32)) and isinstance(a, types.Array) and a.ndim == 1
-                and a.dtype == types.float32):
+        if not _axpy_types_ok(w, rows, a, p):
             return None
 
         def codegen(context, bd, sig, args):
-            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
-            nxt = _next_rows(context, bd, sig, args)
-            av = context.make_array(sig.args[4])(context, bd, args[4])
-            pp = context.make_array(sig.args[5])(context, bd, args[5]).data
-            cs = [bd.select(bd.icmp_signed("==", i, bd.add(args[2], ir.Constant(_I64, r))),  # 0 for repeats
-                            bd.load(cgutils.get_item_pointer(context, bd, sig.args[4], av, [i])),
-                            ir.Constant(_F32, 0.0)) for r, i in enumerate(pos)]
+            ptrs, nxt, nb, cs, pp = _axpy_args(context, bd, qt, sig, args)
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
                 _prefetch(bd, nxt, b, qt)
@@ -591,9 +608,7 @@ def _make_kdot(qt, xq):
             return None
 
         def codegen(context, bd, sig, args):
-            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
-            nxt = _next_rows(context, bd, sig, args)
-            xp, xdp, op = (context.make_array(t)(context, bd, a).data for t, a in zip(sig.args[4:], args[4:]))
+            ptrs, pos, nxt, nb, (xp, xdp, op) = _dot_args(context, bd, qt, sig, args)
             lanes = _dot_lanes(qt) if xq else 16
             accs = [cgutils.alloca_once_value(bd, _vconst(_F32, lanes, 0.0)) for _ in ptrs]
             even, odd = list(range(0, 16, 2)), list(range(1, 16, 2))
@@ -651,18 +666,11 @@ def _make_kaxpy(qt):
     G = _K_GROUPS[qt]
 
     def axpy(typingctx, w, rows, j, hi, a, p):
-        if not (_ir_types_ok(w, rows, (p, types.float32)) and isinstance(a, types.Array) and a.ndim == 1
-                and a.dtype == types.float32):
+        if not _axpy_types_ok(w, rows, a, p):
             return None
 
         def codegen(context, bd, sig, args):
-            ptrs, pos, nb = _row_ptrs(context, bd, qt, sig, args)
-            nxt = _next_rows(context, bd, sig, args)
-            av = context.make_array(sig.args[4])(context, bd, args[4])
-            pp = context.make_array(sig.args[5])(context, bd, args[5]).data
-            cs = [bd.select(bd.icmp_signed("==", i, bd.add(args[2], ir.Constant(_I64, r))),  # 0 for repeats
-                            bd.load(cgutils.get_item_pointer(context, bd, sig.args[4], av, [i])),
-                            ir.Constant(_F32, 0.0)) for r, i in enumerate(pos)]
+            ptrs, nxt, nb, cs, pp = _axpy_args(context, bd, qt, sig, args)
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
                 _prefetch(bd, nxt, b, qt)
