@@ -19,7 +19,7 @@ from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_threads
 from hotcold.executors.graphs import graph_blocks
-from hotcold.executors.gpu_executor import GPUExecutor, LearnedMask, OracleMask, predictor_dtype
+from hotcold.executors.gpu_executor import HOST_PREDICTOR_QTYPE, GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.expert_cache import ExpertCache, slot_kind
@@ -198,8 +198,12 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
             mask_fn = OracleMask(ffn, perm, act, float(thresholds.get(l, 0.0)), device, dtype)
         elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
             on_cpu = l in predictor_cpu
+            # on the CPU (placed there, or the CPU tier): numba's kernels over Q8_0 blocks (float32
+            # where cpu_dtype asks for f32); torch's bfloat16 GEMV took 9.1 ms per token for a 4-layer
+            # 7B shape's 43 MB of predictors, the Q8_0 blocks 2.0 ms
             mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device, predictor_dtype(dtype),
-                                  host_threads=cpu_threads if on_cpu else None,
+                                  host_threads=cpu_threads if on_cpu or not tier.cuda else None,
+                                  host_qtype=None if cpu_dtype == "f32" else HOST_PREDICTOR_QTYPE,
                                   worker=cpu if on_cpu else None, book=book)
         else:
             mask_fn = None

@@ -39,33 +39,63 @@ def predictor_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
+HOST_PREDICTOR_QTYPE = "Q8_0"  # block type of a predictor on the CPU (see LearnedMask)
+
+
+def _host_predictor(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, threads: int,
+                    qtype: str | None = HOST_PREDICTOR_QTYPE):
+    """The two layers of a CPU predictor as HostLinear (numba's kernels for one token). w1: [r, D],
+    w2: [I, r] -> (l1, l2): float32 for qtype None or D not a multiple of its block size; else blocks
+    of qtype, the rank r padded to a multiple of the block size with zero rows of w1 and zero
+    columns of w2 (relu(0) adds nothing). Q8_0 holds half a half-precision predictor's bytes; on a
+    4-layer 7B shape's held-out FFN inputs 0.06-0.09% of its decisions differ from float32's
+    (bfloat16: 0.03-0.05%), with the same active fraction to 4 digits."""
+    from hotcold.executors.host_attention import HostLinear
+    from hotcold.models.quantized import QuantLinear
+    from hotcold.sparse_ops.quant import QTYPES, QuantMatrix
+
+    def linear(w, b):  # nn.Linear holding float32 copies
+        lin = nn.Linear(1, 1)
+        lin.weight, lin.bias = (nn.Parameter(_plain(t, "cpu", torch.float32), requires_grad=False) for t in (w, b))
+        return lin
+
+    if qtype is None or w1.shape[1] % QTYPES[qtype][1]:
+        return HostLinear(linear(w1, b1), threads), HostLinear(linear(w2, b2), threads)
+    pad = -w1.shape[0] % QTYPES[qtype][1]
+    w1 = F.pad(w1.float(), (0, 0, 0, pad))  # [r', D]
+    b1 = F.pad(b1.float(), (0, pad))  # [r']
+    w2 = F.pad(w2.float(), (0, pad))  # [I, r']
+    return tuple(HostLinear(QuantLinear(QuantMatrix.quantize(w.detach().numpy(), qtype), _plain(b, "cpu")), threads)
+                 for w, b in ((w1, b1), (w2, b2)))
+
+
 class LearnedMask:
     """A NeuronPredictor with output rows permuted to hot-first order, on the fast tier in `dtype`
-    (see predictor_dtype; the threshold comparison is in float32)."""
+    (see predictor_dtype; the threshold comparison is in float32), or with host_threads on the CPU:
+    numba's kernels over host_qtype blocks (None: float32) for one token (see _host_predictor), as
+    the planner assumes."""
 
     def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device, dtype: torch.dtype = torch.float32,
-                 host_threads: int | None = None, worker=None, book=None):
+                 host_threads: int | None = None, worker=None, book=None, host_qtype: str | None = HOST_PREDICTOR_QTYPE):
         if pred.w2.out_features != len(perm):
             raise ValueError(f"predictor predicts {pred.w2.out_features} neurons, the FFN has {len(perm)}")
         p = perm.to(pred.w2.weight.device)
-        self.dtype = dtype
-        l1, l2 = nn.Linear(1, 1), nn.Linear(1, 1)
-        l1.weight, l1.bias = (nn.Parameter(_plain(t, device, dtype), requires_grad=False) for t in (pred.w1.weight, pred.w1.bias))
-        l2.weight, l2.bias = (nn.Parameter(_plain(t, device, dtype), requires_grad=False)
-                              for t in (pred.w2.weight[p], pred.w2.bias[p]))
-        if host_threads:  # a predictor the plan put on the CPU beside a GPU: numba's gemv, as the planner assumes
-            from hotcold.executors.host_attention import HostLinear
-
-            l1, l2 = HostLinear(l1, host_threads), HostLinear(l2, host_threads)
-        self.l1, self.l2 = l1, l2
-        self.w1, self.b1, self.w2, self.b2 = l1.weight, l1.bias, l2.weight, l2.bias
-        self.threshold = _plain(pred.threshold, device, torch.float32)
+        weights = (pred.w1.weight, pred.w1.bias, pred.w2.weight[p], pred.w2.bias[p])  # w1 [r, D], b1, w2 [I, r], b2
+        if host_threads:
+            self.device, self.dtype = torch.device("cpu"), torch.float32
+            self.l1, self.l2 = _host_predictor(*weights, host_threads, host_qtype)
+        else:
+            self.device, self.dtype = torch.device(device), dtype
+            self.l1, self.l2 = nn.Linear(1, 1), nn.Linear(1, 1)
+            for lin, (w, b) in ((self.l1, weights[:2]), (self.l2, weights[2:])):
+                lin.weight, lin.bias = (nn.Parameter(_plain(t, device, dtype), requires_grad=False) for t in (w, b))
+        self.threshold = _plain(pred.threshold, self.device, torch.float32)
         self.worker, self.book = worker, book  # a CPU predictor runs on the worker thread (see HostAttention)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, D] -> bool [N, I], on x's device (the predictor may live on the CPU, per the plan)
         t0 = now()
-        xs = x.to(self.w1.device, self.dtype)
+        xs = x.to(self.device, self.dtype)
         mask = self.worker.call(self._predict, xs) if self.worker is not None else self._predict(xs)
         mask = mask.to(x.device)
         if self.worker is not None and self.book is not None and self.book.enabled:
@@ -79,7 +109,9 @@ class LearnedMask:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w1, self.b1, self.w2, self.b2))
+        from hotcold.models.quantized import quant_bytes
+
+        return sum(quant_bytes(m) + sum(t.numel() * t.element_size() for t in m.parameters()) for m in (self.l1, self.l2))
 
 
 class OracleMask:

@@ -78,6 +78,7 @@ class Constants:
     # sizes
     predictor_fraction: float = 0.05  # predictor bytes / FFN weight bytes, when profile.json has no predictor params
     predictor_bytes_per_param: float = 2.0  # bytes (fp16 predictor weights)
+    predictor_host_bytes_per_param: float = 34 / 32  # a CPU predictor's Q8_0 blocks (executors/gpu_executor.py)
     transfer_bytes_per_value: int = 4  # bytes: activations cross PCIe as float32
     mask_bytes_per_neuron: float = 1.0  # bytes: the predicted-active mask sent to the CPU (uint8)
     # fixed overheads, the same in every plan (they set absolute tokens/s, never the choice)
@@ -106,6 +107,7 @@ class WeightFormat:
     kv_bytes: int
     host_bytes_per_weight: float | None = None
     host_ffn_bytes_per_weight: float | None = None
+    host_embed_bytes_per_weight: float | None = None  # the token embedding (often wider than the rest)
     # `--gpu-int4`: the GPU's attention matrices in torch's int4 layout where the file's type allows
     # (sparse_ops/gpu_quant.py): their bytes per weight, and the share of the GEMV bandwidth the int4
     # kernel reaches (None / 1: as bytes_per_weight). The LM head is counted as the dtype.
@@ -121,14 +123,20 @@ class WeightFormat:
         return self.bytes_per_weight if self.host_bytes_per_weight is None else self.host_bytes_per_weight
 
     @property
+    def host_embed_w(self) -> float:
+        return self.host_w if self.host_embed_bytes_per_weight is None else self.host_embed_bytes_per_weight
+
+    @property
     def host_ffn_w(self) -> float:
         return self.bytes_per_weight if self.host_ffn_bytes_per_weight is None else self.host_ffn_bytes_per_weight
 
 
-def quantized_format(base: WeightFormat, kind: str, host_bpw: float, host_ffn_bpw: float) -> WeightFormat:
+def quantized_format(base: WeightFormat, kind: str, host_bpw: float, host_ffn_bpw: float,
+                     host_embed_bpw: float | None = None) -> WeightFormat:
     """`base` (the GPU side's dtype) for a model whose host side is GGUF blocks of `kind` (q4_k ...)."""
     return dataclasses.replace(base, name=f"{kind}/{base.name}", cpu_kind=kind, row_overhead_bytes=0.0,
-                               host_bytes_per_weight=host_bpw, host_ffn_bytes_per_weight=host_ffn_bpw)
+                               host_bytes_per_weight=host_bpw, host_ffn_bytes_per_weight=host_ffn_bpw,
+                               host_embed_bytes_per_weight=host_embed_bpw)
 
 
 # int4 on the GPU: 4-bit codes + one bf16 (scale, zero) pair per 32 weights
@@ -212,12 +220,15 @@ class LayerCosts:
     ffn_sync_s: float  # CPU-side sync when the layer has CPU FFN work (hybrid plans)
     unit_host_bytes: np.ndarray | None = None  # [K] weight bytes in host memory (None: unit_bytes)
     attn_host_bytes: float | None = None  # attention weights in host memory (None: attn_bytes)
+    pred_host_bytes: float | None = None  # the predictor in host memory (None: pred_bytes)
 
     def __post_init__(self):
         if self.unit_host_bytes is None:
             self.unit_host_bytes = self.unit_bytes
         if self.attn_host_bytes is None:
             self.attn_host_bytes = self.attn_bytes
+        if self.pred_host_bytes is None:
+            self.pred_host_bytes = self.pred_bytes
 
     @property
     def n_units(self) -> int:
@@ -327,7 +338,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     pcie = hw.pcie_Bps() if has_gpu else math.inf
     ffn_bps = hw.cpu_ffn(fmt.cpu_kind)
     dense_bps = hw.cpu_dense(fmt.cpu_kind)
-    pred_bps = hw.cpu_dense("bf16" if fmt.host_bytes_per_weight is not None else fmt.cpu_kind)  # float predictors
+    pred_bps = hw.cpu_dense("q8_0")  # a CPU predictor's Q8_0 blocks (profiles without q8_0 rates: their float one)
     call = hw.cpu_call_s
     handoff = hw.thread_handoff_s
     tv = c.transfer_bytes_per_value
@@ -372,7 +383,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             unit_gpu_s = q * (eb / gbw + c.expert_gpu_kernels * launch)
             unit_cpu_s = q * (eb_host / ffn_bps + c.expert_cpu_calls * call)
             unit_freq = f_sorted.copy()
-            pred_bytes = pred_gpu_s = pred_cpu_s = 0.0
+            pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = 0.0
             ffn_cpu_fixed_s = 0.0
             mask_bytes = B * cfg.top_k * 8
@@ -397,8 +408,9 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
                 pred_bytes = float(st.predictor_params) * c.predictor_bytes_per_param
             else:
                 pred_bytes = c.predictor_fraction * n_items * rb
+            pred_host_bytes = pred_bytes * c.predictor_host_bytes_per_param / c.predictor_bytes_per_param
             pred_gpu_s = pred_bytes / gbw + c.predictor_gpu_kernels * launch
-            pred_cpu_s = pred_bytes / pred_bps + c.predictor_cpu_calls * call
+            pred_cpu_s = pred_host_bytes / pred_bps + c.predictor_cpu_calls * call
             ffn_gpu_fixed_s = c.ffn_gpu_kernels * launch
             ffn_cpu_fixed_s = c.ffn_cpu_calls * call
             mask_bytes = n_items * c.mask_bytes_per_neuron
@@ -410,10 +422,11 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             pred_bytes=pred_bytes, pred_gpu_s=pred_gpu_s, pred_cpu_s=pred_cpu_s, ffn_gpu_fixed_s=ffn_gpu_fixed_s,
             ffn_cpu_fixed_s=ffn_cpu_fixed_s, hybrid_gpu_s=c.hybrid_gpu_kernels * launch,
             ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0,
-            unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes))
+            unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes,
+            pred_host_bytes=pred_host_bytes))
     head_bytes = float(cfg.vocab_size * h * w)  # kept as the dtype: often the file's widest type (Q6_K)
-    head_host_bytes = float(cfg.vocab_size * h * wh)
-    embed_bytes = float(cfg.vocab_size * h * wh)
+    head_host_bytes = float(cfg.vocab_size * h * (fmt.host_embed_w if cfg.tie_word_embeddings else wh))
+    embed_bytes = float(cfg.vocab_size * h * fmt.host_embed_w)
     if cfg.model_type == "opt":
         embed_bytes += (cfg.max_position_embeddings + 2) * h * w
     workspace = c.workspace_bytes + B * c.workspace_per_token_bytes_factor * (
@@ -522,7 +535,10 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
         if has_cpu and lc.kind != "moe":
             predictor = "gpu" if a else "cpu"
             pred_s = lc.pred_gpu_s if a else lc.pred_cpu_s
-            (g if a else h)["predictors"] = lc.pred_bytes
+            if a:
+                g["predictors"] = lc.pred_bytes
+            else:
+                h["predictors"] = lc.pred_host_bytes
         ffn_gpu = float(lc.unit_gpu_s[on].sum()) + (lc.ffn_gpu_fixed_s if has_gpu else 0.0)
         ffn_cpu = float(lc.unit_cpu_s[~on].sum()) + (lc.ffn_cpu_fixed_s if has_cpu else 0.0)
         if has_cpu and hybrid:

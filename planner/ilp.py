@@ -83,7 +83,7 @@ def prefix_options(lc: LayerCosts) -> list[tuple[int, np.ndarray, np.ndarray, np
         pred = has_cpu * (lc.pred_gpu_s if a else lc.pred_cpu_s)
         gpu_b = a * ab + bytes_cum + (lc.pred_bytes * has_cpu if a else 0.0)
         host_b = (1 - a) * (lc.attn_host_bytes + lc.kv_bytes) + (host_cum[-1] - host_cum) + \
-            (0.0 if a else lc.pred_bytes * has_cpu)
+            (0.0 if a else lc.pred_host_bytes * has_cpu)
         out.append((a, attn + pred + u, gpu_b, host_b))
     return out
 

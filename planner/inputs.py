@@ -66,7 +66,8 @@ def _is_ffn_matrix(name: str) -> bool:
 def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> WeightFormat:
     """The weight format a GGUF runs with: `base` when its FFN matrices are float (expanded at load),
     else quantised (models/quantized.py): host bytes per weight from the file's own tensor sizes
-    (W_down's host copy is Q8_0, as executors/weights.py builds it), the CPU kernel kind of its
+    (W_down's host copy is Q8_0, as executors/weights.py builds it; the token embedding, a row
+    lookup, apart from the attention and LM head that are read whole), the CPU kernel kind of its
     largest share of gate/up bytes; gpu_int4: the share of its attention matrices that the GPU
     keeps int4 (Q4_0 / Q4_1 / Q4_K)."""
     from hotcold.models.gguf_loader import GGUFFile
@@ -74,11 +75,13 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     from hotcold.sparse_ops.quant import QTYPES
 
     _, bs8, ts8 = QTYPES["Q8_0"]
-    ffn_b = ffn_n = other_b = other_n = attn_n = int4_n = 0.0
+    ffn_b = ffn_n = other_b = other_n = embed_b = embed_n = attn_n = int4_n = 0.0
     kinds: dict[str, float] = {}
     for name, qtype, n, nbytes, kept in GGUFFile(path).tensor_storage():
         host = nbytes if kept else n * base.bytes_per_weight
-        if _is_ffn_matrix(name):
+        if name == "embed.weight":
+            embed_b, embed_n = embed_b + host, embed_n + n
+        elif _is_ffn_matrix(name):
             if kept and (".down" in name):
                 host = n * ts8 / bs8  # transposed and requantised as Q8_0
             elif kept:
@@ -92,7 +95,8 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     if not kinds:
         return base
     kind = max(kinds, key=kinds.get).lower()
-    fmt = quantized_format(base, kind, other_b / max(other_n, 1.0), ffn_b / max(ffn_n, 1.0))
+    fmt = quantized_format(base, kind, other_b / max(other_n, 1.0), ffn_b / max(ffn_n, 1.0),
+                           embed_b / embed_n if embed_n else None)
     return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0)) if gpu_int4 else fmt
 
 

@@ -245,6 +245,7 @@ def plan_json(result: PlanResult, req: PlanRequest, *, fingerprint: str, model: 
                    "expert_cache_bytes": int(costs.expert_cache_bytes) if result.mode == "hybrid" else 0},
         "weights": {"format": req.fmt.name, "bytes_per_weight": req.fmt.bytes_per_weight,
                     "host_bytes_per_weight": req.fmt.host_w, "host_ffn_bytes_per_weight": req.fmt.host_ffn_w,
+                    "host_embed_bytes_per_weight": req.fmt.host_embed_w,
                     "cpu_kind": req.fmt.cpu_kind, "kv_bytes_per_value": req.fmt.kv_bytes,
                     "gpu_attn_bytes_per_weight": req.fmt.gpu_attn_w,
                     "gpu_int4": req.fmt.gpu_attn_bytes_per_weight is not None},

@@ -24,6 +24,8 @@ from torch import nn
 
 from hotcold.executors import ColdJob, CPUExecutor, HybridFFN, PrefillCosts, make_hybrid, prefill_regime, random_hot
 from hotcold.executors.moe import HybridMoE
+from hotcold.executors.gpu_executor import LearnedMask
+from hotcold.executors.host_attention import HostLinear
 from hotcold.executors.weights import split_ffn
 from hotcold.executors.prefill import STREAM_SLOTS_BYTES
 from hotcold.models.generate import Generator
@@ -316,10 +318,38 @@ def _placed_on_cpu(folder, family: str, device: str, dtype: str, tol: float) -> 
                      attention_cpu={0}, predictor_cpu={last}) as eng:
         assert [d.type for d in lm.layer_devices] == ["cpu"] + [device] * last
         assert next(lm.model.layers[0].attn.parameters()).device.type == "cpu"
-        assert eng.layers[last].gpu.mask_fn.w1.device.type == "cpu"
+        mask_fn = eng.layers[last].gpu.mask_fn
+        assert mask_fn.device.type == "cpu" and isinstance(mask_fn.l1, HostLinear)
         cache = KVCache(lm.config, 4, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
         assert cache.layers[0][0].device.type == "cpu" and cache.layers[0][0].dtype == torch.float32
         assert_close(decode_logits(lm, toks), want, tol)
+
+
+@pytest.mark.parametrize("rank", [40, 64])
+def test_cpu_predictor_in_q8_0_blocks(rank):
+    """A CPU predictor in Q8_0 blocks (its rank padded to the block size) decides as the float32 one
+    but for logits within the blocks' rounding of the threshold, one token and several alike, and
+    holds only its blocks."""
+    torch.manual_seed(rank)
+    D, I = 256, 512
+    pred = NeuronPredictor(D, I, rank)
+    with torch.no_grad():
+        pred.w2.bias.add_(-0.1)  # about a third of the neurons predicted active
+    perm = torch.randperm(I)
+    x = torch.randn(16, D)
+    exact = LearnedMask(pred, perm, "cpu", host_threads=2, host_qtype=None)
+    q8 = LearnedMask(pred, perm, "cpu", host_threads=2)
+    assert isinstance(q8.l1.quant, nn.Module) and exact.l1.quant is None
+    want = exact(x)  # [16, I] (several tokens: torch over the dequantised blocks)
+    assert torch.equal(want, pred.predict(x)[:, perm])
+    with torch.no_grad():
+        margin = (pred(x)[:, perm] - pred.threshold).abs()  # distance of each logit from the decision
+    for got in (q8(x), torch.cat([q8(x[i:i + 1]) for i in range(16)])):  # several tokens; one at a time (numba)
+        assert 0.15 < got.float().mean() < 0.85
+        flips = got != want
+        assert flips.float().mean() < 0.01 and (margin[flips] < 0.02).all()
+    rp = -(-rank // 32) * 32  # the padded rank
+    assert q8.nbytes == (rp * D + I * rp) * 34 // 32 + 4 * (rp + I)  # Q8_0 blocks and float32 biases, nothing more
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gemma3"])

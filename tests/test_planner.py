@@ -391,7 +391,10 @@ def test_cost_model_details():
     cp = build_costs(cfg, st, hw, weight_format("bf16"), ctx=64, block_size=8, constants=TOY_CONSTANTS)
     c0 = build_costs(cfg, [LayerStats("gated", np.full(32, 0.1))], hw, weight_format("bf16"), ctx=64, block_size=8,
                      constants=TOY_CONSTANTS)
-    assert cp.layers[0].pred_bytes == 1000
+    assert cp.layers[0].pred_bytes == 1000  # fp16 where a GPU runs it
+    assert cp.layers[0].pred_host_bytes == pytest.approx(500 * 34 / 32)  # Q8_0 blocks on the CPU
+    assert cp.layers[0].pred_cpu_s == pytest.approx(cp.layers[0].pred_host_bytes / hw.cpu_dense("q8_0")
+                                                    + TOY_CONSTANTS.predictor_cpu_calls * hw.cpu_call_s)
     assert cp.layers[0].unit_cpu_s[0] == pytest.approx(2 * c0.layers[0].unit_cpu_s[0])
     # sliding-window layers keep only the window in their KV cache
     g = config_from_hf(dict(model_type="mistral", vocab_size=160, hidden_size=64, intermediate_size=32,
@@ -680,6 +683,8 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     fmt = model_format(path, weight_format("bf16"))
     assert fmt.cpu_kind == "q4_1" and fmt.bytes_per_weight == 2.0
     assert fmt.host_ffn_w == pytest.approx((2 * 20 / 32 + 34 / 32) / 3)
+    # the attention's Q4_1 apart from the (tied) Q8_0 embedding, which is also the LM head's bytes
+    assert fmt.host_w == pytest.approx(20 / 32) and fmt.host_embed_w == pytest.approx(34 / 32)
     # --gpu-int4: every attention matrix is Q4_1, kept int4 on the GPU
     from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT
 
@@ -695,6 +700,7 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     cfg = describe_model(path).config
     ffn_weights = cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
     assert meta["bytes"]["cpu"]["ffn"] == pytest.approx(ffn_weights * fmt.host_ffn_w, rel=1e-6)
+    assert meta["bytes"]["cpu"]["embedding"] == pytest.approx(cfg.vocab_size * cfg.hidden_size * 34 / 32, rel=1e-6)
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--quantize", "q8_0")
     assert isinstance(r.exception, HotcoldError) and "GGUF" in str(r.exception)
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--quantize", "q3")
