@@ -24,24 +24,25 @@ Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the 
   Q5_K 176 B / 256: d, dmin, scales[12], qh[32], qs[128] as Q4_K with a 5th bit (qh[l] >> s) & 1
   Q6_K 210 B / 256: ql[128], qh[64], scales int8[16], d  16 sub-blocks of 16: w = d * sc_g * (q - 32)
 
-Q8 activations (`xq=True`; every type but Q4_1): x is quantised per 32-block to int8 with a float32
-scale, as llama.cpp does (it uses 256-blocks for the K-quants), and blocks are dotted in integers
-(AVX-512 VNNI where the CPU has it; see the LLVM IR sections). Measured (`tools/bench_quant.py
---flush-mb 128`: rows from DRAM, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads), float x
-against xq: Q8_0 16.2 / 24.4 against 19.5 / 24.2, Q4_0 8.4 / 14.1 against 12.5 / 19.6, Q5_0 8.7 / 14.8
-against 12.5 / 19.8, Q5_1 8.9 / 15.0 against 12.7 / 20.4, Q4_K 7.2 / 12.5 against 12.3 / 17.4, Q5_K
-8.3 / 14.6 against 12.7 / 18.8, Q6_K 8.5 / 14.7 against 13.1 / 20.4. It costs accuracy
-(`tools/bench_quant.py --xq-error`: quantised Gaussian W [4096, 4096], relative RMS error of y = W x,
-Gaussian x | x with 8 outlier channels at 30x): against the stored weights 0.0053 | 0.0107 for every
-type (0 for float x); against the float weights, float x -> xq:
+Q8 activations (`xq=True`; every type): x is quantised per 32-block to int8 with a float32 scale, as
+llama.cpp does (it uses 256-blocks for the K-quants), and blocks are dotted in integers (AVX-512 VNNI
+where the CPU has it; see the LLVM IR sections). Measured (`tools/bench_quant.py --flush-mb 128`: rows
+from DRAM, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads), float x against xq:
+Q8_0 16.2 / 24.4 against 19.5 / 24.2, Q4_0 8.4 / 14.1 against 12.5 / 19.6, Q4_1 8.8 / 15.3 against
+12.7 / 20.6, Q5_0 8.7 / 14.8 against 12.5 / 19.8, Q5_1 8.9 / 15.0 against 12.7 / 20.4, Q4_K 7.2 / 12.5
+against 12.3 / 17.4, Q5_K 8.3 / 14.6 against 12.7 / 18.8, Q6_K 8.5 / 14.7 against 13.1 / 20.4. It costs
+accuracy (`tools/bench_quant.py --xq-error`: quantised Gaussian W [4096, 4096], relative RMS error of
+y = W x, Gaussian x | x with 8 outlier channels at 30x): against the stored weights 0.0053 | 0.0107 for
+every type (0 for float x); against the float weights, float x -> xq:
   Q8_0 0.0054 -> 0.0075 | 0.0052 -> 0.0119     Q4_0 0.0861 -> 0.0864 | 0.0833 -> 0.0841
-  Q5_0 0.0430 -> 0.0434 | 0.0414 -> 0.0427     Q5_1 0.0378 -> 0.0381 | 0.0368 -> 0.0383
-  Q4_K 0.0773 -> 0.0775 | 0.0754 -> 0.0764     Q5_K 0.0377 -> 0.0379 | 0.0373 -> 0.0388
-  Q6_K 0.0192 -> 0.0199 | 0.0186 -> 0.0215
-xq is the default only where its error is lost in the weights' own (`XQ_DEFAULT`): Q4_0 and Q4_K
-(+0.3% / +1%). The 5-bit types' nearly is (Q5_0 +0.9% / +3%, Q5_1 +0.8% / +4%, Q5_K +0.5% / +4%);
-for Q6_K it would add 4% / 16%, for Q8_0 40% / 130%. (Gemma 3 270M Q4_K_M, whose attention and FFN
-gate / up are Q5_0, decodes at 57.5 tok/s on 2 threads, 60.0 with Q5_0 in XQ_DEFAULT.)
+  Q4_1 0.0774 -> 0.0775 | 0.0759 -> 0.0769     Q5_0 0.0430 -> 0.0434 | 0.0414 -> 0.0427
+  Q5_1 0.0378 -> 0.0381 | 0.0368 -> 0.0383     Q4_K 0.0773 -> 0.0775 | 0.0754 -> 0.0764
+  Q5_K 0.0377 -> 0.0379 | 0.0373 -> 0.0388     Q6_K 0.0192 -> 0.0199 | 0.0186 -> 0.0215
+xq is the default only where its error is lost in the weights' own (`XQ_DEFAULT`): Q4_0, Q4_1 and
+Q4_K (+0.1-0.3% / +1-1.4%). The 5-bit types' nearly is (Q5_0 +0.9% / +3%, Q5_1 +0.8% / +4%, Q5_K
++0.5% / +4%); for Q6_K it would add 4% / 16%, for Q8_0 40% / 130%. (Gemma 3 270M Q4_K_M, whose
+attention and FFN gate / up are Q5_0, decodes at 57.5 tok/s on 2 threads, 60.0 with Q5_0 in
+XQ_DEFAULT; SmolLM2-135M Q4_1 at 73.5 (72.8-74.3) with float x, 81.0 (75.6-82.6) with xq.)
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ _NAME_OF_ID = {v[0]: k for k, v in QTYPES.items()}
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (
     QTYPES[k][0] for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
 DOWN_T_DEFAULT = "Q8_0"  # type of the transposed W_down built at load time (see transpose_quantized)
-XQ_DEFAULT = frozenset({"Q4_0", "Q4_K"})  # types whose GEMVs quantise x to Q8 by default (see module docstring)
-_XQ_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # types with Q8-activation kernels
+XQ_DEFAULT = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # types whose GEMVs quantise x to Q8 by default (see module docstring)
+_XQ_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # types with Q8-activation kernels
 _JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)
 _INLINE = dict(nogil=True, fastmath=True, inline="always")  # the row drivers, inlined into their kernels
 _BLOCK = 8  # rows per parallel task
@@ -185,9 +186,11 @@ class QuantMatrix:
 #   no pf     7.3 / 12.4    9.6 / 15.1      7.0 / 11.0    8.5 / 14.3
 #   before    4.2 /  7.9    3.9 /  7.1      4.2 /  7.6    4.0 /  7.5
 # Re-reading one selection (rows in the L3 cache), Q4_0 xq at 2 threads: 30 against 9.5 (4 rows).
-# Q4_1 (float x only: w = d q + m, the min times the block's sum of x, from _sums16) takes the same
-# kernels: 2 threads, from DRAM, qgemv_rows / qaxpy_rows / qffn_rows 7.5 / 7.7 / 8.0 (numba loops) ->
-# 12.9 / 10.4 / 12.8 (no pf) -> 14.8 / 11.6 / 15.2 GB/s (SmolLM2's file is Q4_1).
+# Q4_1 (w = d q + m: the min times the block's sum of x, from _sums16; xq: times dx * sum of xq, from
+# _quantize_x, as Q5_1) takes the same kernels: 2 threads, from DRAM, qgemv_rows / qaxpy_rows /
+# qffn_rows 7.5 / 7.7 / 8.0 (numba loops) -> 12.9 / 10.4 / 12.8 (no pf) -> 14.8 / 11.6 / 15.2 GB/s
+# (SmolLM2's file is Q4_1); with xq, 1 / 2 threads, qgemv_rows 8.8 / 15.3 -> 12.7 / 20.6, qffn_rows
+# 8.5 / 15.0 -> 10.5 / 17.5.
 # So do Q5_0 / Q5_1, Q4_0 / Q4_1 with a 5th bit per element from the block's uint32 qh, a <32 x i1>
 # mask (on AVX-512 a mask register: one masked byte move puts 16 or 0 in each lane), xq included
 # (Gemma 3's Q4_K_M file stores attention and FFN gate / up as Q5_0). "before": numba block loops, 4
@@ -494,7 +497,7 @@ def _make_axpy(qt):
 _q8_0_dot, _q4_0_dot = _make_dot(Q8_0, False), _make_dot(Q4_0, False)
 _q8_0_dot_xq, _q4_0_dot_xq = _make_dot(Q8_0, True), _make_dot(Q4_0, True)
 _q8_0_axpy, _q4_0_axpy = _make_axpy(Q8_0), _make_axpy(Q4_0)
-_q4_1_dot, _q4_1_axpy = _make_dot(Q4_1, False), _make_axpy(Q4_1)
+_q4_1_dot, _q4_1_dot_xq, _q4_1_axpy = _make_dot(Q4_1, False), _make_dot(Q4_1, True), _make_axpy(Q4_1)
 _q5_0_dot, _q5_1_dot = _make_dot(Q5_0, False), _make_dot(Q5_1, False)
 _q5_0_dot_xq, _q5_1_dot_xq = _make_dot(Q5_0, True), _make_dot(Q5_1, True)
 _q5_0_axpy, _q5_1_axpy = _make_axpy(Q5_0), _make_axpy(Q5_1)
@@ -781,6 +784,8 @@ def _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, out):
         _dot_rows_ir(_q4_0_dot_xq, w, rows, lo, hi, xq, xd, out)
     elif qt == Q4_K:
         _dot_rows_ir(_q4_k_dot_xq, w, rows, lo, hi, xq, xd, out)
+    elif qt == Q4_1:
+        _dot_rows_ir(_q4_1_dot_xq, w, rows, lo, hi, xq, xd, out)
     elif qt == Q6_K:
         _dot_rows_ir(_q6_k_dot_xq, w, rows, lo, hi, xq, xd, out)
     elif qt == Q5_K:
@@ -845,7 +850,7 @@ def _qaxpy_rows_kernel(qt, w, rows, coeff, nt, out):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _qgemv_any(qt, w, rows, lo, hi, x, xs, xq, xd, use_xq, out):
-    if use_xq and qt != Q4_1:  # the types with xq kernels (_XQ_TYPES)
+    if use_xq:
         _qgemv_span_xq(qt, w, rows, lo, hi, xq, xd, out)
     else:
         _qgemv_span(qt, w, rows, lo, hi, x, xs, out)
@@ -935,8 +940,7 @@ def qgemv_rows(m: QuantMatrix, rows: np.ndarray, x: np.ndarray, out: np.ndarray 
                xq: bool | None = None) -> np.ndarray:
     """out[i] = m[rows[i]] · x. rows int [K]; x float32 [cols]; returns out float32 [K] (overwritten).
 
-    xq: quantise x to Q8 per 32-block and dot in integers (every type but Q4_1; None: when m's type
-    is in `XQ_DEFAULT`)."""
+    xq: quantise x to Q8 per 32-block and dot in integers (None: when m's type is in `XQ_DEFAULT`)."""
     _check_m(m)
     rows = _as_rows(rows, m.rows)
     x = _as_f32(x, (m.cols,), "x")
@@ -980,8 +984,7 @@ def qffn_rows(x: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMat
     `transpose_quantized`). h_j = act(gate_j·x) * (up_j·x) when gate is given, else
     act(up_j·x + up_bias_j); out += sum_j h_j * row_scale_j * down_t[j] over j in rows (row_scale
     float32 [I] or None: e.g. the routing weight of the expert a row belongs to). act: relu | silu |
-    gelu_tanh. xq: as in `qgemv_rows`, for gate / up (None: when up's type is in `XQ_DEFAULT`;
-    ignored for Q4_1, which has no Q8-activation kernels).
+    gelu_tanh. xq: as in `qgemv_rows`, for gate / up (None: when up's type is in `XQ_DEFAULT`).
     """
     if act not in ACTS:
         raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")

@@ -272,10 +272,15 @@ def test_quant_cols_t_selects_and_transposes(qtype):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_hybrid_greedy_tokens():
+def test_smollm2_gguf_hybrid_greedy_tokens(monkeypatch):
     """SmolLM2-135M Q4_1 GGUF, 30% of each layer's neurons hot: the same greedy tokens as the dense
-    quantised model, with the cold rows in Q4_1 blocks (W_down Q8_0)."""
+    quantised model, with the cold rows in Q4_1 blocks (W_down Q8_0). Float x in the block kernels:
+    with Q4_1's default Q8 activations the dense model's and the cold rows' rounding differ from the
+    hot rows' float products, and the third token is a near-tie (logits 28.106 / 28.100) that flips."""
     from conftest import smollm2_gguf
+    from hotcold.sparse_ops import quant
+
+    monkeypatch.setattr(quant, "XQ_DEFAULT", frozenset())
 
     path = smollm2_gguf()
     prompt = list(range(20, 40))

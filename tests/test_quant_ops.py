@@ -18,7 +18,7 @@ from hotcold.sparse_ops.quant import QuantMatrix
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
-XQ_TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]  # with Q8-activation kernels (not Q4_1)
+XQ_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]  # with Q8-activation kernels (all)
 TIGHT = 2e-5  # float32 accumulation, relative to Σ|w·x| (or Σ|c·w|)
 HOWS = ["empty", "one", "some", "unsorted", "full"]
 TORCH_ACT = {"relu": torch.relu, "silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
@@ -158,8 +158,8 @@ def test_qgemv_dense_and_out(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_xq_default_policy(qtype):
-    """xq=None means Q8 activations for the types in XQ_DEFAULT (Q4_0, Q4_K), float x for the others."""
-    assert quant.XQ_DEFAULT == {"Q4_0", "Q4_K"}
+    """xq=None means Q8 activations for the types in XQ_DEFAULT (Q4_0, Q4_1, Q4_K), float x for the others."""
+    assert quant.XQ_DEFAULT == {"Q4_0", "Q4_1", "Q4_K"}
     r, c = shapes(qtype)[1]
     m = random_q(qtype, (r, c), 5, "floats")
     x = np.random.default_rng(6).standard_normal(c).astype(np.float32)
@@ -188,8 +188,67 @@ def test_qgemv_rows_q8_activations(qtype, how):
     bound = np.abs(w) @ dx * (1 + 1e-3) + TIGHT * (np.abs(w) @ np.abs(x))
     assert_within(got, w @ x, bound)
     assert np.abs(got - w @ x).max() > 0  # really the quantised-x path, not the float one
-    with pytest.raises(ValueError, match="xq=True supports"):
-        quant.qgemv_rows(random_q("Q4_1", (8, 256), 0), np.arange(8), np.zeros(256, np.float32), xq=True)
+
+
+def xhat(x: np.ndarray) -> np.ndarray:
+    """x as the Q8-activation kernels see it: rounded to int8 per 32-block (`_quantize_x`), float64."""
+    xq, xd = quant._quantize_x(x)
+    return (xq.reshape(-1, 32).astype(np.float64) * xd[0::2, None]).ravel()
+
+
+def q4_1_min_term(m: QuantMatrix, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Σ over the blocks of a Q4_1 row of its min m times the block's sum of x, for the selected rows."""
+    mins = m.data.reshape(m.rows, -1, 20)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    return mins[rows.astype(np.int64)] @ x.reshape(-1, 32).sum(axis=1)
+
+
+@pytest.mark.parametrize("src", ["bytes", "floats"])
+@pytest.mark.parametrize("how", HOWS)
+def test_q4_1_q8_activations(src, how):
+    """Q4_1 with Q8 activations (per block d dx Σ q xq + m dx Σ xq) against gguf's decoded weights times
+    x as rounded to int8, to float32 rounding: qgemv_rows, and qffn_rows with Q4_1 gate / up / down_t
+    (whose down projection is qaxpy_rows over Q4_1 rows, also checked alone). The min term alone is
+    beyond the bound, so a kernel that dropped it fails."""
+    for shape_i, (r, c) in enumerate(shapes("Q4_1")):
+        up, gate, down_t = (random_q("Q4_1", (r, c), 40 + 3 * shape_i + k, src) for k in range(3))
+        rows = selection(r, how, seed=shape_i)
+        x = np.random.default_rng(41).standard_normal(c).astype(np.float32)
+        xh = xhat(x)
+        U = deq(up)
+        w = U[rows.astype(np.int64)]
+        got = quant.qgemv_rows(up, rows, x, xq=True)
+        assert got.dtype == np.float32 and got.shape == rows.shape
+        bound = TIGHT * (np.abs(w) @ np.abs(x))
+        assert_within(got, w @ xh, bound)
+        assert rows.size == 0 or np.any(np.abs(q4_1_min_term(up, rows, xh)) > bound)
+        np.testing.assert_array_equal(quant.qgemv_rows(up, rows, x), got)  # the default for Q4_1
+        coeff = np.random.default_rng(42).standard_normal(rows.size).astype(np.float32)
+        D = deq(down_t)
+        wd = D[rows.astype(np.int64)]
+        out = quant.qaxpy_rows(down_t, rows, coeff, np.zeros(c, np.float32))
+        assert_within(out, coeff @ wd, TIGHT * (np.abs(coeff) @ np.abs(wd)))
+        for act, g in (("silu", gate), ("relu", None)):
+            want = ref_ffn(xh, rows, U, D, act, None if g is None else deq(g))
+            got = quant.qffn_rows(x, rows, up, down_t, act, gate=g, xq=True)
+            assert_within(got, want, 10 * TIGHT * max(np.abs(want).max(), 1e-3))
+            if how == "empty":
+                assert not got.any()
+
+
+def test_real_gguf_q4_1_tensors_q8_activations(smollm2_path):
+    """SmolLM2-135M's Q4_1 tensors (llama.cpp's quantiser, real mins): GEMV with Q8 activations against
+    gguf's decoder times the rounded x."""
+    reader = gguf.GGUFReader(smollm2_path)
+    tensors = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and len(t.shape) == 2]
+    assert tensors
+    rng = np.random.default_rng(32)
+    for t in tensors[:6]:
+        m = QuantMatrix.from_gguf(t)
+        want = deq(m)
+        x = rng.standard_normal(m.cols).astype(np.float32)
+        rows = selection(m.rows, "unsorted", seed=7)
+        w = want[rows.astype(np.int64)]
+        assert_within(quant.qgemv_rows(m, rows, x, xq=True), w @ xhat(x), TIGHT * (np.abs(w) @ np.abs(x)))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -226,8 +285,7 @@ for qt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
     x = rng.standard_normal(c).astype(np.float32)
     res[qt + "_x"] = x
     res[qt + "_gemv"] = quant.qgemv_rows(m, rows, x, xq=False)
-    if qt != "Q4_1":
-        res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
+    res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
     coeff = np.linspace(-1, 1, 7).astype(np.float32)
     res[qt + "_axpy"] = quant.qaxpy_rows(m, rows, coeff, np.zeros(c, np.float32))
 np.savez(sys.argv[1], **res)
@@ -324,7 +382,8 @@ def test_qffn_rows(qtype, act, gated, how):
 
 
 @pytest.mark.parametrize("qtype,down_type", [("Q4_K", "Q8_0"), ("Q4_0", "Q8_0"), ("Q6_K", "Q4_K"),
-                                             ("Q5_0", "Q8_0"), ("Q8_0", "Q5_1"), ("Q5_1", "Q5_0")])
+                                             ("Q5_0", "Q8_0"), ("Q8_0", "Q5_1"), ("Q5_1", "Q5_0"),
+                                             ("Q4_1", "Q8_0")])
 def test_qffn_rows_down_of_another_type(qtype, down_type):
     n, d = 40, 256
     up, gate = random_q(qtype, (n, d), 16, "floats"), random_q(qtype, (n, d), 17, "floats")
@@ -436,9 +495,8 @@ def test_real_gguf_tensors(gemma3_path, qtype):
         want = deq(m)
         x = rng.standard_normal(m.cols).astype(np.float32)
         assert_within(quant.qgemv(m, x, xq=False), want @ x, TIGHT * (np.abs(want) @ np.abs(x)))
-        xq, xd = quant._quantize_x(x)  # with Q8 activations: w · x̂, x̂ the dequantised xq
-        xh = (xq.reshape(-1, 32).astype(np.float64) * xd[0::2, None]).ravel()
-        assert_within(quant.qgemv(m, x, xq=True), want @ xh, TIGHT * (np.abs(want) @ np.abs(x)))
+        # with Q8 activations: w · x̂, x̂ the dequantised xq
+        assert_within(quant.qgemv(m, x, xq=True), want @ xhat(x), TIGHT * (np.abs(want) @ np.abs(x)))
         rows = selection(m.rows, "unsorted", seed=6)
         assert rows.size % 2
         coeff = rng.standard_normal(rows.size).astype(np.float32)
