@@ -6,7 +6,8 @@ MoE `Experts` of the reference model on the CPU:
 
 - one token (decode) multiplies straight from the blocks (`sparse_ops.quant.qgemv`, numba);
 - several tokens (prefill) decode the blocks `CHUNK_BYTES` of float32 rows at a time and multiply
-  with torch (each block is decoded once per call, then reused by every token).
+  with torch (each block is decoded once per call, then reused by every token), in bfloat16 where
+  the CPU has bfloat16 dot products (`sparse_ops.quant.GEMM_BF16`).
 
 `dequantized(module, device, dtype)` turns them into ordinary modules for a GPU. `quantize_model`
 builds the same modules from an HF checkpoint's float weights (`--quantize q8_0|q4_0|q4_k`).
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from hotcold.models.layers import activation_fn
+from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
 
 __all__ = ["QuantLinear", "QuantEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
@@ -47,10 +49,12 @@ def qlinear(m: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     else:
         y = torch.empty((n, m.rows), dtype=torch.float32)
         step = _rows_per_chunk(m.cols)
+        buf = quant.gemm_scratch(min(step, m.rows), m.cols)
+        xg = xf.to(torch.bfloat16) if quant.GEMM_BF16 else xf  # [N, in]
         for a in range(0, m.rows, step):
             b = min(m.rows, a + step)
-            w = torch.from_numpy(qdequantize(m, np.arange(a, b, dtype=np.int64)))  # [b - a, in]
-            y[:, a:b] = xf @ w.T
+            w = quant.gemm_operands(m, np.arange(a, b, dtype=np.int64), buf)  # [b - a, in]
+            y[:, a:b] = xg @ w.T
     return y.reshape(*lead, m.rows)
 
 

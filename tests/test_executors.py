@@ -361,11 +361,14 @@ def test_attention_and_predictor_placed_on_the_cpu(folder, family):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("host", [False, True])
-def test_half_precision_predictor_agrees_with_float32(dtype, host):
-    """A predictor in the model's half precision (torch, or numba gemv when the plan puts it on the CPU)
-    takes the float32 predictor's decisions, bar a few at the threshold."""
+def test_half_precision_predictor_agrees_with_float32(dtype, host, monkeypatch):
+    """A predictor in the model's half precision (torch), or on the CPU in Q8_0 blocks (numba for one
+    token, a float32 GEMM over the decoded blocks for several) takes the float32 predictor's
+    decisions, bar a few at the threshold."""
     from hotcold.executors.gpu_executor import LearnedMask, predictor_dtype
+    from hotcold.sparse_ops import quant
 
+    monkeypatch.setattr(quant, "GEMM_BF16", False)
     torch.manual_seed(0)
     pred = NeuronPredictor(256, 1024, 32).eval()
     perm = torch.randperm(1024)

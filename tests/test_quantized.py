@@ -31,17 +31,59 @@ def test_qdequantize_matches_gguf(qtype):
     assert qdequantize(m, np.array([], np.int64)).shape == (0, 512)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_qdequantize_to_bfloat16_bits(qtype):
+    """bf16=True: the float32 rows rounded to bfloat16 (nearest even, as torch rounds), as uint16."""
+    m = random_matrix(qtype, (37, 512), seed=4)
+    rows = np.array([36, 0, 5, 5, 17, 2, 9, 30, 11])  # more than one parallel block of rows
+    want = torch.from_numpy(m.dequantize(rows) + 0.0).bfloat16().view(torch.int16).numpy().view(np.uint16)  # -0 -> +0
+    got = qdequantize(m, rows, bf16=True)
+    assert got.dtype == np.uint16 and np.array_equal(got, want)
+    out = np.full((len(rows), 512), 7, np.uint16)
+    assert qdequantize(m, rows, out, bf16=True) is out and np.array_equal(out, want)
+    with pytest.raises(ValueError, match="uint16"):
+        qdequantize(m, rows, np.empty((len(rows), 512), np.float32), bf16=True)
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])  # float-x types (Q4_0 / Q4_K round x to Q8: test_quant_ops)
-@pytest.mark.parametrize("tokens", [1, GEMV_TOKENS + 3])
-def test_quant_linear_matches_dequantised(qtype, tokens):
+@pytest.mark.parametrize("tokens,bf16", [(1, False), (GEMV_TOKENS + 3, False), (GEMV_TOKENS + 3, True)])
+def test_quant_linear_matches_dequantised(qtype, tokens, bf16, monkeypatch):
+    """One token through the block kernels, several through a GEMM over decoded rows: float32, or
+    bfloat16 (GEMM_BF16, where the CPU has it) within bfloat16's rounding."""
+    from hotcold.sparse_ops import quant
+
+    monkeypatch.setattr(quant, "GEMM_BF16", bf16)
     m = random_matrix(qtype, (96, 256), seed=1)
     bias = torch.randn(96)
     layer = QuantLinear(m, bias)
     x = torch.randn(2, tokens, 256)
     ref = F.linear(x, torch.from_numpy(m.dequantize()), bias)
     got = layer(x)
-    assert got.shape == (2, tokens, 96)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert got.shape == (2, tokens, 96) and got.dtype == torch.float32
+    tol = 2e-2 if bf16 else 1e-4
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_qffn_rows_batch_matches_one_token_kernels(bf16, gated, monkeypatch):
+    """Several tokens sharing a selection (prefill's cold rows): the GEMM over decoded rows equals
+    the one-token fused kernel (float x) per token; in bfloat16 within its rounding."""
+    from hotcold.sparse_ops import quant
+
+    monkeypatch.setattr(quant, "GEMM_BF16", bf16)
+    I, D, T = 300, 256, 9
+    up, gate = random_matrix("Q4_K", (I, D), seed=5), random_matrix("Q4_K", (I, D), seed=6) if gated else None
+    down_t = random_matrix("Q8_0", (I, D), seed=7)
+    rows = np.sort(np.random.default_rng(0).choice(I, 170, replace=False))
+    X = np.random.default_rng(1).standard_normal((T, D)).astype(np.float32)
+    act = "silu" if gated else "relu"
+    bias = None if gated else np.random.default_rng(2).standard_normal(I).astype(np.float32) * 0.1
+    want = np.stack([quant.qffn_rows(X[t], rows, up, down_t, act, gate=gate, up_bias=bias, xq=False) for t in range(T)])
+    monkeypatch.setattr(quant, "BATCH_CHUNK_BYTES", 64 * 4 * D)  # several chunks of rows
+    got = quant.qffn_rows_batch(X, rows, up, down_t, act, gate=gate, up_bias=bias)
+    tol = 2e-2 if bf16 else 1e-4
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_quant_embedding_rows_and_tied_head():
@@ -57,9 +99,13 @@ def test_quant_embedding_rows_and_tied_head():
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gemma3", "qwen2_moe", "mixtral"])
-def test_quantize_model_matches_its_dequantised_copy(tmp_path, family):
+def test_quantize_model_matches_its_dequantised_copy(tmp_path, family, monkeypatch):
     """q8_0 at load: every matrix becomes blocks; logits equal the same model with those blocks
-    dequantised by gguf (independent decoder) and stay close to the float model's."""
+    dequantised by gguf (independent decoder) and stay close to the float model's (several tokens
+    in float32: bfloat16 GEMMs are checked in test_quant_linear_matches_dequantised)."""
+    from hotcold.sparse_ops import quant
+
+    monkeypatch.setattr(quant, "GEMM_BF16", False)
     path = make_tiny(family, tmp_path)
     ref = load_model(path, "cpu", "float32").model
     lm = load_model(path, "cpu", "float32", quantize="q8_0")
@@ -99,6 +145,7 @@ def test_gguf_quantised_matches_dequantised_load(monkeypatch):
     from hotcold.sparse_ops import quant
 
     monkeypatch.setattr(quant, "XQ_DEFAULT", frozenset())
+    monkeypatch.setattr(quant, "GEMM_BF16", False)
     q = load_model(smollm2_gguf(), "cpu", "float32")
     d = load_model(smollm2_gguf(), "cpu", "float32", quantized=False)
     assert isinstance(q.model.layers[0].ffn.up, QuantLinear) and isinstance(q.model.embed, QuantEmbedding)
@@ -181,4 +228,5 @@ def test_perplexity_within_one_percent_of_llama_cpp(model):
     if bos is not None:
         windows = [[bos] + w[1:] for w in windows]
     ref = _llama_cpp_ppl(path, windows)
+    print(f"perplexity {model}: hotcold {ours:.4f} vs llama.cpp {ref:.4f} ({ours / ref - 1:+.2%})")
     assert abs(ours / ref - 1) < 0.01, f"hotcold {ours:.4f} vs llama.cpp {ref:.4f}"

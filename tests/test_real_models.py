@@ -2,7 +2,9 @@
 
 Teacher-forced on real English text (Python's documentation), the top-1 next token of hotcold
 must agree with transformers' fp32 dequantised model on >= 99% of positions and with llama.cpp
-(which computes with quantised weights) on >= 94%.
+(which computes with quantised weights) on >= 94%. With the bfloat16 GEMMs of several tokens
+(`sparse_ops.quant.GEMM_BF16`, where the CPU has them: x, decoded weights and products rounded to
+bfloat16) on >= 95% and >= 94% (measured 98.4% / 97.2% against transformers).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from conftest import gemma3_gguf, smollm2_gguf
 from hotcold.models.loader import load_model
 from hotcold.models.perplexity import calibration_text
+from hotcold.sparse_ops import quant
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +30,15 @@ def loaded(request):
     text = calibration_text()[20_000:40_000]
     ids = lm.tokenizer.encode(text)[:N_TOKENS]
     assert len(ids) == N_TOKENS
+    runs = {}  # GEMM_BF16 -> logits [T, V]
     with torch.inference_mode():
-        logits = lm.model(torch.tensor([ids]))[0]
-    return request.param, path, lm, ids, logits
+        for bf16 in sorted({False, quant._gemm_bf16_supported()}):
+            saved, quant.GEMM_BF16 = quant.GEMM_BF16, bf16
+            try:
+                runs[bf16] = lm.model(torch.tensor([ids]))[0]
+            finally:
+                quant.GEMM_BF16 = saved
+    return request.param, path, lm, ids, runs
 
 
 def test_chat_template_renders(loaded):
@@ -42,22 +51,24 @@ def test_chat_template_renders(loaded):
 
 def test_top1_agrees_with_transformers_gguf(loaded):
     transformers = pytest.importorskip("transformers")
-    _, path, _, ids, logits = loaded
+    _, path, _, ids, runs = loaded
     ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
-    agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    assert agree >= 0.99, f"top-1 agreement with transformers {agree:.3f}"
+    for bf16, logits in runs.items():
+        agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+        assert agree >= (0.95 if bf16 else 0.99), f"top-1 agreement with transformers {agree:.3f} (bf16 GEMM {bf16})"
 
 
 def test_top1_agrees_with_llama_cpp(loaded):
     llama_cpp = pytest.importorskip("llama_cpp")
-    _, path, _, ids, logits = loaded
+    _, path, _, ids, runs = loaded
     llm = llama_cpp.Llama(str(path), n_ctx=512, logits_all=True, n_threads=2, n_batch=512, verbose=False)
     llm.eval(ids)
     expected = torch.from_numpy(llm.scores[: len(ids)].copy())
-    agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    assert agree >= 0.94, f"top-1 agreement with llama.cpp {agree:.3f}"
+    for bf16, logits in runs.items():
+        agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+        assert agree >= 0.94, f"top-1 agreement with llama.cpp {agree:.3f} (bf16 GEMM {bf16})"
 
 
 def test_tokenizer_agrees_with_llama_cpp(loaded):
