@@ -57,6 +57,17 @@ def deq(m: QuantMatrix) -> np.ndarray:
     return np.asarray(w, np.float64).reshape(m.shape)
 
 
+def real_tensors(path, qtype: str, n: int = 6):
+    """The first n 2-D tensors of qtype in a GGUF file (llama.cpp's quantiser): (QuantMatrix, gguf's
+    dequantisation of it)."""
+    reader = gguf.GGUFReader(path)
+    tensors = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType[qtype] and len(t.shape) == 2]
+    assert tensors
+    for t in tensors[:n]:
+        m = QuantMatrix.from_gguf(t)
+        yield m, deq(m)
+
+
 def assert_within(got, want, bound) -> None:
     """Elementwise |got - want| <= bound."""
     err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
@@ -238,13 +249,8 @@ def test_q4_1_q8_activations(src, how):
 def test_real_gguf_q4_1_tensors_q8_activations(smollm2_path):
     """SmolLM2-135M's Q4_1 tensors (llama.cpp's quantiser, real mins): GEMV with Q8 activations against
     gguf's decoder times the rounded x."""
-    reader = gguf.GGUFReader(smollm2_path)
-    tensors = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and len(t.shape) == 2]
-    assert tensors
     rng = np.random.default_rng(32)
-    for t in tensors[:6]:
-        m = QuantMatrix.from_gguf(t)
-        want = deq(m)
+    for m, want in real_tensors(smollm2_path, "Q4_1"):
         x = rng.standard_normal(m.cols).astype(np.float32)
         rows = selection(m.rows, "unsorted", seed=7)
         w = want[rows.astype(np.int64)]
@@ -485,14 +491,8 @@ def test_real_gguf_q5_0_tensors_decode_as_gguf_does(gemma3_path):
 def test_real_gguf_tensors(gemma3_path, qtype):
     """Gemma 3 270M's Q5_0 / Q4_K / Q6_K tensors (llama.cpp's quantiser): GEMV with float x and with Q8
     activations, and axpy (an odd number of rows), against gguf's decoder."""
-    reader = gguf.GGUFReader(gemma3_path)
-    want_type = gguf.GGMLQuantizationType[qtype]
-    tensors = [t for t in reader.tensors if t.tensor_type == want_type and len(t.shape) == 2]
-    assert tensors
     rng = np.random.default_rng(31)
-    for t in tensors[:6]:
-        m = QuantMatrix.from_gguf(t)
-        want = deq(m)
+    for m, want in real_tensors(gemma3_path, qtype):
         x = rng.standard_normal(m.cols).astype(np.float32)
         assert_within(quant.qgemv(m, x, xq=False), want @ x, TIGHT * (np.abs(want) @ np.abs(x)))
         # with Q8 activations: w · x̂, x̂ the dequantised xq
