@@ -71,6 +71,10 @@ class Generator:
         self.max_context = min(max_context or model_ctx, model_ctx)
         self.cache: KVCache | None = None
         self.cached_ids: list[int] = []
+        # the last prompt and its next-token logits: the same prompt again starts from them, so a
+        # repeated request does not recompute its last token one-token-wise, whose rounding (the
+        # block kernels' Q8 activations against a prompt's bfloat16 GEMMs) can flip a near tie
+        self.last_prompt: tuple[list[int], torch.Tensor] | None = None
         self.stats = GenerationStats()
 
     def _ensure_cache(self, needed: int) -> None:
@@ -78,7 +82,7 @@ class Generator:
             size = min(self.max_context, max(needed, 256))
             self.cache = KVCache(self.lm.config, size, device=self.lm.device, dtype=self.lm.dtype,
                                  layer_devices=self.lm.layer_devices)
-            self.cached_ids = []
+            self.cached_ids, self.last_prompt = [], None
 
     @torch.inference_mode()
     def forward(self, ids: list[int], start: int, last_only: bool = True) -> torch.Tensor:
@@ -123,14 +127,20 @@ class Generator:
         t0 = time.perf_counter()
 
         # Prefill only the part of the prompt not already in the cache.
-        reuse = 0
-        for a, b in zip(self.cached_ids, prompt_ids[:-1]):
-            if a != b:
-                break
-            reuse += 1
-        stats.cached_prompt_tokens = reuse
-        self.cached_ids = list(prompt_ids[:reuse])
-        logits = self.forward(prompt_ids[reuse:], reuse)[-1]
+        n = len(prompt_ids)
+        if self.last_prompt is not None and self.last_prompt[0] == prompt_ids and self.cached_ids[:n] == prompt_ids:
+            stats.cached_prompt_tokens = n
+            logits = self.last_prompt[1].clone()
+        else:
+            reuse = 0
+            for a, b in zip(self.cached_ids, prompt_ids[:-1]):
+                if a != b:
+                    break
+                reuse += 1
+            stats.cached_prompt_tokens = reuse
+            self.cached_ids = list(prompt_ids[:reuse])
+            logits = self.forward(prompt_ids[reuse:], reuse)[-1]
+            self.last_prompt = (list(prompt_ids), logits.clone())
         self.cached_ids = list(prompt_ids)
         history = torch.tensor(prompt_ids, dtype=torch.long)
         pending = ""

@@ -170,7 +170,8 @@ class Attention(nn.Module):
         # x: [B, T, D]; positions: [T] absolute, starting at `start` (given as an int, it saves a
         # device sync per layer); cache_kv: (k_buf, v_buf) each [B, Hkv, S_max, Dh] or None
         B, T, _ = x.shape
-        if B == T == 1 and x.device.type == "cpu" and cache_kv is not None and cache_kv[0].dtype == torch.float32:
+        if B == T == 1 and x.device.type == "cpu" and cache_kv is not None and \
+                cache_kv[0].dtype in (torch.float32, torch.float16):
             return self._decode_cpu(x, positions, cache_kv, start)
         q, k, v = self._qkv(x, positions, start)
         if cache_kv is not None:
@@ -179,6 +180,8 @@ class Attention(nn.Module):
             k_buf[:, :, start : start + T] = k
             v_buf[:, :, start : start + T] = v
             k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
+            if k.device.type == "cpu" and k.dtype == torch.float16:  # a half model's CPU cache (see kv_dtype)
+                k, v = k.float(), v.float()
             q = q.to(k.dtype)  # a float32 cache for a half-precision model on the CPU (see kv_dtype)
         return self._attend(q, k, v, positions, x.dtype)
 
@@ -194,8 +197,8 @@ class Attention(nn.Module):
         return self._attend(q.to(k_buf.dtype), k_buf, v_buf, positions, x.dtype)
 
     def _decode_cpu(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple, start: int | None) -> torch.Tensor:
-        """forward for one token on the CPU with a float32 cache: rotary, cache write and attention
-        in one numba call (sparse_ops.attention) instead of ~30 torch ops. x: [1, 1, D] -> [1, 1, D]."""
+        """forward for one token on the CPU with a float32 or float16 cache: rotary, cache write and
+        attention in one numba call (sparse_ops.attention) instead of ~30 torch ops. x: [1, 1, D] -> [1, 1, D]."""
         q = project(self.q, x).detach().reshape(self.n_heads, self.head_dim)
         k = project(self.k, x).detach().reshape(self.n_kv, self.head_dim)
         v = project(self.v, x).detach().reshape(self.n_kv, self.head_dim)

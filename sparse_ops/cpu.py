@@ -70,6 +70,32 @@ def _f16_bits_to_f32(typingctx, v):
     return types.float32(v), codegen
 
 
+@intrinsic
+def _f32_to_f16_bits(typingctx, v):
+    """float32 -> fp16 bits (int16): fptrunc to half (round to nearest even), bitcast."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.int16(v), codegen
+
+
+def _narrow(v, like):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(v, like):
+    """float32 v -> the storage type of `like` (an element of the destination): float32 or fp16 bits."""
+    if like == types.float32:
+        return lambda v, like: np.float32(v)
+    if like == types.int16:
+        return lambda v, like: _f32_to_f16_bits(np.float32(v))
+    return None
+
+
 def _widen(v):  # pragma: no cover - replaced by the overload inside jitted code
     raise NotImplementedError
 

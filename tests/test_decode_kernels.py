@@ -14,22 +14,25 @@ from hotcold.sparse_ops.attention import decode_attention
 from hotcold.sparse_ops.norm import rms_norm
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("H,Hkv,Dh,pos,window,rotary", [(4, 4, 16, 0, None, True), (8, 2, 32, 9, None, True),
                                                          (6, 3, 8, 20, 5, True), (4, 1, 64, 30, None, False),
                                                          (2, 2, 16, 31, 32, True)])
-def test_decode_attention_matches_torch(H, Hkv, Dh, pos, window, rotary):
+def test_decode_attention_matches_torch(H, Hkv, Dh, pos, window, rotary, cache_dtype):
+    """Against torch over the same cache contents (a float16 cache: its values and the new key and
+    value rounded to float16, as the kernel stores them)."""
     gen = torch.Generator().manual_seed(pos)
     S = 32
-    kc, vc = torch.randn(1, Hkv, S, Dh, generator=gen), torch.randn(1, Hkv, S, Dh, generator=gen)
+    kc, vc = (torch.randn(1, Hkv, S, Dh, generator=gen).to(cache_dtype) for _ in range(2))
     q, k, v = (torch.randn(1, 1, n, Dh, generator=gen) for n in (H, Hkv, Hkv))  # [B, T, heads, Dh]
     positions = torch.tensor([pos])
     scale = 0.3
     rot = Rotary(Dh, 10000.0, None)
     cos, sin = rot(positions)
-    want_kc, want_vc = kc.clone(), vc.clone()
+    want_kc, want_vc = kc.float(), vc.float()
     qr, kr = (apply_rope(t, cos, sin) if rotary else t for t in (q, k))
-    want_kc[:, :, pos] = kr[0, 0]
-    want_vc[:, :, pos] = v[0, 0]
+    want_kc[:, :, pos] = kr[0, 0].to(cache_dtype).float()
+    want_vc[:, :, pos] = v[0, 0].to(cache_dtype).float()
     want = F.scaled_dot_product_attention(qr.transpose(1, 2), want_kc[:, :, : pos + 1], want_vc[:, :, : pos + 1],
                                           attn_mask=attention_mask(positions, pos + 1, window), scale=scale,
                                           enable_gqa=H != Hkv)[0, :, 0]  # [H, Dh]
@@ -37,8 +40,9 @@ def test_decode_attention_matches_torch(H, Hkv, Dh, pos, window, rotary):
     got = decode_attention(q[0, 0].numpy(), k[0, 0].numpy(), v[0, 0].numpy(), got_kc, got_vc, pos, scale,
                            cos[0].numpy() if rotary else None, sin[0].numpy() if rotary else None, window)
     np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
-    np.testing.assert_allclose(got_kc, want_kc[0].numpy(), atol=1e-6)
-    np.testing.assert_allclose(got_vc, want_vc[0].numpy(), atol=0)
+    assert got_kc.dtype == kc.numpy().dtype
+    np.testing.assert_allclose(got_kc.astype(np.float32), want_kc[0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(got_vc.astype(np.float32), want_vc[0].numpy(), atol=0)
 
 
 def test_decode_attention_rejects_mismatched_shapes():
@@ -49,6 +53,9 @@ def test_decode_attention_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention(z((2, 8), np.float32), z((2, 8), np.float32), z((2, 8), np.float32),
                          z((2, 4, 8), np.float32), z((2, 4, 8), np.float32), 4, 1.0)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        decode_attention(z((2, 8), np.float32), z((2, 8), np.float32), z((2, 8), np.float32),
+                         z((2, 4, 8), np.float32), z((2, 4, 8), np.float16), 0, 1.0)
 
 
 @pytest.mark.parametrize("plus_one", [False, True])

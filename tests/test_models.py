@@ -93,6 +93,42 @@ def test_half_precision_close_to_transformers(family, dtype, tiny_dir):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decode_through_float16_cpu_cache(family, dtype, tiny_dir):
+    """A half-precision model's CPU KV cache is float16 (kv_dtype): one-token steps (the numba
+    attention over it) give the transformers logits as closely as the prompt's forward does."""
+    ref, lm = _pair(family, tiny_dir, dtype)
+    ids = _prompt()
+    with torch.no_grad():
+        expected = ref(ids).logits.float()
+    cache = KVCache(lm.config, ids.shape[1], dtype=lm.dtype)
+    assert cache.layers[0][0].dtype == torch.float16 and KVCache(lm.config, 4).layers[0][0].dtype == torch.float32
+    with torch.inference_mode():
+        got = torch.cat([lm.model(ids[:, i:i + 1], i, cache) for i in range(ids.shape[1])], dim=1).float()
+    rel = (got - expected).norm() / expected.norm()
+    assert rel < 2e-2
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_repeated_prompt_starts_from_its_stored_logits(tiny_dir):
+    """The same prompt again (e.g. a chat request and its streamed twin) reuses the whole cached
+    prompt and its next-token logits: no prompt token is recomputed, the tokens are the same."""
+    lm = load_model(make_tiny("llama", tiny_dir), "cpu")
+    ids = _prompt(16, seed=5)[0].tolist()
+    gen = Generator(lm)
+    first = [e.token_id for e in gen.generate(ids, 6, SamplingParams(temperature=0), ignore_eos=True)]
+    calls = []
+    forward = gen.forward
+    gen.forward = lambda toks, start, *a, **k: calls.append(len(toks)) or forward(toks, start, *a, **k)
+    again = [e.token_id for e in gen.generate(ids, 6, SamplingParams(temperature=0), ignore_eos=True)]
+    assert again == first and gen.stats.cached_prompt_tokens == len(ids)
+    assert calls == [1] * 5  # the generated tokens' steps only
+    other = [e.token_id for e in gen.generate(ids[:-1] + [ids[-1] + 1], 6, SamplingParams(temperature=0),
+                                              ignore_eos=True)]
+    assert gen.stats.cached_prompt_tokens == len(ids) - 1 and calls[5] == 1 and len(other) == 6
+
+
 def test_prefix_reuse_gives_same_tokens(tiny_dir):
     """A second call sharing the prompt prefix reuses the cache and still generates the same tokens."""
     lm = load_model(make_tiny("llama", tiny_dir), "cpu")
