@@ -4,8 +4,8 @@ cost model assumes for CPU attention and predictors).
 
 The block's norms, residual and FFN stay where they are; only the normed input [B, T, D] crosses to
 the host and the attention output comes back (2 x D values per token, one synchronising copy each
-way). The weights and this layer's KV cache live in host memory (the cache in float32, per
-`kv_dtype`), so they take no GPU memory.
+way). The weights and this layer's KV cache live in host memory (the cache in float16 for a
+half-precision model, per `kv_dtype`), so they take no GPU memory.
 """
 
 from __future__ import annotations

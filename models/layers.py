@@ -182,7 +182,7 @@ class Attention(nn.Module):
             k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
             if k.device.type == "cpu" and k.dtype == torch.float16:  # a half model's CPU cache (see kv_dtype)
                 k, v = k.float(), v.float()
-            q = q.to(k.dtype)  # a float32 cache for a half-precision model on the CPU (see kv_dtype)
+            q = q.to(k.dtype)  # float32 over a half model's CPU cache
         return self._attend(q, k, v, positions, x.dtype)
 
     def forward_static(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple) -> torch.Tensor:

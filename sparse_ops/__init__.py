@@ -6,7 +6,7 @@ cpu  numba kernels over a *selected subset of rows* of a host matrix (`HostMatri
      ungated+bias; relu | silu | gelu_tanh), dense `gemv`, `set_threads`, and numpy selection
      helpers (`mask_to_rows`, `index_map`, `split_rows`). All release the GIL.
 attention  `decode_attention`: one token's rotary, KV-cache write and attention on the CPU in one
-     numba call (float32 cache).
+     numba call (float32 or float16 cache).
 gpu  torch ops for the GPU's compacted hot neurons (device-agnostic): `compact_rows`, `hot_ffn`,
      `mask_to_rows`, `index_map`, `split_mask`, `split_rows`.
 
