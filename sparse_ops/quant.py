@@ -401,10 +401,10 @@ def _row_ptrs(context, bd, qt, sig, args):
     return ptrs, pos, nb
 
 
-def _make_dot(qt, xq):
-    """Intrinsic (w, rows, j, hi, x, xd, out): out[i] = w[rows[i]] . x for i in [j, min(j + _IR_ROWS, hi)).
-    w: uint8 [R, bytes_per_row] of qt blocks. xq False: x float32 [C] and xd its sums over 16 elements
-    (_sums16; read for Q4_1's / Q5_1's mins only); xq True: x int8 [C] and xd as _quantize_x returns."""
+def _dot_intrinsic(qt, xq, body):
+    """The intrinsic (w, rows, j, hi, x, xd, out) of _make_dot / _make_kdot: the type check, the
+    operands (_dot_args) and one accumulator per row (float32, `lanes` wide) are the same for every
+    type; body(bd, ptrs, pos, nxt, nb, xp, xdp, op, lanes, accs) emits the block loop and the stores."""
 
     def dot(typingctx, w, rows, j, hi, x, xd, out):
         if not _ir_types_ok(w, rows, (x, types.int8 if xq else types.float32), (xd, types.float32),
@@ -415,46 +415,7 @@ def _make_dot(qt, xq):
             ptrs, pos, nxt, nb, (xp, xdp, op) = _dot_args(context, bd, qt, sig, args)
             lanes = _dot_lanes(qt) if xq else 16
             accs = [cgutils.alloca_once_value(bd, _vconst(_F32, lanes, 0.0)) for _ in ptrs]
-            offs = [cgutils.alloca_once_value(bd, ir.Constant(_F32, 0.0)) for _ in ptrs]
-            with cgutils.for_range(bd, nb) as loop:
-                b = loop.index
-                _prefetch(bd, nxt, b, qt)
-                xo = bd.mul(b, ir.Constant(_I64, 32))
-                if xq:
-                    xv = _load(bd, xp, xo, ir.VectorType(_I8, 32))
-                    b2 = bd.mul(b, ir.Constant(_I64, 2))
-                    dx = bd.load(bd.gep(xdp, [b2]))
-                    sx = bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))]))  # dx * sum(xq of block b)
-                else:
-                    xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, h)), ir.VectorType(_F32, 16)) for h in (0, 16)]
-                for ptr, acc, off in zip(ptrs, accs, offs):
-                    if xq:
-                        d, lo, hi, m = _block(bd, qt, ptr, b)
-                        q = _shuffle(bd, lo, list(range(32)), hi)
-                        t = bd.sitofp(_int_dot(bd, qt, q, xv), ir.VectorType(_F32, lanes))
-                        sc = bd.fmul(d, dx, flags=_FAST)
-                        if qt in _IR_OFFSET:  # sum((q - 8) xq) = sum(q xq) - 8 sum(xq) (Q5_0: 16)
-                            bd.store(bd.fadd(bd.load(off), bd.fmul(d, sx, flags=_FAST), flags=_FAST), off)
-                        elif m is not None:  # + m * dx * sum(xq)
-                            bd.store(bd.fadd(bd.load(off), bd.fmul(m, sx, flags=_FAST), flags=_FAST), off)
-                    else:
-                        d, f, m = _block_f32(bd, qt, ptr, b)
-                        t = bd.fadd(bd.fmul(f[0], xv[0], flags=_FAST), bd.fmul(f[1], xv[1], flags=_FAST), flags=_FAST)
-                        sc = d
-                        if m is not None:  # Q4_1, Q5_1: + m * (sum of x over the block)
-                            b2 = bd.mul(b, ir.Constant(_I64, 2))
-                            xsum = bd.fadd(bd.load(bd.gep(xdp, [b2])), bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))])),
-                                           flags=_FAST)
-                            bd.store(bd.fadd(bd.load(off), bd.fmul(m, xsum, flags=_FAST), flags=_FAST), off)
-                    bd.store(bd.fadd(bd.load(acc), bd.fmul(t, _splat(bd, sc, lanes), flags=_FAST), flags=_FAST), acc)
-            for i, acc, off in zip(pos, accs, offs):
-                s = _hsum(bd, bd.load(acc))
-                if xq and qt in _IR_OFFSET:
-                    k = ir.Constant(_F32, float(_IR_OFFSET[qt]))
-                    s = bd.fsub(s, bd.fmul(k, bd.load(off), flags=_FAST), flags=_FAST)
-                elif qt in _IR_MIN:
-                    s = bd.fadd(s, bd.load(off), flags=_FAST)
-                bd.store(s, bd.gep(op, [i]))
+            body(bd, ptrs, pos, nxt, nb, xp, xdp, op, lanes, accs)
             return context.get_dummy_value()
 
         return types.void(w, rows, j, hi, x, xd, out), codegen
@@ -463,9 +424,10 @@ def _make_dot(qt, xq):
     return intrinsic(dot)
 
 
-def _make_axpy(qt):
-    """Intrinsic (w, rows, j, hi, a, p): p += sum of a[i] * w[rows[i]] over i in [j, min(j + _IR_ROWS, hi)).
-    p is loaded and stored once per block for all the rows."""
+def _axpy_intrinsic(qt, body):
+    """The intrinsic (w, rows, j, hi, a, p) of _make_axpy / _make_kaxpy: the type check and the
+    operands (_axpy_args) are the same for every type; body(bd, ptrs, nxt, nb, cs, pp) emits the
+    block loop."""
 
     def axpy(typingctx, w, rows, j, hi, a, p):
         if not _axpy_types_ok(w, rows, a, p):
@@ -473,26 +435,86 @@ def _make_axpy(qt):
 
         def codegen(context, bd, sig, args):
             ptrs, nxt, nb, cs, pp = _axpy_args(context, bd, qt, sig, args)
-            with cgutils.for_range(bd, nb) as loop:
-                b = loop.index
-                _prefetch(bd, nxt, b, qt)
-                po = [bd.add(bd.mul(b, ir.Constant(_I64, 32)), ir.Constant(_I64, h)) for h in (0, 16)]
-                pv = [_load(bd, pp, o, ir.VectorType(_F32, 16)) for o in po]
-                for ptr, c in zip(ptrs, cs):
-                    d, f, m = _block_f32(bd, qt, ptr, b)
-                    cd = _splat(bd, bd.fmul(c, d, flags=_FAST), 16)
-                    pv = [bd.fadd(v, bd.fmul(h, cd, flags=_FAST), flags=_FAST) for v, h in zip(pv, f)]
-                    if m is not None:  # Q4_1, Q5_1: + c * m on every element
-                        cm = _splat(bd, bd.fmul(c, m, flags=_FAST), 16)
-                        pv = [bd.fadd(v, cm, flags=_FAST) for v in pv]
-                for o, v in zip(po, pv):
-                    bd.store(v, bd.bitcast(bd.gep(pp, [o]), v.type.as_pointer()), align=4)
+            body(bd, ptrs, nxt, nb, cs, pp)
             return context.get_dummy_value()
 
         return types.void(w, rows, j, hi, a, p), codegen
 
     axpy.__name__ = axpy.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_axpy"
     return intrinsic(axpy)
+
+
+def _make_dot(qt, xq):
+    """Intrinsic (w, rows, j, hi, x, xd, out): out[i] = w[rows[i]] . x for i in [j, min(j + _IR_ROWS, hi)).
+    w: uint8 [R, bytes_per_row] of qt blocks. xq False: x float32 [C] and xd its sums over 16 elements
+    (_sums16; read for Q4_1's / Q5_1's mins only); xq True: x int8 [C] and xd as _quantize_x returns."""
+
+    def body(bd, ptrs, pos, nxt, nb, xp, xdp, op, lanes, accs):
+        offs = [cgutils.alloca_once_value(bd, ir.Constant(_F32, 0.0)) for _ in ptrs]
+        with cgutils.for_range(bd, nb) as loop:
+            b = loop.index
+            _prefetch(bd, nxt, b, qt)
+            xo = bd.mul(b, ir.Constant(_I64, 32))
+            if xq:
+                xv = _load(bd, xp, xo, ir.VectorType(_I8, 32))
+                b2 = bd.mul(b, ir.Constant(_I64, 2))
+                dx = bd.load(bd.gep(xdp, [b2]))
+                sx = bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))]))  # dx * sum(xq of block b)
+            else:
+                xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, h)), ir.VectorType(_F32, 16)) for h in (0, 16)]
+            for ptr, acc, off in zip(ptrs, accs, offs):
+                if xq:
+                    d, lo, hi, m = _block(bd, qt, ptr, b)
+                    q = _shuffle(bd, lo, list(range(32)), hi)
+                    t = bd.sitofp(_int_dot(bd, qt, q, xv), ir.VectorType(_F32, lanes))
+                    sc = bd.fmul(d, dx, flags=_FAST)
+                    if qt in _IR_OFFSET:  # sum((q - 8) xq) = sum(q xq) - 8 sum(xq) (Q5_0: 16)
+                        bd.store(bd.fadd(bd.load(off), bd.fmul(d, sx, flags=_FAST), flags=_FAST), off)
+                    elif m is not None:  # + m * dx * sum(xq)
+                        bd.store(bd.fadd(bd.load(off), bd.fmul(m, sx, flags=_FAST), flags=_FAST), off)
+                else:
+                    d, f, m = _block_f32(bd, qt, ptr, b)
+                    t = bd.fadd(bd.fmul(f[0], xv[0], flags=_FAST), bd.fmul(f[1], xv[1], flags=_FAST), flags=_FAST)
+                    sc = d
+                    if m is not None:  # Q4_1, Q5_1: + m * (sum of x over the block)
+                        b2 = bd.mul(b, ir.Constant(_I64, 2))
+                        xsum = bd.fadd(bd.load(bd.gep(xdp, [b2])), bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))])),
+                                       flags=_FAST)
+                        bd.store(bd.fadd(bd.load(off), bd.fmul(m, xsum, flags=_FAST), flags=_FAST), off)
+                bd.store(bd.fadd(bd.load(acc), bd.fmul(t, _splat(bd, sc, lanes), flags=_FAST), flags=_FAST), acc)
+        for i, acc, off in zip(pos, accs, offs):
+            s = _hsum(bd, bd.load(acc))
+            if xq and qt in _IR_OFFSET:
+                k = ir.Constant(_F32, float(_IR_OFFSET[qt]))
+                s = bd.fsub(s, bd.fmul(k, bd.load(off), flags=_FAST), flags=_FAST)
+            elif qt in _IR_MIN:
+                s = bd.fadd(s, bd.load(off), flags=_FAST)
+            bd.store(s, bd.gep(op, [i]))
+
+    return _dot_intrinsic(qt, xq, body)
+
+
+def _make_axpy(qt):
+    """Intrinsic (w, rows, j, hi, a, p): p += sum of a[i] * w[rows[i]] over i in [j, min(j + _IR_ROWS, hi)).
+    p is loaded and stored once per block for all the rows."""
+
+    def body(bd, ptrs, nxt, nb, cs, pp):
+        with cgutils.for_range(bd, nb) as loop:
+            b = loop.index
+            _prefetch(bd, nxt, b, qt)
+            po = [bd.add(bd.mul(b, ir.Constant(_I64, 32)), ir.Constant(_I64, h)) for h in (0, 16)]
+            pv = [_load(bd, pp, o, ir.VectorType(_F32, 16)) for o in po]
+            for ptr, c in zip(ptrs, cs):
+                d, f, m = _block_f32(bd, qt, ptr, b)
+                cd = _splat(bd, bd.fmul(c, d, flags=_FAST), 16)
+                pv = [bd.fadd(v, bd.fmul(h, cd, flags=_FAST), flags=_FAST) for v, h in zip(pv, f)]
+                if m is not None:  # Q4_1, Q5_1: + c * m on every element
+                    cm = _splat(bd, bd.fmul(c, m, flags=_FAST), 16)
+                    pv = [bd.fadd(v, cm, flags=_FAST) for v in pv]
+            for o, v in zip(po, pv):
+                bd.store(v, bd.bitcast(bd.gep(pp, [o]), v.type.as_pointer()), align=4)
+
+    return _axpy_intrinsic(qt, body)
 
 
 _q8_0_dot, _q4_0_dot = _make_dot(Q8_0, False), _make_dot(Q4_0, False)
@@ -606,99 +628,78 @@ def _make_kdot(qt, xq):
     xd its sums over 16 elements (_sums16; for the mins); xq True: x int8 [C], xd as _quantize_x returns."""
     G = _K_GROUPS[qt]
 
-    def dot(typingctx, w, rows, j, hi, x, xd, out):
-        if not _ir_types_ok(w, rows, (x, types.int8 if xq else types.float32), (xd, types.float32),
-                            (out, types.float32)):
-            return None
+    def body(bd, ptrs, pos, nxt, nb, xp, xdp, op, lanes, accs):
+        even, odd = list(range(0, 16, 2)), list(range(1, 16, 2))
+        with cgutils.for_range(bd, nb) as loop:
+            b = loop.index
+            xo = bd.mul(b, ir.Constant(_I64, 256))
+            xd16 = _load(bd, xdp, bd.mul(b, ir.Constant(_I64, 16)), ir.VectorType(_F32, 16))
+            if xq:  # xd16: (dx, dx * sum of xq) of the block's 8 sub-blocks of 32
+                xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, 32 * k)), ir.VectorType(_I8, 32))
+                      for k in range(8)]
+                dxg = _shuffle(bd, xd16, [2 * (g * 8 // G) for g in range(G)])  # dx of each group
+                xsum = _shuffle(bd, xd16, odd)  # Q4_K, Q5_K
+                z = [None] * 8
+                if qt == Q6_K:  # -32 * (sums of xq), the start of each piece's integer dot
+                    z = [bd.sub(_vconst(_I32, lanes, 0), _int_dot(bd, qt, _vconst(_I8, 32, 32), v))
+                         for v in xv]
+            else:  # xd16: sums of x over 16 elements
+                xv = [[_load(bd, xp, bd.add(xo, ir.Constant(_I64, 32 * k + 16 * h)),
+                             ir.VectorType(_F32, 16)) for h in range(2)] for k in range(8)]
+                xsum = xd16 if G == 16 else bd.fadd(_shuffle(bd, xd16, even), _shuffle(bd, xd16, odd),
+                                                    flags=_FAST)
+            _prefetch(bd, nxt, b, qt)
+            for ptr, acc in zip(ptrs, accs):
+                pieces, sc, mn = _kblock(bd, qt, ptr, b)
+                a = bd.load(acc)
+                if xq:
+                    sv = bd.fmul(sc, dxg, flags=_FAST)  # d * scale * dx per group
+                    for k, q in enumerate(pieces):
+                        t = bd.sitofp(_int_dot(bd, qt, q, xv[k], z[k]), ir.VectorType(_F32, lanes))
+                        s = _shuffle(bd, sv, [(2 * k + 2 * i // lanes) * G // 16 for i in range(lanes)])
+                        a = bd.fadd(a, bd.fmul(t, s, flags=_FAST), flags=_FAST)
+                else:
+                    for k, q in enumerate(pieces):
+                        t = [bd.fmul(_khalf_f32(bd, q, h), xv[k][h], flags=_FAST) for h in range(2)]
+                        if G == 8:  # one scale for the piece
+                            t = [bd.fadd(t[0], t[1], flags=_FAST)]
+                        for g, th in enumerate(t):
+                            s = _splat(bd, bd.extract_element(sc, ir.Constant(_I32, k * len(t) + g)), 16)
+                            a = bd.fadd(a, bd.fmul(th, s, flags=_FAST), flags=_FAST)
+                if not (xq and qt == Q6_K):  # - sum over the groups of mn * (sum of x over it)
+                    a = _fadd_wide(bd, a, bd.fneg(bd.fmul(mn, xsum, flags=_FAST), flags=_FAST))
+                bd.store(a, acc)
+        for i, acc in zip(pos, accs):
+            bd.store(_hsum(bd, bd.load(acc)), bd.gep(op, [i]))
 
-        def codegen(context, bd, sig, args):
-            ptrs, pos, nxt, nb, (xp, xdp, op) = _dot_args(context, bd, qt, sig, args)
-            lanes = _dot_lanes(qt) if xq else 16
-            accs = [cgutils.alloca_once_value(bd, _vconst(_F32, lanes, 0.0)) for _ in ptrs]
-            even, odd = list(range(0, 16, 2)), list(range(1, 16, 2))
-            with cgutils.for_range(bd, nb) as loop:
-                b = loop.index
-                xo = bd.mul(b, ir.Constant(_I64, 256))
-                xd16 = _load(bd, xdp, bd.mul(b, ir.Constant(_I64, 16)), ir.VectorType(_F32, 16))
-                if xq:  # xd16: (dx, dx * sum of xq) of the block's 8 sub-blocks of 32
-                    xv = [_load(bd, xp, bd.add(xo, ir.Constant(_I64, 32 * k)), ir.VectorType(_I8, 32))
-                          for k in range(8)]
-                    dxg = _shuffle(bd, xd16, [2 * (g * 8 // G) for g in range(G)])  # dx of each group
-                    xsum = _shuffle(bd, xd16, odd)  # Q4_K, Q5_K
-                    z = [None] * 8
-                    if qt == Q6_K:  # -32 * (sums of xq), the start of each piece's integer dot
-                        z = [bd.sub(_vconst(_I32, lanes, 0), _int_dot(bd, qt, _vconst(_I8, 32, 32), v))
-                             for v in xv]
-                else:  # xd16: sums of x over 16 elements
-                    xv = [[_load(bd, xp, bd.add(xo, ir.Constant(_I64, 32 * k + 16 * h)),
-                                 ir.VectorType(_F32, 16)) for h in range(2)] for k in range(8)]
-                    xsum = xd16 if G == 16 else bd.fadd(_shuffle(bd, xd16, even), _shuffle(bd, xd16, odd),
-                                                        flags=_FAST)
-                _prefetch(bd, nxt, b, qt)
-                for ptr, acc in zip(ptrs, accs):
-                    pieces, sc, mn = _kblock(bd, qt, ptr, b)
-                    a = bd.load(acc)
-                    if xq:
-                        sv = bd.fmul(sc, dxg, flags=_FAST)  # d * scale * dx per group
-                        for k, q in enumerate(pieces):
-                            t = bd.sitofp(_int_dot(bd, qt, q, xv[k], z[k]), ir.VectorType(_F32, lanes))
-                            s = _shuffle(bd, sv, [(2 * k + 2 * i // lanes) * G // 16 for i in range(lanes)])
-                            a = bd.fadd(a, bd.fmul(t, s, flags=_FAST), flags=_FAST)
-                    else:
-                        for k, q in enumerate(pieces):
-                            t = [bd.fmul(_khalf_f32(bd, q, h), xv[k][h], flags=_FAST) for h in range(2)]
-                            if G == 8:  # one scale for the piece
-                                t = [bd.fadd(t[0], t[1], flags=_FAST)]
-                            for g, th in enumerate(t):
-                                s = _splat(bd, bd.extract_element(sc, ir.Constant(_I32, k * len(t) + g)), 16)
-                                a = bd.fadd(a, bd.fmul(th, s, flags=_FAST), flags=_FAST)
-                    if not (xq and qt == Q6_K):  # - sum over the groups of mn * (sum of x over it)
-                        a = _fadd_wide(bd, a, bd.fneg(bd.fmul(mn, xsum, flags=_FAST), flags=_FAST))
-                    bd.store(a, acc)
-            for i, acc in zip(pos, accs):
-                bd.store(_hsum(bd, bd.load(acc)), bd.gep(op, [i]))
-            return context.get_dummy_value()
-
-        return types.void(w, rows, j, hi, x, xd, out), codegen
-
-    dot.__name__ = dot.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_dot{'_xq' if xq else ''}"
-    return intrinsic(dot)
+    return _dot_intrinsic(qt, xq, body)
 
 
 def _make_kaxpy(qt):
     """Intrinsic (w, rows, j, hi, a, p) as _make_axpy's, for K-quant rows."""
     G = _K_GROUPS[qt]
 
-    def axpy(typingctx, w, rows, j, hi, a, p):
-        if not _axpy_types_ok(w, rows, a, p):
-            return None
+    def body(bd, ptrs, nxt, nb, cs, pp):
+        with cgutils.for_range(bd, nb) as loop:
+            b = loop.index
+            _prefetch(bd, nxt, b, qt)
+            blocks = [_kblock(bd, qt, ptr, b) for ptr in ptrs]
+            scs = [bd.fmul(sc, _splat(bd, c, G), flags=_FAST) for (_, sc, _), c in zip(blocks, cs)]
+            mins = _vconst(_F32, G, 0.0)  # sum over the rows of c * mn
+            for (_, _, mn), c in zip(blocks, cs):
+                mins = bd.fadd(mins, bd.fmul(mn, _splat(bd, c, G), flags=_FAST), flags=_FAST)
+            for k in range(8):
+                for h in range(2):
+                    o = bd.add(bd.mul(b, ir.Constant(_I64, 256)), ir.Constant(_I64, 32 * k + 16 * h))
+                    pv = _load(bd, pp, o, ir.VectorType(_F32, 16))
+                    for (pieces, _, _), s in zip(blocks, scs):
+                        s = _splat(bd, bd.extract_element(s, ir.Constant(_I32, (2 * k + h) * G // 16)), 16)
+                        pv = bd.fadd(pv, bd.fmul(_khalf_f32(bd, pieces[k], h), s, flags=_FAST), flags=_FAST)
+                    m = bd.extract_element(mins, ir.Constant(_I32, (2 * k + h) * G // 16))
+                    pv = bd.fsub(pv, _splat(bd, m, 16), flags=_FAST)
+                    bd.store(pv, bd.bitcast(bd.gep(pp, [o]), pv.type.as_pointer()), align=4)
 
-        def codegen(context, bd, sig, args):
-            ptrs, nxt, nb, cs, pp = _axpy_args(context, bd, qt, sig, args)
-            with cgutils.for_range(bd, nb) as loop:
-                b = loop.index
-                _prefetch(bd, nxt, b, qt)
-                blocks = [_kblock(bd, qt, ptr, b) for ptr in ptrs]
-                scs = [bd.fmul(sc, _splat(bd, c, G), flags=_FAST) for (_, sc, _), c in zip(blocks, cs)]
-                mins = _vconst(_F32, G, 0.0)  # sum over the rows of c * mn
-                for (_, _, mn), c in zip(blocks, cs):
-                    mins = bd.fadd(mins, bd.fmul(mn, _splat(bd, c, G), flags=_FAST), flags=_FAST)
-                for k in range(8):
-                    for h in range(2):
-                        o = bd.add(bd.mul(b, ir.Constant(_I64, 256)), ir.Constant(_I64, 32 * k + 16 * h))
-                        pv = _load(bd, pp, o, ir.VectorType(_F32, 16))
-                        for (pieces, _, _), s in zip(blocks, scs):
-                            s = _splat(bd, bd.extract_element(s, ir.Constant(_I32, (2 * k + h) * G // 16)), 16)
-                            pv = bd.fadd(pv, bd.fmul(_khalf_f32(bd, pieces[k], h), s, flags=_FAST), flags=_FAST)
-                        m = bd.extract_element(mins, ir.Constant(_I32, (2 * k + h) * G // 16))
-                        pv = bd.fsub(pv, _splat(bd, m, 16), flags=_FAST)
-                        bd.store(pv, bd.bitcast(bd.gep(pp, [o]), pv.type.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return types.void(w, rows, j, hi, a, p), codegen
-
-    axpy.__name__ = axpy.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_axpy"
-    return intrinsic(axpy)
+    return _axpy_intrinsic(qt, body)
 
 
 _q4_k_dot, _q5_k_dot, _q6_k_dot = (_make_kdot(qt, False) for qt in (Q4_K, Q5_K, Q6_K))
