@@ -30,7 +30,7 @@ from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
-from hotcold.models.quantized import QuantEmbedding, dequantize_model
+from hotcold.models.quantized import QuantEmbedding, dequantize_model, pack_for_decode
 from hotcold.predictors.artifact import PredictorSet
 
 
@@ -217,11 +217,15 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         moe_parts[l] = split_moe(moe_ffn, gpu_experts.get(l, ()), act, device, dtype, cpu_dtype)
         model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
         del moe_ffn
+    for l in attention_cpu:  # its matrices interleaved for one-token GEMVs (quantised models)
+        pack_for_decode(model.layers[l].attn)
     host_attn = {l: HostAttention(model.layers[l].attn, dtype, cpu_threads, worker=cpu, book=book)
                  for l in sorted(attention_cpu)}
     for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
         model.layers[l].attn = nn.Identity()
     _move_rest(model, device, dtype, gpu_int4)
+    if not tier.cuda:  # the split FFNs have their rows: the rest can be interleaved
+        pack_for_decode(model)
     for l, a in host_attn.items():
         model.layers[l].attn = a
     if host_attn:

@@ -10,6 +10,7 @@ import torch
 
 from hotcold.errors import HotcoldError
 from hotcold.models.loader import LoadedModel, describe_model, load_model, resolve_device, resolve_dtype
+from hotcold.models.quantized import pack_for_decode
 
 
 @dataclass
@@ -44,7 +45,10 @@ def _load_dense(path: Path, device, dtype, quantize: str | None, gpu_int4: bool)
     blocks on the host and moved with its 4-bit matrices kept 4-bit (Int4Linear)."""
     dev = resolve_device(device)
     if not (gpu_int4 and dev.type == "cuda"):
-        return _graphed(load_model(path, device, dtype, quantize=quantize))
+        lm = load_model(path, device, dtype, quantize=quantize)
+        if lm.device.type == "cpu":  # a quantised model's matrices interleaved for one-token GEMVs
+            pack_for_decode(lm.model)
+        return _graphed(lm)
     from hotcold.executors.engine import _move_rest
 
     dt = resolve_dtype(dtype, dev)

@@ -24,7 +24,7 @@ from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
 
 __all__ = ["QuantLinear", "QuantEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
-           "QUANTIZE_TYPES", "is_quantized", "quant_bytes", "dequantized_rows"]
+           "QUANTIZE_TYPES", "is_quantized", "quant_bytes", "dequantized_rows", "pack_for_decode"]
 
 GEMV_TOKENS = 4  # up to this many tokens per call: one block-decoding GEMV per token
 CHUNK_BYTES = 32 << 20  # float32 rows decoded at once for several tokens
@@ -238,6 +238,43 @@ def dequantize_model(model: nn.Module, device, dtype: torch.dtype, int4: bool = 
 
 def _quantizable(w: torch.Tensor, qtype: str) -> bool:
     return w.shape[-1] % QTYPES[qtype][1] == 0
+
+
+def pack_for_decode(model: nn.Module) -> int:
+    """Interleave the CPU matrices of model that one-token decoding reads whole (`quant.pack_rows`:
+    QuantLinear weights, and a QuantEmbedding that is the tied LM head; its lookups decode rows from
+    either layout), for the faster GEMV; the file pages of what was copied are dropped, so RAM
+    holds one copy. Call it once the model's split FFNs have taken their rows (row selections need
+    the GGUF layout). Returns the bytes interleaved."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    done = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) or (tied and isinstance(m, QuantEmbedding)):
+            packed = quant.pack_rows(m.qweight)
+            if packed is not m.qweight:
+                drop_file_pages(m.qweight.data)
+                m.qweight, done = packed, done + packed.nbytes
+    return done
+
+
+def drop_file_pages(a: np.ndarray) -> None:
+    """Drop the pages of a (a view of a memory-mapped file, e.g. a GGUF tensor) from this process's
+    resident set once it has been copied: pages read through a mapping stay resident until it is
+    closed. Anything else is left alone."""
+    import mmap
+
+    root = a  # the array whose base is the mapping itself (np.memmap's own view of it)
+    while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
+        root = root.base
+    if not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED") or a.nbytes == 0:
+        return
+    mm = root.base
+    start_addr = root.ctypes.data - root.offset % mmap.ALLOCATIONGRANULARITY  # where mm begins
+    page = mmap.PAGESIZE
+    lo = (a.ctypes.data - start_addr + page - 1) // page * page  # whole pages inside a only
+    hi = (a.ctypes.data - start_addr + a.nbytes) // page * page
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 @torch.no_grad()

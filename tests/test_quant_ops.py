@@ -294,6 +294,8 @@ for qt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
     res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
     coeff = np.linspace(-1, 1, 7).astype(np.float32)
     res[qt + "_axpy"] = quant.qaxpy_rows(m, rows, coeff, np.zeros(c, np.float32))
+m = quant.random_matrix("Q4_0", (48, 160), seed=3)  # the interleaved layout's GEMV
+res["x8_gemv"] = quant.qgemv(quant.pack_rows(m), res["Q4_0_x"])
 np.savez(sys.argv[1], **res)
 """
 
@@ -318,6 +320,9 @@ def test_portable_ir_kernels(tmp_path):
             assert_within(res[qt + "_gemv_xq"], quant.qgemv_rows(m, rows, x, xq=True),
                           TIGHT * (np.abs(w) @ np.abs(x)))
         assert_within(res[qt + "_axpy"], coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)))
+    m = quant.random_matrix("Q4_0", (48, 160), seed=3)
+    w, x = deq(m), res["Q4_0_x"]
+    assert_within(res["x8_gemv"], quant.qgemv(m, x, xq=True), TIGHT * (np.abs(w) @ np.abs(x)))
 
 
 def test_bad_arguments_raise():
@@ -503,3 +508,59 @@ def test_real_gguf_tensors(gemma3_path, qtype):
         out = quant.qaxpy_rows(m, rows, coeff, np.zeros(m.cols, np.float32))
         w = want[rows.astype(np.int64)]
         assert_within(out, coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)) + 1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# Row-interleaved Q4_0 (pack_rows)
+
+@pytest.mark.parametrize("shape", [(8, 32), (48, 160), (1032, 4096)])
+def test_interleaved_q4_0_holds_the_same_rows(shape):
+    """pack_rows moves bytes only: every row comes back in the GGUF layout; dequantising (float32
+    and bfloat16, as prefill does) equals the original's; gguf decodes what row_data gives."""
+    m = random_q("Q4_0", shape, 1)
+    p = quant.pack_rows(m)
+    assert p.interleaved and p.shape == m.shape and p.nbytes == m.nbytes and p.row_bytes() == m.row_bytes()
+    assert p.data.shape == (shape[0] // 8, 8 * m.data.shape[1])
+    assert np.array_equal(p.row_data(), m.data)
+    rows = selection(shape[0], "unsorted", 3)
+    assert np.array_equal(p.row_data(rows), m.data[rows])
+    np.testing.assert_array_equal(p.dequantize(rows), deq(m)[rows].astype(np.float32))
+    np.testing.assert_array_equal(quant.qdequantize(p, rows), quant.qdequantize(m, rows))
+    np.testing.assert_array_equal(quant.qdequantize(p, bf16=True), quant.qdequantize(m, bf16=True))
+    assert quant.pack_rows(p) is p
+
+
+@pytest.mark.parametrize("shape", [(8, 32), (48, 160), (1032, 4096)])
+@pytest.mark.parametrize("how", ["bytes", "normal"])
+def test_interleaved_q4_0_gemv(shape, how):
+    """One-token GEMV over all rows of the interleaved layout = the row kernel with Q8 activations
+    (same integer products, summed in another order) and gguf's weights times x within Q8's error."""
+    m = random_q("Q4_0", shape, 2, how)
+    p = quant.pack_rows(m)
+    x = np.random.default_rng(5).standard_normal(shape[1]).astype(np.float32)
+    x[::7] *= 30  # outlier channels
+    w = deq(m)
+    got = quant.qgemv(p, x)
+    assert_within(got, quant.qgemv(m, x, xq=True), TIGHT * (np.abs(w) @ np.abs(x)))
+    assert_within(got, w @ x, 0.02 * (np.abs(w) @ np.abs(x)))  # Q8 activations: ~1/254 per weight
+    out = np.full(shape[0], np.nan, np.float32)
+    assert quant.qgemv(p, x, out) is out and np.array_equal(out, got)
+
+
+def test_interleaving_applies_only_where_it_is_defined(monkeypatch):
+    """Other types, row counts that are not a multiple of 8, and Q4_0 without Q8 activations (the
+    exact-comparison setting) are left as they are; row selections refuse an interleaved matrix."""
+    assert quant.pack_rows(random_q("Q4_1", (16, 64), 0)).interleaved is False
+    assert quant.pack_rows(random_q("Q4_0", (20, 64), 0)).interleaved is False
+    monkeypatch.setattr(quant, "XQ_DEFAULT", frozenset())
+    assert quant.pack_rows(random_q("Q4_0", (16, 64), 0)).interleaved is False
+    monkeypatch.undo()
+    p = quant.pack_rows(random_q("Q4_0", (16, 64), 0))
+    x, rows = np.ones(64, np.float32), np.array([1, 2])
+    for call in (lambda: quant.qgemv_rows(p, rows, x), lambda: quant.qgemv(p, x, xq=False),
+                 lambda: quant.qaxpy_rows(p, rows, np.ones(2, np.float32), np.zeros(64, np.float32)),
+                 lambda: quant.qffn_rows(x, rows, p, p, "relu"), lambda: quant.transpose_quantized(p)):
+        with pytest.raises(ValueError, match="interleaved"):
+            call()
+    with pytest.raises(ValueError, match="interleaved layout"):
+        QuantMatrix(p.data, "Q4_1", (16, 64), interleaved=True)

@@ -17,7 +17,7 @@ from conftest import gemma3_gguf, smollm2_gguf
 from hotcold.errors import HotcoldError
 from hotcold.models.loader import load_model
 from hotcold.models.quantized import (GEMV_TOKENS, QuantEmbedding, QuantExperts, QuantLinear, dequantize_model,
-                                      is_quantized)
+                                      drop_file_pages, is_quantized, pack_for_decode)
 from hotcold.sparse_ops.quant import QuantMatrix, qdequantize, random_matrix
 from tiny_models import make_tiny
 
@@ -156,6 +156,52 @@ def test_gguf_quantised_matches_dequantised_load(monkeypatch):
         torch.testing.assert_close(q.model(ids), d.model(ids), rtol=1e-4, atol=1e-3)
         a, b = q.model(ids[:, :1]), d.model(ids[:, :1])
         assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_pack_for_decode_interleaves_and_keeps_the_logits(tmp_path, family, monkeypatch):
+    """A Q4_0 model's matrices interleaved for one-token GEMVs (and a tied head, gemma3's) give the
+    same logits one token at a time (the same integer products) and for a prompt (prefill decodes
+    the interleaved rows), and the same embedding lookups."""
+    from hotcold.sparse_ops import quant
+
+    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    path = make_tiny(family, tmp_path)
+    lm = load_model(path, "cpu", "float32", quantize="q4_0")
+    ids = torch.tensor([[1, 5, 9, 33, 7, 100, 2, 64]])
+    with torch.inference_mode():
+        one, many = lm.model(ids[:, :1]), lm.model(ids)
+    packed = pack_for_decode(lm.model)
+    lins = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
+    assert packed > 0 and lins and all(m.qweight.interleaved for m in lins if m.qweight.rows % 8 == 0)
+    assert isinstance(lm.model.embed, QuantEmbedding)
+    assert lm.model.embed.qweight.interleaved == bool(lm.config.tie_word_embeddings)
+    with torch.inference_mode():
+        torch.testing.assert_close(lm.model(ids[:, :1]), one, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lm.model(ids), many, rtol=1e-5, atol=1e-5)
+    assert pack_for_decode(lm.model) == 0  # already done
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_drop_file_pages_releases_a_mapped_tensor(tmp_path):
+    """After a copy, the source's pages leave the resident set (one copy of the weights in RAM); the
+    view still reads the file's bytes. Arrays that are not file mappings are left alone."""
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    f = tmp_path / "blob.bin"
+    np.arange(24 << 20, dtype=np.int32).tofile(f)  # 96 MiB
+    mm = np.memmap(f, dtype=np.uint8, mode="r")
+    view = mm[1000:(88 << 20) + 1000].reshape(-1, 4096)  # not page-aligned, inside the file
+    total = int(view.sum(dtype=np.int64))
+    before = rss()
+    drop_file_pages(view)
+    assert before - rss() > (80 << 20)
+    assert int(view.sum(dtype=np.int64)) == total  # read back from the file
+    a = np.ones(1 << 20, np.uint8)
+    drop_file_pages(a)
+    assert a.sum() == 1 << 20
 
 
 _RSS_SCRIPT = r"""
