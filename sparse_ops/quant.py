@@ -164,7 +164,7 @@ class QuantMatrix:
         rows = np.arange(self.rows, dtype=np.int64) if rows is None else _as_rows(rows, self.rows)
         out = np.empty((rows.shape[0], self.row_bytes()), np.uint8)
         if rows.shape[0]:
-            _x8_rows_kernel(self.data, rows, out)
+            _x8_rows_kernel(self.data, _x8_table(self._id), rows, out)
         return out
 
     def dequantize(self, rows: np.ndarray | None = None) -> np.ndarray:
@@ -725,22 +725,27 @@ _q4_k_axpy, _q5_k_axpy, _q6_k_axpy = (_make_kaxpy(qt) for qt in (Q4_K, Q5_K, Q6_
 
 
 # ---------------------------------------------------------------------------------------------
-# Row-interleaved Q4_0 ("x8"): a dense matrix's rows in groups of 8 whose blocks are interleaved, for
-# the one-token GEMV over all rows (attention, the LM head, dense FFNs). The kernels above handle a
-# block per row: its scale, nibble unpacking, integer dot, conversion and scaling cost ~14
-# instructions per 32 weights, and Q4_0 with Q8 activations ran compute-bound at 13.5 Mrows/s (31
-# GB/s on 2 threads) where Q8_0's rows stream at 49 GB/s. Interleaved, the same work is shared by 8
-# rows: block b of group g (rows 8g..8g+7) is 144 bytes, the 8 rows' fp16 d, then 4 chunks of 32
-# bytes, chunk c holding bytes qs[4c:4c+4] of row 0, then of row 1, ... (the file's bytes, only moved).
-# A chunk's low nibbles are elements 4c..4c+3 of the 8 rows and its high ones elements 16+4c..16+4c+3,
-# so one vpdpbusd against x's 4 values broadcast sums 4 products of each row in its own int32 lane:
-# 8 vpdpbusd, one conversion and two FMAs per block give the 8 rows' partial dots in one <8 x float>
-# (lane r = row r), about 5 instructions per row-block. It is used where a matrix is only read whole
-# (`pack_rows`); row selections keep the GGUF layout.
+# Row-interleaved Q4_0 / Q4_K ("x8"): a dense matrix's rows in groups of 8 whose blocks are
+# interleaved, for the one-token GEMV over all rows (attention, the LM head, dense FFNs). The
+# kernels above handle a block per row: its scale, nibble unpacking, integer dot, conversion and
+# scaling cost ~14 instructions per 32 weights, and Q4_0 / Q4_K with Q8 activations ran compute-bound
+# at 13.5 / 14.8 Mrows/s (31 / 34 GB/s on 2 threads) where Q8_0's rows stream at 49 GB/s.
+# Interleaved, that work is shared by 8 rows. Block b of group g (rows 8g..8g+7) holds the same bytes
+# as the 8 rows' blocks b, field by field (`_X8_FIELDS`), each field cut into units (2 bytes for an
+# fp16, 1 for Q4_K's packed scales, 4 for quants) and stored unit-major: unit u of row 0, ..., of row
+# 7, then unit u + 1. So a 32-byte chunk of quants is 4 consecutive elements of each row, one row per
+# int32 lane (Q4_0: low nibbles elements 4c..4c+3, high ones 16+4c..; Q4_K: sub-blocks 2c / 2c+1),
+# and one vpdpbusd against x's 4 values broadcast adds 4 products to each row's lane; the scales of
+# the 8 rows are one vector load. About 5 instructions per row and 32 weights. Used where a matrix
+# is only read whole (`pack_rows`); row selections keep the GGUF layout.
 
 X8 = 8  # rows per interleaved group
-_X8_TYPES = (Q4_0,)  # types with an interleaved layout and kernel
-PACK_DEFAULT = frozenset({"Q4_0"})  # types `pack_rows` interleaves (when they also take Q8 activations)
+_X8_FIELDS = {  # per type: (byte offset in the GGUF block, bytes, unit), in the interleaved order
+    Q4_0: ((0, 2, 2), (2, 16, 4)),  # d, qs
+    Q4_K: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 4)),  # d, dmin, scales, qs
+}
+_X8_TYPES = tuple(_X8_FIELDS)
+PACK_DEFAULT = frozenset({"Q4_0", "Q4_K"})  # types `pack_rows` interleaves (when they also take Q8 activations)
 
 
 def _dot4(bd, acc, q, xq):
@@ -759,9 +764,67 @@ def _dot4(bd, acc, q, xq):
     return bd.add(acc, p4, flags=["nsw"])
 
 
+def _x8_nibble_dots(bd, row, o, xp, xo, chunks):
+    # 32-byte chunks of nibbles at row + o + 32k (k < chunks), x's Q8 values at xp + xo -> (low, high)
+    # <8 x i32> per-row dots: chunk k's low nibbles against x[xo + 4k..], its high ones against
+    # x[xo + 4 chunks + 4k..] (Q4_0: elements 4k and 16 + 4k; Q4_K: sub-blocks 2c, 2c + 1)
+    v32 = ir.VectorType(_I8, 32)
+    sums = [_vconst(_I32, 8, 0), _vconst(_I32, 8, 0)]
+    for k in range(chunks):
+        qs = _load(bd, row, bd.add(o, ir.Constant(_I64, 32 * k)), v32)
+        for h, q in enumerate((bd.and_(qs, _vconst(_I8, 32, 15)), bd.lshr(qs, _vconst(_I8, 32, 4)))):
+            xv = _load(bd, xp, bd.add(xo, ir.Constant(_I64, 4 * (chunks * h + k))), _I32)
+            sums[h] = _dot4(bd, sums[h], q, bd.bitcast(_splat(bd, xv, 8), v32))
+    return sums
+
+
+def _x8_q4_0_block(bd, row, o, b, xp, xdp):
+    # block b of a Q4_0 group at row + o -> <8 x float>: each row's block . x
+    f8 = ir.VectorType(_F32, 8)
+    d = bd.fpext(_load(bd, row, o, ir.VectorType(ir.HalfType(), 8)), f8)
+    lo, hi = _x8_nibble_dots(bd, row, bd.add(o, ir.Constant(_I64, 16)), xp, bd.mul(b, ir.Constant(_I64, 32)), 4)
+    b2 = bd.mul(b, ir.Constant(_I64, 2))
+    dx, sx = (_splat(bd, bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, i))])), 8) for i in (0, 1))
+    # sum((q - 8) xq) dx = dot dx - 8 dx sum(xq)
+    t = bd.fsub(bd.fmul(bd.sitofp(bd.add(lo, hi), f8), dx, flags=_FAST),
+                bd.fmul(_vconst(_F32, 8, 8.0), sx, flags=_FAST), flags=_FAST)
+    return bd.fmul(d, t, flags=_FAST)
+
+
+def _x8_q4_k_block(bd, row, o, b, xp, xdp):
+    # block b (256 elements) of a Q4_K group at row + o -> <8 x float>: each row's block . x. The
+    # packed 6-bit scales / mins of the 8 rows unpack as llama.cpp does, for all rows at once: bytes
+    # 0-3 / 4-7 / 8-11 of the 8 rows are 32-byte vectors A, B, C (lane 8j + r: byte j of row r)
+    f8, v32 = ir.VectorType(_F32, 8), ir.VectorType(_I8, 32)
+    c8 = lambda v: _vconst(_I8, 32, v)  # noqa: E731
+    d, dmin = (bd.fpext(_load(bd, row, bd.add(o, ir.Constant(_I64, k)), ir.VectorType(ir.HalfType(), 8)), f8)
+               for k in (0, 16))
+    A, B, C = (_load(bd, row, bd.add(o, ir.Constant(_I64, 32 + 32 * k)), v32) for k in range(3))
+    sc = (bd.and_(A, c8(63)), bd.or_(bd.and_(C, c8(15)), bd.shl(bd.lshr(A, c8(6)), c8(4))))  # sub-blocks 0-3, 4-7
+    mn = (bd.and_(B, c8(63)), bd.or_(bd.lshr(C, c8(4)), bd.shl(bd.lshr(B, c8(6)), c8(4))))
+
+    def lanes(v, s):  # sub-block s's 8 rows as floats
+        return bd.uitofp(_shuffle(bd, v[s // 4], list(range(8 * (s % 4), 8 * (s % 4) + 8))), f8)
+
+    acc_sc, acc_mn = _vconst(_F32, 8, 0.0), _vconst(_F32, 8, 0.0)
+    for c in range(4):
+        dots = _x8_nibble_dots(bd, row, bd.add(o, ir.Constant(_I64, 128 + 256 * c)), xp,
+                               bd.add(bd.mul(b, ir.Constant(_I64, 256)), ir.Constant(_I64, 64 * c)), 8)
+        for h, dot in enumerate(dots):
+            s = 2 * c + h
+            k = bd.add(bd.mul(b, ir.Constant(_I64, 16)), ir.Constant(_I64, 2 * s))
+            dx, sx = (_splat(bd, bd.load(bd.gep(xdp, [bd.add(k, ir.Constant(_I64, i))])), 8) for i in (0, 1))
+            t = bd.fmul(bd.sitofp(dot, f8), dx, flags=_FAST)
+            acc_sc = bd.fadd(acc_sc, bd.fmul(lanes(sc, s), t, flags=_FAST), flags=_FAST)
+            acc_mn = bd.fadd(acc_mn, bd.fmul(lanes(mn, s), sx, flags=_FAST), flags=_FAST)
+    return bd.fsub(bd.fmul(d, acc_sc, flags=_FAST), bd.fmul(dmin, acc_mn, flags=_FAST), flags=_FAST)
+
+
 def _make_x8_dot(qt):
     """Intrinsic (w, g, xq, xd, out): out[8g:8g+8] = the 8 rows of group g of w (uint8 [R / 8, blocks
-    x 144], the interleaved layout above) . x, with Q8 activations xq int8 [C], xd as _quantize_x."""
+    x 8 x block bytes], the interleaved layout above) . x, with Q8 activations xq int8 [C], xd as
+    _quantize_x returns."""
+    block = {Q4_0: _x8_q4_0_block, Q4_K: _x8_q4_k_block}[qt]
 
     def dot(typingctx, w, g, xq, xd, out):
         if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8
@@ -775,29 +838,13 @@ def _make_x8_dot(qt):
             gb = X8 * _IR_BLOCK_BYTES[qt]
             row = bd.gep(wa.data, [bd.mul(args[1], bd.extract_value(wa.strides, 0))])
             nb = bd.sdiv(bd.extract_value(wa.shape, 1), ir.Constant(_I64, gb))
-            f8, i8v, v32 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8), ir.VectorType(_I8, 32)
             acc = cgutils.alloca_once_value(bd, _vconst(_F32, 8, 0.0))
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
-                o = bd.mul(b, ir.Constant(_I64, gb))
-                d = bd.fpext(_load(bd, row, o, ir.VectorType(ir.HalfType(), 8)), f8)  # the 8 rows' d
-                xo = bd.mul(b, ir.Constant(_I64, 32))
-                sums = [_vconst(_I32, 8, 0), _vconst(_I32, 8, 0)]  # two chains: low / high nibbles
-                for c in range(4):
-                    qs = _load(bd, row, bd.add(o, ir.Constant(_I64, 16 + 32 * c)), v32)
-                    halves = (bd.and_(qs, _vconst(_I8, 32, 15)), bd.lshr(qs, _vconst(_I8, 32, 4)))
-                    for h, q in enumerate(halves):
-                        xv = _load(bd, xp, bd.add(xo, ir.Constant(_I64, 16 * h + 4 * c)), _I32)
-                        sums[h] = _dot4(bd, sums[h], q, bd.bitcast(_splat(bd, xv, 8), v32))
-                s = bd.sitofp(bd.add(sums[0], sums[1]), f8)
-                b2 = bd.mul(b, ir.Constant(_I64, 2))
-                dx = _splat(bd, bd.load(bd.gep(xdp, [b2])), 8)
-                sx = _splat(bd, bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, 1))])), 8)
-                # sum((q - 8) xq) dx = dot dx - 8 dx sum(xq)
-                t = bd.fsub(bd.fmul(s, dx, flags=_FAST), bd.fmul(_vconst(_F32, 8, 8.0), sx, flags=_FAST), flags=_FAST)
-                bd.store(bd.fadd(bd.load(acc), bd.fmul(d, t, flags=_FAST), flags=_FAST), acc)
-            dst = bd.bitcast(bd.gep(op, [bd.mul(args[1], ir.Constant(_I64, X8))]), f8.as_pointer())
-            bd.store(bd.load(acc), dst, align=4)
+                v = block(bd, row, bd.mul(b, ir.Constant(_I64, gb)), b, xp, xdp)
+                bd.store(bd.fadd(bd.load(acc), v, flags=_FAST), acc)
+            dst = bd.gep(op, [bd.mul(args[1], ir.Constant(_I64, X8))])
+            bd.store(bd.load(acc), bd.bitcast(dst, ir.VectorType(_F32, 8).as_pointer()), align=4)
             return context.get_dummy_value()
 
         return types.void(w, g, xq, xd, out), codegen
@@ -806,43 +853,55 @@ def _make_x8_dot(qt):
     return intrinsic(dot)
 
 
-_q4_0_x8_dot_xq = _make_x8_dot(Q4_0)
+_q4_0_x8_dot_xq, _q4_k_x8_dot_xq = _make_x8_dot(Q4_0), _make_x8_dot(Q4_K)
 
 
 @njit(**_JIT)
-def _qgemv_x8_kernel(w, x, out):
-    # out = W x over all rows of an interleaved Q4_0 matrix w: uint8 [R / 8, ...]; out [R]
+def _qgemv_x8_kernel(qt, w, x, out):
+    # out = W x over all rows of an interleaved matrix w: uint8 [R / 8, ...] of type qt; out [R]
     xq, xd = _quantize_x(x)
-    for g in prange(w.shape[0]):
-        _q4_0_x8_dot_xq(w, g, xq, xd, out)
+    if qt == Q4_K:
+        for g in prange(w.shape[0]):
+            _q4_k_x8_dot_xq(w, g, xq, xd, out)
+    else:
+        for g in prange(w.shape[0]):
+            _q4_0_x8_dot_xq(w, g, xq, xd, out)
+
+
+def _x8_table(qt) -> np.ndarray:
+    # int64 [F, 4]: per field (source offset, bytes, unit, offset in the interleaved block)
+    rows, dst = [], 0
+    for off, size, unit in _X8_FIELDS[qt]:
+        rows.append((off, size, unit, dst))
+        dst += X8 * size
+    return np.array(rows, np.int64)
 
 
 @njit(**_JIT)
-def _x8_rows_kernel(w, rows, out):
-    # out[j] = row rows[j] of the interleaved Q4_0 matrix w in the GGUF layout; out: uint8 [K, nb * 18]
-    nb = out.shape[1] // 18
+def _x8_rows_kernel(w, table, rows, out):
+    # out[j] = row rows[j] of the interleaved matrix w in the GGUF layout; out: uint8 [K, nb * T]
+    ts = 0
+    for f in range(table.shape[0]):
+        ts += table[f, 1]
+    nb = out.shape[1] // ts
     for j in prange(rows.shape[0]):
         src, dst, l = w[rows[j] // X8], out[j], rows[j] % X8
         for b in range(nb):
-            s, t = 144 * b, 18 * b
-            dst[t] = src[s + 2 * l]
-            dst[t + 1] = src[s + 2 * l + 1]
-            for c in range(4):
-                for k in range(4):
-                    dst[t + 2 + 4 * c + k] = src[s + 16 + 32 * c + 4 * l + k]
+            for f in range(table.shape[0]):
+                off, size, unit, at = table[f, 0], table[f, 1], table[f, 2], table[f, 3]
+                for u in range(size // unit):
+                    s = X8 * ts * b + at + (X8 * u + l) * unit
+                    t = ts * b + off + u * unit
+                    for k in range(unit):
+                        dst[t + k] = src[s + k]
 
 
-def _interleave(rows: np.ndarray, nb: int) -> np.ndarray:
-    # [G, 8, nb, 18] Q4_0 rows -> [G, nb * 144] interleaved
-    g = rows.shape[0]
-    out = np.empty((g, nb, 16 + 128), np.uint8)
-    out[:, :, :16] = rows[:, :, :, :2].transpose(0, 2, 1, 3).reshape(g, nb, 16)
-    qs = rows[:, :, :, 2:].reshape(g, X8, nb, 4, 4)  # [G, r, b, c, k]
-    out[:, :, 16:] = qs.transpose(0, 2, 3, 1, 4).reshape(g, nb, 128)  # [G, b, c, r, k]
-    return out.reshape(g, nb * 144)
-
-
-
+def _interleave(qt, rows: np.ndarray) -> np.ndarray:
+    # [G, 8, nb, T] GGUF rows of type qt -> [G, nb * 8 * T] interleaved (the fields of _X8_FIELDS)
+    g, _, nb, _ = rows.shape
+    parts = [rows[..., off:off + size].reshape(g, X8, nb, size // unit, unit).transpose(0, 2, 3, 1, 4)
+             .reshape(g, nb, X8 * size) for off, size, unit in _X8_FIELDS[qt]]
+    return np.concatenate(parts, axis=2).reshape(g, -1)
 
 @njit(**_INLINE)
 def _dot_rows_ir(dot, w, rows, lo, hi, x, xd, out):
@@ -1100,7 +1159,7 @@ PACK_GROUPS = 512  # interleaved groups built at once by pack_rows (~1 MB of a 4
 
 
 def pack_rows(m: QuantMatrix) -> QuantMatrix:
-    """m in the interleaved layout (see "Row-interleaved Q4_0" above) when its type is in
+    """m in the interleaved layout (see "Row-interleaved Q4_0 / Q4_K" above) when its type is in
     PACK_DEFAULT and takes Q8 activations (XQ_DEFAULT), and its rows are a multiple of 8; else m.
     For matrices only read whole: one-token qgemv over all rows runs ~1.9x faster (1 thread, from
     DRAM); qdequantize (prefill) reads it too; row selections do not. The copy is built PACK_GROUPS
@@ -1112,7 +1171,7 @@ def pack_rows(m: QuantMatrix) -> QuantMatrix:
     src = m.data.reshape(-1, X8, nb, ts)  # [G, 8, nb, ts]
     out = np.empty((src.shape[0], X8 * nb * ts), np.uint8)
     for a in range(0, src.shape[0], PACK_GROUPS):
-        out[a:a + PACK_GROUPS] = _interleave(src[a:a + PACK_GROUPS], nb)
+        out[a:a + PACK_GROUPS] = _interleave(m._id, src[a:a + PACK_GROUPS])
     return QuantMatrix(out, m.qtype, m.shape, interleaved=True)
 
 
@@ -1143,7 +1202,7 @@ def qgemv(m: QuantMatrix, x: np.ndarray, out: np.ndarray | None = None, xq: bool
             raise ValueError("an interleaved matrix takes Q8 activations only (xq=False is not available)")
         x = _as_f32(x, (m.cols,), "x")
         out = np.empty(m.rows, np.float32) if out is None else _check_out(out, (m.rows,))
-        _qgemv_x8_kernel(m.data, x, out)
+        _qgemv_x8_kernel(m._id, m.data, x, out)
         return out
     if m._all_rows is None:
         m._all_rows = np.arange(m.rows, dtype=np.int64)

@@ -182,6 +182,21 @@ def test_pack_for_decode_interleaves_and_keeps_the_logits(tmp_path, family, monk
     assert pack_for_decode(lm.model) == 0  # already done
 
 
+def test_pack_for_decode_on_the_real_gemma3_file():
+    """Gemma 3 270M Q4_K_M: its Q4_K matrices (attention output, half the FFN down projections)
+    interleaved, the rest left in their blocks; one token's logits and a prompt's unchanged."""
+    lm = load_model(gemma3_gguf(), "cpu", "float32")
+    ids = torch.tensor([lm.tokenizer.encode("The Python language reference describes the syntax")])
+    with torch.inference_mode():
+        want, many = lm.model(ids[:, -1:]), lm.model(ids)  # one token: the GEMV path
+    pack_for_decode(lm.model)
+    kinds = {(m.qweight.qtype, m.qweight.interleaved) for m in lm.model.modules() if isinstance(m, QuantLinear)}
+    assert ("Q4_K", True) in kinds and ("Q4_K", False) not in kinds and ("Q5_0", False) in kinds
+    with torch.inference_mode():
+        torch.testing.assert_close(lm.model(ids[:, -1:]), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lm.model(ids), many, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_drop_file_pages_releases_a_mapped_tensor(tmp_path):
     """After a copy, the source's pages leave the resident set (one copy of the weights in RAM); the
