@@ -378,7 +378,8 @@ def test_half_precision_predictor_agrees_with_float32(dtype, host, monkeypatch):
     got = mask(x.to(dtype))  # several tokens: torch
     one = torch.cat([mask(x[i:i + 1].to(dtype)) for i in range(8)])  # one token: numba gemv when host
     assert got.dtype == torch.bool and got.shape == want.shape
-    assert (got != want).float().mean() < 2e-3 and (one != want[:8]).float().mean() < 2e-3
+    # one token on the host: Q8_0 rows interleaved, with Q8 activations (0.1-0.15% flips on real inputs)
+    assert (got != want).float().mean() < 2e-3 and (one != want[:8]).float().mean() < 4e-3
     assert predictor_dtype(torch.float32) == torch.float32 and predictor_dtype(dtype) == dtype
 
 

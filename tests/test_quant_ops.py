@@ -294,10 +294,10 @@ for qt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
     res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
     coeff = np.linspace(-1, 1, 7).astype(np.float32)
     res[qt + "_axpy"] = quant.qaxpy_rows(m, rows, coeff, np.zeros(c, np.float32))
-for qt in ("Q4_0", "Q4_K"):  # the interleaved layout's GEMV
+for qt in ("Q4_0", "Q4_K", "Q8_0"):  # the interleaved layout's GEMV
     m = quant.random_matrix(qt, (48, 512), seed=3)
     res[qt + "_x8x"] = x = rng.standard_normal(512).astype(np.float32)
-    res[qt + "_x8"] = quant.qgemv(quant.pack_rows(m), x)
+    res[qt + "_x8"] = quant.qgemv(quant.pack_rows(m, xq=True), x)
 np.savez(sys.argv[1], **res)
 """
 
@@ -322,7 +322,7 @@ def test_portable_ir_kernels(tmp_path):
             assert_within(res[qt + "_gemv_xq"], quant.qgemv_rows(m, rows, x, xq=True),
                           TIGHT * (np.abs(w) @ np.abs(x)))
         assert_within(res[qt + "_axpy"], coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)))
-    for qt in ("Q4_0", "Q4_K"):
+    for qt in ("Q4_0", "Q4_K", "Q8_0"):
         m = quant.random_matrix(qt, (48, 512), seed=3)
         w, x = deq(m), res[qt + "_x8x"]
         assert_within(res[qt + "_x8"], quant.qgemv(m, x, xq=True), TIGHT * (np.abs(w) @ np.abs(x)))
@@ -517,7 +517,8 @@ def test_real_gguf_tensors(gemma3_path, qtype):
 # Row-interleaved Q4_0 (pack_rows)
 
 X8_CASES = [("Q4_0", (8, 32)), ("Q4_0", (48, 160)), ("Q4_0", (1032, 4096)),
-            ("Q4_K", (8, 256)), ("Q4_K", (48, 768)), ("Q4_K", (1032, 4096))]
+            ("Q4_K", (8, 256)), ("Q4_K", (48, 768)), ("Q4_K", (1032, 4096)),
+            ("Q8_0", (8, 32)), ("Q8_0", (48, 352)), ("Q8_0", (1032, 4096))]
 
 
 @pytest.mark.parametrize("qtype,shape", X8_CASES)
@@ -525,7 +526,7 @@ def test_interleaved_matrix_holds_the_same_rows(qtype, shape):
     """pack_rows moves bytes only: every row comes back in the GGUF layout; dequantising (float32
     and bfloat16, as prefill does) equals the original's; gguf decodes what row_data gives."""
     m = random_q(qtype, shape, 1)
-    p = quant.pack_rows(m)
+    p = quant.pack_rows(m, xq=True)  # Q8_0: only when asked (it is not in XQ_DEFAULT)
     assert p.interleaved and p.shape == m.shape and p.nbytes == m.nbytes and p.row_bytes() == m.row_bytes()
     assert p.data.shape == (shape[0] // 8, 8 * m.data.shape[1])
     assert np.array_equal(p.row_data(), m.data)
@@ -543,7 +544,7 @@ def test_interleaved_gemv(qtype, shape, how):
     """One-token GEMV over all rows of the interleaved layout = the row kernel with Q8 activations
     (same integer products, summed in another order) and gguf's weights times x within Q8's error."""
     m = random_q(qtype, shape, 2, how)
-    p = quant.pack_rows(m)
+    p = quant.pack_rows(m, xq=True)
     x = np.random.default_rng(5).standard_normal(shape[1]).astype(np.float32)
     x[::7] *= 30  # outlier channels
     w = deq(m)
@@ -558,7 +559,8 @@ def test_interleaving_applies_only_where_it_is_defined(monkeypatch):
     """Other types, row counts that are not a multiple of 8, and Q4_0 without Q8 activations (the
     exact-comparison setting) are left as they are; row selections refuse an interleaved matrix."""
     assert quant.pack_rows(random_q("Q4_1", (16, 64), 0)).interleaved is False
-    assert quant.pack_rows(random_q("Q6_K", (16, 256), 0)).interleaved is False
+    assert quant.pack_rows(random_q("Q6_K", (16, 256), 0), xq=True).interleaved is False
+    assert quant.pack_rows(random_q("Q8_0", (16, 64), 0)).interleaved is False  # not in XQ_DEFAULT
     assert quant.pack_rows(random_q("Q4_0", (20, 64), 0)).interleaved is False
     monkeypatch.setattr(quant, "XQ_DEFAULT", frozenset())
     assert quant.pack_rows(random_q("Q4_0", (16, 64), 0)).interleaved is False
