@@ -34,7 +34,8 @@ from pathlib import Path
 
 from hotcold.errors import HotcoldError
 
-FORMAT = "3"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices
+FORMAT = "4"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices;
+# 4: dense rates of Q4_0 / Q4_K over their interleaved layout, as run time reads them (pack_rows)
 KINDS = ("f32", "bf16", "f16", "i8")
 # GGUF block types the CPU kernels compute on (sparse_ops/quant.py), measured as the runtime uses them:
 # gate/up rows of the type, W_down transposed as Q8_0 (executors/weights.py); rates in quantised bytes.
@@ -327,7 +328,9 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
 def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, min_time: float, log) -> None:
     """The QKINDS rates, over pools of QuantMatrix views of `raw` (0x3C bytes: valid blocks, normal
     scales): gather = qgemv_rows, ffn = qffn_rows (gate/up of the kind, down_t Q8_0, as executors
-    store a quantised model's cold rows), dense = qgemv over all rows. Bytes as stored."""
+    store a quantised model's cold rows), dense = qgemv over all rows, interleaved where run time
+    interleaves a matrix read whole (`pack_rows`; equal blocks interleave to the same bytes, so the
+    pool's views serve as they are). Bytes as stored."""
     import numpy as np
 
     from hotcold.sparse_ops import quant
@@ -338,7 +341,7 @@ def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, m
     downs = _quant_pool(quant, raw, "Q8_0", rows_n, d)
     for kind in QKINDS:
         mats = _quant_pool(quant, raw, kind.upper(), rows_n, d)
-        pool = itertools.cycle(mats)
+        pool = itertools.cycle(_quant_pool(quant, raw, kind.upper(), rows_n, d, dense=True))
         # (up, gate, selection): gate another matrix of the pool, as above (the same matrix for both
         # had Q4_0's FFN at 62 GB/s on 2 cores whose DRAM gives 29)
         picks = itertools.cycle([(m, mats[(i + 1) % len(mats)], s) for s in sels for i, m in enumerate(mats)])
@@ -368,12 +371,15 @@ def _measure_kind(hw: HardwareProfile, kind: str, n_sel: int, rows_n: int, row_b
             f"dense {hw.cpu_dense_Bps[kind] / 1e9:.1f} GB/s ({time.perf_counter() - t0:.1f} s)")
 
 
-def _quant_pool(quant, raw, qtype: str, rows_n: int, d: int) -> list:
-    """QuantMatrix views [rows_n, d] of qtype over consecutive slices of the byte buffer `raw`."""
+def _quant_pool(quant, raw, qtype: str, rows_n: int, d: int, dense: bool = False) -> list:
+    """QuantMatrix views [rows_n, d] of qtype over consecutive slices of the byte buffer `raw`;
+    dense: interleaved where pack_rows would interleave a matrix of qtype."""
     _, bs, ts = quant.QTYPES[qtype]
     rb = d // bs * ts
     size = rows_n * rb
-    return [quant.QuantMatrix(raw[i * size:(i + 1) * size].reshape(rows_n, rb), qtype, (rows_n, d))
+    x8 = dense and quant.pack_rows(quant.QuantMatrix(raw[:8 * rb].reshape(8, rb), qtype, (8, d))).interleaved
+    shape = (rows_n // 8, 8 * rb) if x8 else (rows_n, rb)
+    return [quant.QuantMatrix(raw[i * size:(i + 1) * size].reshape(shape), qtype, (rows_n, d), interleaved=x8)
             for i in range(max(1, len(raw) // size))]
 
 
