@@ -32,6 +32,7 @@ from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
 from hotcold.models.quantized import QuantEmbedding, dequantize_model, pack_for_decode
 from hotcold.predictors.artifact import PredictorSet
+from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
 
 class HybridEngine:
@@ -78,6 +79,14 @@ class HybridEngine:
             "expert_cache_bytes": next((m.cache.nbytes for m in moes if m.cache is not None), 0),
         }
 
+    def int4_skipped(self) -> dict[str, list[int]]:
+        """Layers whose hot rows were asked to stay int4 but were expanded (HotFFN.int4_skipped), by reason."""
+        out: dict[str, list[int]] = {}
+        for l, f in self.layers.items():
+            if f.gpu.hot.int4_skipped:
+                out.setdefault(f.gpu.hot.int4_skipped, []).append(l)
+        return out
+
     def close(self) -> None:
         """Stop the CPU worker and unpin host memory; the model cannot run hybrid layers after this."""
         self.cpu.close()
@@ -119,7 +128,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
                 stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
                 prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
-                cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None) -> HybridEngine:
+                cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
+                int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -146,8 +156,13 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     cuda_graphs: on CUDA, replay each block's attention half, and the device half of its hybrid FFN
       or MoE layer, as a CUDA graph in one-token steps (executors/graphs.py); "attention": the
       attention half only (the FFNs eager, as before 2026-11-30: to compare).
-    gpu_int4: a quantised model's 4-bit matrices outside the split FFNs (attention, LM head) stay
-      4-bit on a CUDA tier (Int4Linear, torch's int4 kernels) instead of being expanded to dtype.
+    gpu_int4: a quantised model's 4-bit matrices stay 4-bit on a CUDA tier (torch's int4 kernels)
+      instead of being expanded to dtype: outside the split FFNs (attention, LM head) as Int4Linear,
+      and the split FFNs' hot up/gate rows as Int4Matrix (see int4_hot).
+    int4_hot: whether the split FFNs' hot rows are kept int4 (executors/weights.py `_hot_int4`;
+      a layer whose rows cannot be says why in HotFFN.int4_skipped); None: gpu_int4 on a CUDA tier.
+      True on a CPU tier runs torch's CPU twin kernels (for tests). int4_down: W_down's hot columns
+      requantised to int4 as well (default INT4_DOWN_DEFAULT, sparse_ops/gpu_quant.py: kept in dtype).
     cpu_inline: run the CPU parts in the calling thread rather than a worker (default: on a CPU tier,
       and on CUDA with cuda_graphs=True, where a graph queues the fast tier's work of a layer before
       its CPU part starts: 4-layer Qwen3-30B-A3B shape, 25% of experts on an H200, 140 -> 168 tok/s).
@@ -185,6 +200,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if cpu_inline is None:
         cpu_inline = not tier.cuda or (cuda_graphs is True and os.environ.get("HOTCOLD_CPU_WORKER") != "1")
     cpu = CPUExecutor(cpu_threads, inline=cpu_inline)
+    if int4_hot is None:
+        int4_hot = gpu_int4 and tier.cuda
     book = StatsBook(enabled=stats)
     parts = {}
     for l in layers:
@@ -207,7 +224,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                                   worker=cpu if on_cpu else None, book=book)
         else:
             mask_fn = None
-        hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype)
+        hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype, int4_hot, int4_down)
         model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
         del ffn
         parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, lm.config.hidden_size), cold_part)

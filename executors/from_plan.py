@@ -64,7 +64,8 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
                  quantize: str | None = None, gpu_int4: bool = False) -> RunSetup:
     """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
     `load_model` (HF checkpoints quantised at load). gpu_int4: on CUDA, a quantised model's 4-bit
-    matrices outside the split FFNs stay 4-bit on the GPU (see make_hybrid)."""
+    matrices stay 4-bit on the GPU, the split FFNs' hot rows included (see make_hybrid); a plan made
+    with --gpu-int4 turns it on, and says whether W_down's hot columns are requantised too."""
     from hotcold.planner.plan import find_plan, load_plan
 
     info = describe_model(path)
@@ -75,7 +76,8 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4), notes=notes)
     p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
-    if p.meta.get("weights", {}).get("gpu_int4"):  # planned with --gpu-int4: its GPU bytes assume it
+    weights = p.meta.get("weights", {})
+    if weights.get("gpu_int4"):  # planned with --gpu-int4: its GPU bytes assume it
         gpu_int4 = True
     if p.mode == "gpu":
         if quantize and not gpu_int4:
@@ -96,6 +98,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     from hotcold.executors.engine import make_hybrid
     from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN
     from hotcold.predictors.artifact import find_predictors, load_predictors
+    from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
     split_layers = [l for l, b in enumerate(lm.model.layers) if isinstance(b.ffn, (DenseFFN, GatedFFN))]
     hot = {l: torch.from_numpy(p.gpu_neurons[l]) for l in split_layers if p.mode == "hybrid" and l in p.gpu_neurons}
@@ -124,5 +127,10 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
             notes.append(f"expert cache: {cache_bytes // one} experts on the GPU, filled by look-ahead prefetch")
     engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
                          attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts,
-                         expert_cache_bytes=cache_bytes, gpu_int4=gpu_int4)
+                         expert_cache_bytes=cache_bytes, gpu_int4=gpu_int4,
+                         int4_down=weights.get("gpu_int4_down", INT4_DOWN_DEFAULT))
+    for why, ls in engine.int4_skipped().items():
+        names = ", ".join(map(str, ls[:8])) + (f" ... ({len(ls)} layers)" if len(ls) > 8 else "")
+        notes.append(f"--gpu-int4: the hot FFN rows of layer{'s' * (len(ls) > 1)} {names} are expanded to "
+                     f"{str(dt).removeprefix('torch.')}: {why}")
     return RunSetup(lm, engine, p, notes)

@@ -155,7 +155,8 @@ class GPUExecutor:
         return None if self.mask_fn is None else self.mask_fn(x)
 
     def compute(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Hot neurons' share of the FFN output (+ down bias). x: [N, D]; mask: bool [N, H] | [H] | None."""
+        """Hot neurons' share of the FFN output (+ down bias). x: [N, D]; mask: bool [N, H] | [H] | None
+        (hot rows kept int4 have H' >= H padding neurons, which hot_ffn leaves out of the mask)."""
         h = self.hot
         if h.n:
             y = hot_ffn(x, h.up, h.down_t, self.act, h.gate, h.up_bias, mask)  # [N, D]

@@ -10,7 +10,8 @@ Quantised models (models/quantized.py: QuantLinear, QuantExperts) stay quantised
 cold up/gate rows are a copy of their GGUF blocks (`QuantMatrix`, whatever `cpu_kind` says) and
 W_down transposed is requantised to `DOWN_T_DEFAULT` (Q8_0, see `transpose_quantized`), so host
 memory is about the file's size. The hot part on the fast tier is dequantised into the tier dtype,
-BLOCK_ROWS rows (or, for W_down's columns, `_COL_CHUNK_BYTES` of float32) at a time.
+BLOCK_ROWS rows (or, for W_down's columns, `_COL_CHUNK_BYTES` of float32) at a time; or, asked for
+int4 (`--gpu-int4`), its 4-bit up/gate rows stay 4-bit (see `_hot_int4`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hotcold.models.layers import DenseFFN, GatedFFN
 from hotcold.models.quantized import QuantExperts, QuantLinear, dequantized_rows
 from hotcold.sparse_ops.cpu import HostMatrix, quantize_i8
+from hotcold.sparse_ops.gpu_quant import (INT4_DOWN_DEFAULT, Int4Matrix, int4_layout_reason, int4_padded,
+                                          int4_unsupported_reason)
 from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, qdequantize, quantize_rows
 
 CPU_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i8": None}
@@ -36,22 +40,31 @@ _STRIP = 1024  # columns of a quantised W_down decoded at once to transpose its 
 
 @dataclass
 class HotFFN:
-    """Hot neurons on the fast tier. up/gate/down_t: [H, D]; up_bias: [H] (ungated FFNs)."""
+    """Hot neurons on the fast tier. up/gate/down_t: [H, D]; up_bias: [H] (ungated FFNs).
+
+    int4 (`_hot_int4`): up/gate are Int4Matrix [H', D] of the hot rows' own blocks, down_t a [H, D]
+    tensor or, requantised, an Int4Matrix [D, H'] (W_down's hot columns as the kernel takes a weight,
+    [N, K]); up_bias [H']. H' >= H: zero neurons pad the count to the kernels' multiple (their h is 0)."""
 
     idx: torch.Tensor  # int64 [H] neuron indices, plan order (hottest first)
-    up: torch.Tensor
-    gate: torch.Tensor | None
-    down_t: torch.Tensor
+    up: torch.Tensor | Int4Matrix
+    gate: torch.Tensor | Int4Matrix | None
+    down_t: torch.Tensor | Int4Matrix
     up_bias: torch.Tensor | None
+    int4_skipped: str | None = None  # why int4 was asked for and not used (None: used, or not asked)
 
     @property
     def n(self) -> int:
         return int(self.idx.numel())
 
     @property
+    def int4(self) -> bool:
+        return isinstance(self.up, Int4Matrix)
+
+    @property
     def nbytes(self) -> int:
         ts = [self.up, self.gate, self.down_t, self.up_bias]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.nbytes if isinstance(t, Int4Matrix) else t.numel() * t.element_size() for t in ts if t is not None)
 
 
 @dataclass
@@ -155,13 +168,15 @@ def check_hot(hot_idx, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype,
-              cpu_kind: str = "bf16") -> tuple[HotFFN, ColdFFN, torch.Tensor | None]:
+def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype, cpu_kind: str = "bf16",
+              int4: bool = False, int4_down: bool = INT4_DOWN_DEFAULT) -> tuple[HotFFN, ColdFFN, torch.Tensor | None]:
     """Split an FFN into (hot part on device, cold part in host memory, down bias on device or None).
 
     A quantised FFN (`ffn.up` a QuantLinear) keeps its cold part quantised (see `_split_quantized`;
-    cpu_kind does not apply). The caller drops `ffn` afterwards; the returned parts share no memory
-    with it (except a cold f32 part of an f32 CPU model, which is a fresh compacted copy too)."""
+    cpu_kind does not apply). int4: keep 4-bit hot up/gate rows 4-bit on device, int4_down: W_down's
+    hot columns requantised to int4 too (see `_hot_int4`; where it cannot, the hot part is expanded
+    and HotFFN.int4_skipped says why). The caller drops `ffn` afterwards; the returned parts share no
+    memory with it (except a cold f32 part of an f32 CPU model, which is a fresh compacted copy too)."""
     if cpu_kind not in CPU_KINDS:
         raise ValueError(f"cpu_dtype must be one of {tuple(CPU_KINDS)}, got {cpu_kind!r}")
     n = ffn.up.out_features  # I
@@ -171,9 +186,10 @@ def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype,
     cold = torch.nonzero(~is_hot).flatten()
     gated = isinstance(ffn, GatedFFN)
     if isinstance(ffn.up, QuantLinear):
-        hot_part, cold_part = _split_quantized(ffn, hot, cold, gated, act, device, dtype)
+        hot_part, cold_part = _split_quantized(ffn, hot, cold, gated, act, device, dtype, int4, int4_down)
     else:
         hot_part, cold_part = _split_float(ffn, hot, cold, gated, act, device, dtype, cpu_kind)
+        hot_part.int4_skipped = "its weights are not quantised" if int4 and hot.numel() else None
     down_bias = None if ffn.down.bias is None else ffn.down.bias.to(device, dtype).clone()
     return hot_part, cold_part, down_bias
 
@@ -199,20 +215,14 @@ def _split_float(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, act: s
     return hot_part, cold_part
 
 
-def _split_quantized(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, act: str, device,
-                     dtype) -> tuple[HotFFN, ColdFFN]:
-    """A QuantLinear FFN: hot rows of up/gate and hot columns of W_down dequantised to device in
-    dtype; cold rows of up/gate copied in their blocks (gate requantised to up's type if it differs,
-    as the fused kernel needs one type), cold columns of W_down transposed to DOWN_T_DEFAULT."""
+def _split_quantized(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, act: str, device, dtype,
+                     int4: bool = False, int4_down: bool = INT4_DOWN_DEFAULT) -> tuple[HotFFN, ColdFFN]:
+    """A QuantLinear FFN: the hot part per `_hot_quantized`; cold rows of up/gate copied in their
+    blocks (gate requantised to up's type if it differs, as the fused kernel needs one type), cold
+    columns of W_down transposed to DOWN_T_DEFAULT."""
     lins = {"up": ffn.up, "gate": ffn.gate if gated else None}
     qtype = ffn.up.qweight.qtype
     c = cold.numpy().astype(np.int64)
-    hot_part = HotFFN(
-        idx=hot.to(device),
-        **{k: None if m is None else fast_rows(m, hot, device, dtype) for k, m in lins.items()},
-        down_t=_fast_cols(ffn.down, hot, device, dtype),
-        up_bias=None if gated else ffn.up.bias[hot].to(device, dtype),
-    )
     cold_part = ColdFFN(
         idx=c,
         **{k: None if m is None else _cold_quant_rows(m, c, qtype) for k, m in lins.items()},
@@ -220,7 +230,55 @@ def _split_quantized(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, ac
         up_bias=None if gated else ffn.up.bias[cold].float().numpy().copy(),
         act=act,
     )
-    return hot_part, cold_part
+    return _hot_quantized(ffn, hot, gated, device, dtype, int4, int4_down), cold_part
+
+
+def _hot_quantized(ffn, hot: torch.Tensor, gated: bool, device, dtype, int4: bool, int4_down: bool) -> HotFFN:
+    """Hot rows of up/gate and hot columns of W_down dequantised to device in dtype, or with int4
+    kept 4-bit (`_hot_int4`) where the kernels take them (else int4_skipped says why)."""
+    int4 = int4 and len(hot) > 0
+    why = _int4_reason(ffn, gated, device, len(hot), int4_down) if int4 else None
+    if int4 and why is None:
+        return _hot_int4(ffn, hot, gated, device, dtype, int4_down)
+    lins = {"up": ffn.up, "gate": ffn.gate if gated else None}
+    return HotFFN(
+        idx=hot.to(device),
+        **{k: None if m is None else fast_rows(m, hot, device, dtype) for k, m in lins.items()},
+        down_t=_fast_cols(ffn.down, hot, device, dtype),
+        up_bias=None if gated else ffn.up.bias[hot].to(device, dtype),
+        int4_skipped=why,
+    )
+
+
+def _int4_reason(ffn, gated: bool, device, h: int, int4_down: bool) -> str | None:
+    """Why h hot neurons of a quantised FFN cannot be kept int4 on device (see `_hot_int4`); None if they can."""
+    n = int4_padded(h, device, as_k=int4_down)
+    for name, lin in (("up", ffn.up), ("gate", ffn.gate if gated else None)):
+        if lin is None:
+            continue
+        if not isinstance(lin, QuantLinear):
+            return f"its {name} weights are not quantised"
+        why = int4_unsupported_reason(lin.qweight.qtype, device, (n, lin.in_features))
+        if why is not None:
+            return f"{name}: {why}"
+    return int4_layout_reason(device, (ffn.down.out_features, n)) if int4_down else None
+
+
+def _hot_int4(ffn, hot: torch.Tensor, gated: bool, device, dtype, int4_down: bool) -> HotFFN:
+    """The hot part kept 4-bit (see HotFFN): up/gate from the hot rows' own blocks (exact up to the
+    bf16 rounding of scale and zero), W_down's hot columns dequantised to dtype or, int4_down,
+    requantised to int4 from float32; the count padded with zero neurons to `int4_padded`."""
+    h = len(hot)
+    n = int4_padded(h, device, as_k=int4_down)
+    up, gate = (None if lin is None else Int4Matrix.from_quant(lin.qweight, device, rows=hot.numpy(), n=n)
+                for lin in (ffn.up, ffn.gate if gated else None))
+    if int4_down:
+        cols = _fast_cols(ffn.down, hot, "cpu", torch.float32)  # [H, D]
+        down = Int4Matrix.from_float(F.pad(cols, (0, 0, 0, n - h)).T, device)  # [D, H']
+    else:
+        down = _fast_cols(ffn.down, hot, device, dtype)  # [H, D]
+    bias = None if gated else F.pad(ffn.up.bias[hot].float(), (0, n - h)).to(device, dtype)
+    return HotFFN(idx=hot.to(device), up=up, gate=gate, down_t=down, up_bias=bias)
 
 
 def fast_rows(lin, rows: torch.Tensor, device, dtype) -> torch.Tensor:

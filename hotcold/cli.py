@@ -28,8 +28,8 @@ ThreadsOpt = typer.Option(None, "--threads", min=1, help="CPU threads for torch 
 QuantizeOpt = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: q8_0, q4_0 or q4_k "
                                                     "(GGUF files keep their own quantisation).")
 GpuInt4Opt = typer.Option(False, "--gpu-int4", help="On CUDA, keep a quantised model's Q4_0/Q4_1/Q4_K matrices "
-                                                    "outside the split FFNs (attention, LM head) 4-bit on the GPU "
-                                                    "(torch's int4 kernels) instead of expanding them.")
+                                                    "(attention, LM head, the split FFNs' hot up/gate rows) 4-bit on "
+                                                    "the GPU (torch's int4 kernels) instead of expanding them.")
 
 
 def _version(value: bool) -> None:

@@ -75,7 +75,8 @@ def plan(
     quantize: Optional[str] = typer.Option(None, "--quantize", help="Plan for `hotcold run --quantize q8_0|q4_0|q4_k` "
                                                                     "(an HF checkpoint quantised at load)."),
     gpu_int4: bool = typer.Option(False, "--gpu-int4", help="Plan for `hotcold run --gpu-int4`: a quantised model's "
-                                  "Q4_0/Q4_1/Q4_K attention and LM head kept 4-bit on the GPU (the run follows the plan)."),
+                                  "Q4_0/Q4_1/Q4_K attention and hot FFN up/gate rows kept 4-bit on the GPU (the run "
+                                  "follows the plan)."),
     expert_cache: Optional[str] = typer.Option(None, "--expert-cache", help="MoE models: GPU memory within --vram for "
                                                "the expert cache that look-ahead prefetch fills (e.g. 1GiB; default 0)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),

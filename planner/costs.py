@@ -108,15 +108,33 @@ class WeightFormat:
     host_bytes_per_weight: float | None = None
     host_ffn_bytes_per_weight: float | None = None
     host_embed_bytes_per_weight: float | None = None  # the token embedding (often wider than the rest)
-    # `--gpu-int4`: the GPU's attention matrices in torch's int4 layout where the file's type allows
-    # (sparse_ops/gpu_quant.py): their bytes per weight, and the share of the GEMV bandwidth the int4
+    # `--gpu-int4`: the GPU's attention matrices, and the hot FFN rows' up/gate (gpu_ffn_*) and W_down
+    # columns (gpu_down_*), in torch's int4 layout where the file's type allows (sparse_ops/gpu_quant.py,
+    # executors/weights.py): their bytes per weight, and the share of the GEMV bandwidth the int4
     # kernel reaches (None / 1: as bytes_per_weight). The LM head is counted as the dtype.
     gpu_attn_bytes_per_weight: float | None = None
     gpu_attn_speed: float = 1.0
+    gpu_ffn_bytes_per_weight: float | None = None
+    gpu_ffn_speed: float = 1.0
+    gpu_down_bytes_per_weight: float | None = None
+    gpu_down_speed: float = 1.0
 
     @property
     def gpu_attn_w(self) -> float:
         return self.bytes_per_weight if self.gpu_attn_bytes_per_weight is None else self.gpu_attn_bytes_per_weight
+
+    @property
+    def gpu_ffn_w(self) -> float:
+        return self.bytes_per_weight if self.gpu_ffn_bytes_per_weight is None else self.gpu_ffn_bytes_per_weight
+
+    @property
+    def gpu_down_w(self) -> float:
+        return self.bytes_per_weight if self.gpu_down_bytes_per_weight is None else self.gpu_down_bytes_per_weight
+
+    @property
+    def gpu_int4(self) -> bool:
+        """Whether any GPU part is counted int4 (`--gpu-int4` found 4-bit matrices to keep)."""
+        return self.gpu_attn_bytes_per_weight is not None or self.gpu_ffn_bytes_per_weight is not None
 
     @property
     def host_w(self) -> float:
@@ -146,14 +164,27 @@ INT4_GPU_BYTES_PER_WEIGHT = 0.5 + 4 / 32
 INT4_GPU_SPEED = 0.45
 
 
-def gpu_int4_format(fmt: WeightFormat, int4_share: float) -> WeightFormat:
-    """fmt with `--gpu-int4`: int4_share of the GPU's attention weights kept int4."""
-    if int4_share <= 0:
-        return fmt
-    w = int4_share * INT4_GPU_BYTES_PER_WEIGHT + (1 - int4_share) * fmt.bytes_per_weight
+def _int4_mix(bytes_per_weight: float, share: float) -> tuple[float, float]:
+    """(bytes per weight, speed) of GPU weights of which `share` are int4 and the rest bytes_per_weight."""
+    w = share * INT4_GPU_BYTES_PER_WEIGHT + (1 - share) * bytes_per_weight
     # time per weight = bytes / (bandwidth x speed), averaged over the int4 and the expanded share
-    t = int4_share * INT4_GPU_BYTES_PER_WEIGHT / INT4_GPU_SPEED + (1 - int4_share) * fmt.bytes_per_weight
-    return dataclasses.replace(fmt, name=f"{fmt.name}+int4", gpu_attn_bytes_per_weight=w, gpu_attn_speed=w / t)
+    t = share * INT4_GPU_BYTES_PER_WEIGHT / INT4_GPU_SPEED + (1 - share) * bytes_per_weight
+    return w, w / t
+
+
+def gpu_int4_format(fmt: WeightFormat, int4_share: float, ffn_share: float = 0.0) -> WeightFormat:
+    """fmt with `--gpu-int4`: int4_share of the GPU's attention weights kept int4, and ffn_share of the
+    hot FFN rows' up/gate weights (their W_down columns too where INT4_DOWN_DEFAULT requantises them)."""
+    from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
+
+    if int4_share <= 0 and ffn_share <= 0:
+        return fmt
+    bpw = fmt.bytes_per_weight
+    (aw, asp), (fw, fsp), (dw, dsp) = (_int4_mix(bpw, s) for s in (int4_share, ffn_share,
+                                                                    ffn_share if INT4_DOWN_DEFAULT else 0.0))
+    return dataclasses.replace(fmt, name=f"{fmt.name}+int4", gpu_attn_bytes_per_weight=aw, gpu_attn_speed=asp,
+                               gpu_ffn_bytes_per_weight=fw, gpu_ffn_speed=fsp, gpu_down_bytes_per_weight=dw,
+                               gpu_down_speed=dsp)
 
 
 def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> WeightFormat:
@@ -165,7 +196,8 @@ def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> We
     _, bs8, ts8 = QTYPES["Q8_0"]
     bpw = ts / bs
     fmt = quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
-    return gpu_int4_format(fmt, 1.0 if gpu_int4 and kind.upper() in ("Q4_0", "Q4_K") else 0.0)
+    share = 1.0 if gpu_int4 and kind.upper() in ("Q4_0", "Q4_K") else 0.0
+    return gpu_int4_format(fmt, share, share)
 
 
 FORMATS = {
@@ -390,8 +422,11 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         else:
             n_items = len(freq)
             n_mats = 3 if kind == "gated" else 2
-            rb = n_mats * (h * w + fmt.row_overhead_bytes) + (w if kind == "dense" else 0.0)  # + up bias
-            rb_host = n_mats * (h * wf + fmt.row_overhead_bytes) + (w if kind == "dense" else 0.0)
+            extra = n_mats * fmt.row_overhead_bytes + (w if kind == "dense" else 0.0)  # + up bias
+            ug, dn = (n_mats - 1) * h * fmt.gpu_ffn_w, h * fmt.gpu_down_w  # up (+ gate) row, W_down column
+            rb = ug + dn + extra
+            rb_t = ug / fmt.gpu_ffn_speed + dn / fmt.gpu_down_speed + extra  # bytes at the dtype's GEMV rate
+            rb_host = n_mats * h * wf + extra
             infl = 1.0
             if st.predicted_active_fraction and freq.mean() > 0:
                 infl = max(1.0, st.predicted_active_fraction / freq.mean())
@@ -400,14 +435,14 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             rows = np.diff(starts).astype(np.float64)
             unit_bytes = rows * rb
             unit_host_bytes = rows * rb_host
-            unit_gpu_s = unit_bytes / gbw
+            unit_gpu_s = rows * rb_t / gbw
             exp_rows = np.add.reduceat(q, starts[:-1])
             unit_cpu_s = exp_rows * rb_host / ffn_bps
             unit_freq = np.add.reduceat(f_sorted, starts[:-1]) / rows
             if st.predictor_params is not None:
                 pred_bytes = float(st.predictor_params) * c.predictor_bytes_per_param
             else:
-                pred_bytes = c.predictor_fraction * n_items * rb
+                pred_bytes = c.predictor_fraction * n_items * (n_mats * h * w + extra)  # of the FFN in the dtype
             pred_host_bytes = pred_bytes * c.predictor_host_bytes_per_param / c.predictor_bytes_per_param
             pred_gpu_s = pred_bytes / gbw + c.predictor_gpu_kernels * launch
             pred_cpu_s = pred_host_bytes / pred_bps + c.predictor_cpu_calls * call

@@ -63,19 +63,25 @@ def _is_ffn_matrix(name: str) -> bool:
     return len(parts) >= 4 and parts[2] == "ffn" and parts[3] in ("up", "gate", "down", "experts")
 
 
+def _is_hot_row_matrix(name: str) -> bool:
+    """A dense/gated FFN's up or gate matrix: the rows the hot neurons keep int4 under --gpu-int4."""
+    parts = name.split(".")
+    return len(parts) >= 4 and parts[2] == "ffn" and parts[3] in ("up", "gate")
+
+
 def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> WeightFormat:
     """The weight format a GGUF runs with: `base` when its FFN matrices are float (expanded at load),
     else quantised (models/quantized.py): host bytes per weight from the file's own tensor sizes
     (W_down's host copy is Q8_0, as executors/weights.py builds it; the token embedding, a row
     lookup, apart from the attention and LM head that are read whole), the CPU kernel kind of its
-    largest share of gate/up bytes; gpu_int4: the share of its attention matrices that the GPU
-    keeps int4 (Q4_0 / Q4_1 / Q4_K)."""
+    largest share of gate/up bytes; gpu_int4: the shares of its attention matrices, and of its
+    dense/gated FFNs' up/gate matrices (the hot rows), that the GPU keeps int4 (Q4_0 / Q4_1 / Q4_K)."""
     from hotcold.models.gguf_loader import GGUFFile
     from hotcold.sparse_ops.gpu_quant import INT4_QTYPES
     from hotcold.sparse_ops.quant import QTYPES
 
     _, bs8, ts8 = QTYPES["Q8_0"]
-    ffn_b = ffn_n = other_b = other_n = embed_b = embed_n = attn_n = int4_n = 0.0
+    ffn_b = ffn_n = other_b = other_n = embed_b = embed_n = attn_n = int4_n = rows_n = rows4_n = 0.0
     kinds: dict[str, float] = {}
     for name, qtype, n, nbytes, kept in GGUFFile(path).tensor_storage():
         host = nbytes if kept else n * base.bytes_per_weight
@@ -87,6 +93,9 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
             elif kept:
                 kinds[qtype] = kinds.get(qtype, 0.0) + nbytes
             ffn_b, ffn_n = ffn_b + host, ffn_n + n
+            if _is_hot_row_matrix(name):
+                rows_n += n
+                rows4_n += n if kept and qtype in INT4_QTYPES else 0
         elif name.endswith(".weight") and "norm" not in name or name.endswith("experts"):
             other_b, other_n = other_b + host, other_n + n
             if ".attn." in name:
@@ -97,7 +106,7 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     kind = max(kinds, key=kinds.get).lower()
     fmt = quantized_format(base, kind, other_b / max(other_n, 1.0), ffn_b / max(ffn_n, 1.0),
                            embed_b / embed_n if embed_n else None)
-    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0)) if gpu_int4 else fmt
+    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0), rows4_n / max(rows_n, 1.0)) if gpu_int4 else fmt
 
 
 def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False) -> WeightFormat:

@@ -34,7 +34,7 @@ def serve(
     quantize: Optional[str] = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: "
                                                                     "q8_0, q4_0 or q4_k."),
     gpu_int4: bool = typer.Option(False, "--gpu-int4", help="On CUDA, keep a quantised model's 4-bit matrices "
-                                                            "outside the split FFNs 4-bit on the GPU."),
+                                                            "(the split FFNs' hot up/gate rows too) 4-bit on the GPU."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn

@@ -27,7 +27,8 @@ GGUF's nibble order inside a block (Q4_0 / Q4_1: element i < 16 low nibble of qs
 of qs[i - 16]; Q4_K: sub-blocks 2c / 2c + 1 low / high nibbles of qs[32c:32c + 32]) differs from
 tinygemm's, so the codes are unpacked and repacked (numpy, at load).
 
-Constraints (`int4_supported` checks them; nothing is padded):
+Constraints (`int4_supported` checks them; nothing is padded here unless asked: `int4_padded` gives
+the sizes the split FFNs' hot rows are padded to with zero rows, `Int4Matrix.from_quant(n=)`):
   CUDA: compute capability >= 8.0 (bf16 mma.sync m16n8k16; ROCm is not supported here), x bf16
         contiguous [M, K], inner_k_tiles in {2, 4, 8} with K % (inner_k_tiles * 16) == 0, group in
         {32, 64, 128, 256} dividing K, N % 8 == 0 (the packing pads N up to a multiple of 8 and the
@@ -42,9 +43,14 @@ int4 holds 0.31x the VRAM of bf16 and, for one token, runs 1.35-1.6x faster (409
 but it reaches only 0.9-1.3 TB/s of its weight bytes against bf16's 1.8-3.1 TB/s, and its time grows
 with M: break-even near 8-16 tokens, 7-14x slower than bf16 at 128 (prefill). inner_k_tiles 2 / 4 / 8
 are within 10% of each other.
+
+Requantised floats (`quantize_int4`, `Int4Matrix.from_float`): W_down's hot columns, whose GGUF
+blocks run along the other axis, as asymmetric min/max int4 groups of 32 (see INT4_DOWN_DEFAULT).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -52,13 +58,26 @@ from torch import nn
 
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, _qtype_name
 
-__all__ = ["Int4Matrix", "Int4Linear", "int4_supported", "int4_unsupported_reason", "decode_int4",
-           "INT4_QTYPES", "GROUP_SIZE"]
+__all__ = ["Int4Matrix", "Int4Linear", "int4_supported", "int4_unsupported_reason", "int4_layout_reason",
+           "int4_padded", "decode_int4", "quantize_int4", "INT4_QTYPES", "GROUP_SIZE", "INT4_DOWN_DEFAULT"]
 
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
 GROUP_SIZE = 32  # every type above has one (scale, zero) per 32 weights
 INNER_K_TILES = (8, 4, 2)  # preferred first: 16-byte loads per lane
 DECODE_ROWS_BYTES = 16 << 20  # GGUF bytes decoded at once by decode_int4
+# Whether the split FFNs' hot W_down columns are requantised to int4 under --gpu-int4 (else kept in
+# the tier dtype; the planner counts what this says). No: W_down's GGUF blocks run along the neuron
+# axis, so its hot columns in the plan's order regroup neurons of different blocks, and requantising
+# them (quantize_int4) is a second 4-bit rounding of the size of the file's own. Measured with
+# tools/int4_down_error.py (relative RMS of the FFN output on 512 tokens of real text, mean of the
+# layers, hot neurons a random 25 / 50 / 100% in random order): SmolLM2-135M Q4_1 +0.037 / 0.052 /
+# 0.074 (bf16's own rounding of W_down: 0.0011; ascending order helps only when every neuron is hot);
+# perplexity (the README's 3 x 256 tokens) 10.890 dense, 10.897 with int4 hot up/gate and W_down
+# expanded, 12.172 (+11.8%) with W_down requantised. A generated ReLU llama (D 2048, I 5632, Q4_0 of
+# its f16 weights): +0.040 / 0.057 / 0.078, against the Q4_0 file's own error of 0.086 for W_down and
+# 0.148 for the whole FFN. int4 up/gate alone hold a hot neuron in 0.54x the bf16 bytes; with W_down
+# too it would be 0.31x.
+INT4_DOWN_DEFAULT = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +111,12 @@ def int4_unsupported_reason(qtype, device, shape: tuple[int, int] | None = None,
         return f"unsupported quantisation type {qtype!r}"
     if name not in INT4_QTYPES:
         return f"{name} is not a 4-bit type tinygemm can hold (supported: {', '.join(INT4_QTYPES)})"
+    return int4_layout_reason(device, shape, inner_k_tiles)
+
+
+def int4_layout_reason(device, shape: tuple[int, int] | None = None, inner_k_tiles: int | None = None) -> str | None:
+    """Why torch's int4 kernels cannot hold a matrix of shape (N, K) on device, whatever its source
+    (GGUF blocks or floats requantised); None if they can."""
     kind = _kernel_device(device)
     if kind is None:
         return (f"torch's int4 kernels do not run on {device!r} (CUDA needs an NVIDIA GPU of compute "
@@ -105,10 +130,23 @@ def int4_unsupported_reason(qtype, device, shape: tuple[int, int] | None = None,
         t = _pick_inner_k_tiles(k) if inner_k_tiles is None else inner_k_tiles
         if t is None or k % (t * 16):
             return f"shape {(n, k)}: K must be a multiple of {(t or 2) * 16} (inner_k_tiles {t or 2} x 16)"
-        step = 8 if kind == "cuda" else 16
+        step = _N_STEP[kind]
         if n % step:
             return f"shape {(n, k)}: N must be a multiple of {step} on {kind}"
     return None
+
+
+_N_STEP = {"cuda": 8, "cpu": 16}  # rows the packing takes at a time
+_K_STEP = max(GROUP_SIZE, INNER_K_TILES[-1] * 16)  # the smallest K every layout takes
+
+
+def int4_padded(n: int, device, as_k: bool = False) -> int:
+    """n rounded up to a row count (N) torch's int4 kernels take on device, and with as_k to a column
+    count (K) as well: what zero rows (or columns) pad a matrix to."""
+    step = _N_STEP.get(_kernel_device(device), 16)
+    if as_k:
+        step = math.lcm(step, _K_STEP)
+    return -(-n // step) * step
 
 
 def int4_supported(qtype, device, shape: tuple[int, int] | None = None, inner_k_tiles: int | None = None) -> bool:
@@ -162,6 +200,8 @@ def decode_int4(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     high nibble), scale and zero float32 [N, K / 32], so that w = (code - 8) * scale + zero."""
     if q.qtype not in _DECODERS:
         raise ValueError(f"{q.qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
+    if q.interleaved:  # (quant.pack_rows' layout) its rows in the GGUF layout, a copy
+        q = QuantMatrix(q.row_data(), q.qtype, q.shape)
     n, k = q.shape
     _, bs, ts = QTYPES[q.qtype]
     packed = np.empty((n, k // 2), np.uint8)
@@ -171,9 +211,45 @@ def decode_int4(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for a in range(0, n, step):
         b = q.data[a:a + step].reshape(-1, k // bs, ts)
         codes, scale[a:a + step], zero[a:a + step] = _DECODERS[q.qtype](b)
-        codes = codes.reshape(b.shape[0], k)
-        packed[a:a + step] = (codes[:, 0::2] << 4) | codes[:, 1::2]
+        packed[a:a + step] = _pack(codes.reshape(b.shape[0], k))
     return packed, scale, zero
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    # codes uint8 [N, K] in 0..15 -> [N, K / 2], element 2j in the high nibble of byte j
+    return (codes[:, 0::2] << 4) | codes[:, 1::2]
+
+
+def _pad_rows(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, n: int):
+    """decode_int4's arrays with zero rows appended up to n rows (scale and zero 0: weights 0)."""
+    pad = n - packed.shape[0]
+    if pad < 0:
+        raise ValueError(f"cannot pad {packed.shape[0]} rows to {n}")
+    return tuple(np.pad(a, ((0, pad), (0, 0))) for a in (packed, scale, zero))
+
+
+# ---------------------------------------------------------------------------------------------
+# Floats -> codes, scales, zeros (numpy): requantisation where the GGUF blocks do not fit
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    # float32 values rounded to bf16 (as the kernel holds scale and zero), float32 again
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float weights [N, K] (K a multiple of 32) in decode_int4's layout, asymmetric per group of 32
+    along K: scale = (max - min) / 15 and zero = min + 8 scale, each rounded to bf16 before the codes
+    are chosen (the nearest for what the kernel multiplies by); a constant group has scale 0."""
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"K must be a multiple of {GROUP_SIZE}, got {k}")
+    g = np.asarray(w, np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo = g.min(-1)  # [N, K / 32]
+    scale = _bf16((g.max(-1) - lo) / 15)
+    zero = _bf16(lo + 8 * scale)
+    step = np.where(scale > 0, scale, 1)[..., None]
+    codes = np.where(scale[..., None] > 0, np.rint((g - zero[..., None]) / step) + 8, 8)  # [N, K / 32, 32]
+    return _pack(np.clip(codes, 0, 15).astype(np.uint8).reshape(n, k)), scale, zero
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +260,7 @@ class Int4Matrix:
 
     packed: CUDA int32 [N / 8, K / (inner_k_tiles * 16), 32, inner_k_tiles / 2] | CPU uint8 [N, K / 2]
     scales_and_zeros: bf16 [K / group, N, 2]
-    shape: (N, K); qtype: the GGUF type it came from
+    shape: (N, K); qtype: the GGUF type it came from (None: requantised floats, `from_float`)
     """
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, shape: tuple[int, int],
@@ -200,25 +276,51 @@ class Int4Matrix:
         self._cuda = packed.device.type == "cuda"
 
     @classmethod
-    def from_quant(cls, q: QuantMatrix, device, inner_k_tiles: int | None = None) -> "Int4Matrix":
-        """Repack a Q4_0 / Q4_1 / Q4_K QuantMatrix [N, K] for device (ValueError if it cannot be)."""
-        why = int4_unsupported_reason(q.qtype, device, q.shape, inner_k_tiles)
+    def from_quant(cls, q: QuantMatrix, device, inner_k_tiles: int | None = None, rows=None,
+                   n: int | None = None) -> "Int4Matrix":
+        """Repack a Q4_0 / Q4_1 / Q4_K QuantMatrix [N, K] for device (ValueError if it cannot be):
+        rows: only those rows, in that order (their own blocks: no float round trip); n: padded with
+        zero rows to n rows (see int4_padded)."""
+        if rows is not None:
+            rows = np.asarray(rows, np.int64)
+            q = QuantMatrix(np.ascontiguousarray(q.row_data(rows)), q.qtype, (len(rows), q.cols))
+        n = q.rows if n is None else int(n)
+        why = int4_unsupported_reason(q.qtype, device, (n, q.cols), inner_k_tiles)
         if why is not None:
-            raise ValueError(f"{q.qtype} {q.shape} cannot be kept as int4 on {device}: {why}")
+            raise ValueError(f"{q.qtype} {(n, q.cols)} cannot be kept as int4 on {device}: {why}")
+        return cls.from_codes(*_pad_rows(*decode_int4(q), n), device, inner_k_tiles, q.qtype)
+
+    @classmethod
+    def from_float(cls, w, device, inner_k_tiles: int | None = None) -> "Int4Matrix":
+        """Requantise float weights w [N, K] (numpy, or a tensor on any device) for device (see
+        quantize_int4; ValueError if the kernels cannot take [N, K] there)."""
+        w = w.detach().float().cpu().numpy() if isinstance(w, torch.Tensor) else np.asarray(w, np.float32)
+        why = int4_layout_reason(device, w.shape, inner_k_tiles)
+        if why is not None:
+            raise ValueError(f"floats {w.shape} cannot be kept as int4 on {device}: {why}")
+        return cls.from_codes(*quantize_int4(w), device, inner_k_tiles)
+
+    @classmethod
+    def from_codes(cls, packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, device,
+                   inner_k_tiles: int | None = None, qtype: str | None = None) -> "Int4Matrix":
+        """From decode_int4's layout (codes uint8 [N, K / 2], scale and zero float32 [N, K / 32]),
+        packed for device; qtype: the GGUF type the codes came from (None: requantised floats)."""
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        why = int4_layout_reason(device, (n, k), inner_k_tiles)
+        if why is not None:
+            raise ValueError(f"an int4 matrix {(n, k)} cannot be kept on {device}: {why}")
         dev = torch.device(device)
-        n, k = q.shape
         t = _pick_inner_k_tiles(k) if inner_k_tiles is None else inner_k_tiles
-        packed, scale, zero = decode_int4(q)
         sz = torch.from_numpy(np.stack([scale, zero], axis=-1))  # [N, K / 32, 2]
         sz = sz.transpose(0, 1).to(torch.bfloat16).contiguous().to(dev)  # [K / 32, N, 2]
-        w = torch.from_numpy(packed).to(dev)  # uint8 [N, K / 2]
+        w = torch.from_numpy(np.ascontiguousarray(packed)).to(dev)  # uint8 [N, K / 2]
         if dev.type == "cuda":
             with torch.cuda.device(dev):
                 w = torch.ops.aten._convert_weight_to_int4pack(w, t)
         else:
             codes = torch.stack([w >> 4, w & 15], dim=-1).reshape(n, k).to(torch.int32)  # [N, K]
             w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, t)
-        return cls(w, sz, (n, k), GROUP_SIZE, t, q.qtype)
+        return cls(w, sz, (n, k), GROUP_SIZE, t, qtype)
 
     @property
     def device(self) -> torch.device:
@@ -270,7 +372,7 @@ class Int4Matrix:
         return out
 
     def __repr__(self) -> str:
-        return (f"Int4Matrix({self.qtype}, shape={self.shape}, group={self.group_size}, "
+        return (f"Int4Matrix({self.qtype or 'requantised'}, shape={self.shape}, group={self.group_size}, "
                 f"{self.device}, {self.nbytes / 2**20:.1f} MiB)")
 
 

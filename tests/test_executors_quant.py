@@ -24,11 +24,13 @@ from hotcold.executors import HybridFFN, make_hybrid, random_hot
 from hotcold.executors.expert_cache import ExpertCache
 from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.moe import HybridMoE, random_experts
-from hotcold.executors.weights import ColdFFN, quant_cols_t, split_ffn
+from hotcold.executors.weights import ColdFFN, HotFFN, quant_cols_t, split_ffn
 from hotcold.models.generate import Generator
 from hotcold.models.loader import LoadedModel, load_model
 from hotcold.models.quantized import QUANTIZE_TYPES, QuantLinear, quantize_model
 from hotcold.models.sampling import SamplingParams
+from hotcold.sparse_ops.gpu import hot_ffn
+from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT, Int4Matrix, int4_padded
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, random_matrix
 from test_executors import T, decode_logits, tokens
 from tiny_models import COMMON, make_tiny
@@ -268,6 +270,135 @@ def test_quant_cols_t_selects_and_transposes(qtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# int4 hot rows (`--gpu-int4`), on the CPU through torch's CPU twin kernels (int4_hot=True)
+
+
+def int4_weights(hot: HotFFN) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The float32 weights hot's kernels multiply by, [H, D] each (padding neurons dropped), and up_bias [H]."""
+    h = hot.n
+    deq = lambda m: m.dequantize(torch.float32)  # noqa: E731 ([N, K], through the kernel itself)
+    down = deq(hot.down_t).T if isinstance(hot.down_t, Int4Matrix) else hot.down_t.float()  # [H', D] or [H, D]
+    return (deq(hot.up)[:h], None if hot.gate is None else deq(hot.gate)[:h], down[:h],
+            None if hot.up_bias is None else hot.up_bias[:h].float())
+
+
+def check_int4_hot(eng, device, int4_down: bool, ref: LoadedModel | None = None) -> None:
+    """Every split layer's hot rows are int4 (the test fails if they were silently expanded): up/gate
+    Int4Matrix padded to the kernels' multiple, W_down's columns a tensor [H, D] or an Int4Matrix
+    [D, H']; each layer's hot FFN equals hot_ffn over the weights its kernels hold, and those are
+    ref's hot rows (up to the bf16 rounding of scales and zeros)."""
+    gen = torch.Generator().manual_seed(0)
+    for f in eng.layers.values():
+        hot, gpu = f.gpu.hot, f.gpu
+        if not hot.n:
+            continue
+        n = int4_padded(hot.n, device, as_k=int4_down)
+        assert hot.int4 and hot.int4_skipped is None and isinstance(hot.up, Int4Matrix)
+        assert hot.up.shape == (n, f.dim) and hot.up.qtype in ("Q4_0", "Q4_K")
+        assert hot.gate is None or (isinstance(hot.gate, Int4Matrix) and hot.gate.shape == (n, f.dim))
+        if int4_down:
+            assert isinstance(hot.down_t, Int4Matrix) and hot.down_t.shape == (f.dim, n)
+        else:
+            assert isinstance(hot.down_t, torch.Tensor) and hot.down_t.shape == (hot.n, f.dim)
+        x = torch.randn(5, f.dim, generator=gen).to(device)
+        mask = torch.rand(5, hot.n, generator=gen).to(device) < 0.6
+        up, gate, down_t, bias = int4_weights(hot)
+        if ref is not None:
+            rf = ref.model.layers[f.layer].ffn
+            for w, lin in ((up, rf.up), (gate, getattr(rf, "gate", None))):
+                if lin is not None:
+                    want = lin.weight[hot.idx.cpu()].to(device)  # [H, D]
+                    assert (w - want).abs().max() <= 2.0 ** -7 * want.abs().max()
+        with torch.inference_mode():
+            got = gpu.compute(x, mask) - (0 if gpu.down_bias is None else gpu.down_bias)
+            want = hot_ffn(x.bfloat16().float(), up, down_t, f.cold.act, gate, bias, mask)  # the kernels take bf16 x
+        assert (got.float() - want).norm() / want.norm() < 1e-2
+
+
+@pytest.mark.parametrize("family, kind", [("llama", "q4_0"), ("opt", "q4_0"), ("llama", "q4_k"), ("qwen2_moe", "q4_0")])
+def test_int4_hot_rows_match_their_weights_and_the_expanded_engine(folder, family, kind):
+    """int4_hot on the CPU tier (torch's CPU int4 kernels): the hot up/gate rows stay int4 from their own
+    blocks, W_down's hot columns stay in the tier dtype (INT4_DOWN_DEFAULT); the hot FFN equals the
+    int4 weights' product, the logits the quantised reference's within its tolerance and the expanded
+    engine's as closely (the kernels round x to bf16); the split one-token step (what a CUDA graph
+    replays) equals the forward; up/gate hold about 0.31x their bf16 bytes."""
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=13)
+    want = decode_logits(ref, toks)
+    hot, moe = random_hot(ref, 0.4, seed=3), getattr(ref.config, "num_experts", 0)
+    got = {}
+    for int4 in (False, True):
+        lm = fresh(folder, family, kind)
+        with make_hybrid(lm, hot, "oracle", threads=2, int4_hot=int4,
+                         gpu_experts=random_experts(lm, 0.5, seed=3) if moe else None) as eng:
+            got[int4] = decode_logits(lm, toks)
+            if not int4:
+                assert not any(f.gpu.hot.int4 or f.gpu.hot.int4_skipped for f in eng.layers.values())
+                continue
+            assert INT4_DOWN_DEFAULT is False and eng.int4_skipped() == {}
+            check_int4_hot(eng, "cpu", int4_down=False, ref=ref)
+            with torch.inference_mode():
+                prefill = lm.model(toks)
+            f = next(iter(eng.layers.values()))
+            x = torch.randn(1, 1, lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+            with torch.inference_mode():
+                assert torch.allclose(f.graph_post(x, *f.graph_pre(x)), f(x), rtol=1e-5, atol=1e-6)
+            for f in eng.layers.values():
+                h, n_mats, d = f.gpu.hot.n, 2 if f.gpu.hot.gate is not None else 1, f.dim
+                ug = f.gpu.hot.up.nbytes * n_mats
+                assert ug == n_mats * f.gpu.hot.up.rows * d * (0.5 + 4 / 32)
+                assert ug < 0.4 * n_mats * h * d * 2  # bf16's: 0.31 x H' / H (38 neurons padded to 48 here)
+    for i in range(T):
+        assert rel_err(got[True][:, i], want[:, i]) < TOL[kind], f"decode step {i}"
+    # bf16 x in the kernels moves the logits 1-2% of the largest, 10-50x less than the quantisation does
+    with torch.inference_mode():
+        want_prefill, float_logits = ref.model(toks), reference(folder, family, kind, quantized=False).model(toks)
+    assert rel_err(prefill, want_prefill) < TOL[kind]
+    assert 10 * rel_err(got[True], got[False]) < rel_err(float_logits, want_prefill)
+    assert rel_err(got[True], got[False]) < TOL[kind]
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_k"])
+def test_int4_down_requantised(folder, kind):
+    """int4_down: W_down's hot columns requantised to int4 (zero-padded to a multiple of 32 neurons):
+    the hot FFN equals the requantised weights' product; the whole hot part holds about 0.31x its bf16
+    bytes; the logits leave the tolerance of the expanded W_down (the measured reason for
+    INT4_DOWN_DEFAULT = False), though by less than the file's own quantisation moves them."""
+    ref = reference(folder, "llama", kind)
+    toks = tokens(seed=14)
+    want = decode_logits(ref, toks)
+    lm = fresh(folder, "llama", kind)
+    with make_hybrid(lm, random_hot(lm, 2 / 3, seed=4), "oracle", threads=2, int4_hot=True, int4_down=True) as eng:
+        check_int4_hot(eng, "cpu", int4_down=True)
+        got = decode_logits(lm, toks)
+        for f in eng.layers.values():
+            hot = f.gpu.hot  # 64 of 96 neurons (no padding); q4_k: 341 of 512, padded to 352
+            assert hot.nbytes == 3 * hot.up.nbytes < 0.33 * 3 * hot.n * f.dim * 2
+            cols = ref.model.layers[f.layer].ffn.down.weight[:, hot.idx]  # [D, H] dequantised
+            err = (hot.down_t.dequantize(torch.float32)[:, :hot.n] - cols).norm() / cols.norm()
+            assert 0.01 < err < 0.15  # a second 4-bit rounding, of the size of the file's own
+    with torch.inference_mode():
+        quantized, floats = ref.model(toks), reference(folder, "llama", kind, quantized=False).model(toks)
+    assert TOL[kind] < rel_err(got, want) < 0.5 * rel_err(floats, quantized)  # 0.07 / 0.17 against 0.52 / 0.88
+
+
+def test_int4_hot_rows_fall_back_where_they_cannot_be_int4(folder):
+    """Where the hot rows cannot stay int4 (Q8_0 blocks; no hot neuron) they are expanded as before,
+    and HotFFN.int4_skipped / engine.int4_skipped() say why; a CPU tier without int4_hot keeps the
+    expanded rows even with gpu_int4 (which keeps CUDA tiers' matrices 4-bit)."""
+    lm = fresh(folder, "llama", "q8_0")
+    hot = random_hot(lm, 0.4, seed=5)
+    hot[1] = hot[1][:0]
+    with make_hybrid(lm, hot, None, threads=2, int4_hot=True) as eng:
+        skipped = eng.int4_skipped()
+        assert list(skipped.values()) == [[0, 2]] and "Q8_0 is not a 4-bit type" in next(iter(skipped))
+        assert all(isinstance(f.gpu.hot.up, torch.Tensor) for f in eng.layers.values())
+    lm = fresh(folder, "llama", "q4_0")
+    with make_hybrid(lm, random_hot(lm, 0.4, seed=5), None, threads=2, gpu_int4=True) as eng:
+        assert not any(f.gpu.hot.int4 for f in eng.layers.values()) and eng.int4_skipped() == {}
+
+
+# ---------------------------------------------------------------------------------------------
 # A real GGUF file
 
 
@@ -337,19 +468,53 @@ def test_cuda_dequantizes_the_fast_tier(folder, family, kind):
 @CUDA
 @pytest.mark.parametrize("family, kind", [("llama", "q4_0"), ("llama", "q4_k"), ("qwen2_moe", "q4_0")])
 def test_cuda_gpu_int4_keeps_4bit_matrices_4bit(folder, family, kind):
-    """gpu_int4: the attention (and other non-FFN 4-bit) matrices go to the GPU as Int4Linear, not
-    expanded; logits stay within the quantised tolerance (the int4 kernel multiplies in bf16)."""
+    """gpu_int4: the attention (and other non-FFN 4-bit) matrices go to the GPU as Int4Linear and the
+    split FFNs' hot up/gate rows as Int4Matrix (padded to a multiple of 8 neurons), not expanded; the
+    hot FFNs equal their int4 weights' product; logits stay within the quantised tolerance (the int4
+    kernel multiplies in bf16), with the one-token steps replayed as CUDA graphs (the hot FFN inside
+    them) or eager, and close to the engine whose hot rows alone are expanded (int4_hot=False)."""
+    from hotcold.executors.graphs import GraphedBlock
     from hotcold.sparse_ops.gpu_quant import Int4Linear
 
     ref = reference(folder, family, kind)
     toks = tokens(seed=12)
     want = decode_logits(ref, toks)
-    lm = fresh(folder, family, kind)
-    moe = getattr(lm.config, "num_experts", 0)
-    with make_hybrid(lm, random_hot(lm, 0.4, seed=2), "oracle", device="cuda", threads=2, gpu_int4=True,
-                     gpu_experts=random_experts(lm, 0.25, seed=2) if moe else None):
-        attn = lm.model.layers[0].attn
-        assert all(isinstance(getattr(attn, p), Int4Linear) for p in ("q", "k", "v", "o"))
-        got = decode_logits(lm, toks.cuda()).cpu()
+    got = {}
+    for int4, graphs in ((True, True), (True, False), (False, True)):
+        lm = fresh(folder, family, kind)
+        moe = getattr(lm.config, "num_experts", 0)
+        with make_hybrid(lm, random_hot(lm, 0.4, seed=2), "oracle", device="cuda", threads=2, gpu_int4=True,
+                         int4_hot=None if int4 else False, cuda_graphs=graphs,
+                         gpu_experts=random_experts(lm, 0.25, seed=2) if moe else None) as eng:
+            attn = lm.model.layers[0].attn
+            assert all(isinstance(getattr(attn, p), Int4Linear) for p in ("q", "k", "v", "o"))
+            if int4:
+                check_int4_hot(eng, "cuda", int4_down=False, ref=ref)
+            else:
+                assert not any(f.gpu.hot.int4 for f in eng.layers.values())
+            got[int4, graphs] = decode_logits(lm, toks.cuda()).cpu()
+            blocks = [b for b in lm.model.layers if isinstance(b, GraphedBlock)]
+            assert len(blocks) == (lm.config.num_layers if graphs else 0)
+            assert all(b.replays == T and b.captured.pre is not None for b in blocks)  # the FFN in the graph
     for i in range(T):
-        assert rel_err(got[:, i], want[:, i]) < 2 * TOL[kind], f"decode step {i}"
+        assert rel_err(got[True, True][:, i], want[:, i]) < 2 * TOL[kind], f"decode step {i}"
+    assert rel_err(got[True, True], got[True, False]) < 1e-3
+    assert rel_err(got[True, True], got[False, True]) < TOL[kind]
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_int4_down_requantised(folder):
+    """int4_down on the GPU: W_down's hot columns as an Int4Matrix [D, H'] (H' a multiple of 32), in
+    the CUDA graph too; the hot FFNs equal their int4 weights' product."""
+    ref = reference(folder, "llama", "q4_0")
+    toks = tokens(seed=15)
+    want = decode_logits(ref, toks)
+    lm = fresh(folder, "llama", "q4_0")
+    with make_hybrid(lm, random_hot(lm, 2 / 3, seed=4), "oracle", device="cuda", threads=2, gpu_int4=True,
+                     int4_down=True) as eng:
+        check_int4_hot(eng, "cuda", int4_down=True)
+        got = decode_logits(lm, toks.cuda()).cpu()
+    with torch.inference_mode():
+        quantized, floats = ref.model(toks), reference(folder, "llama", "q4_0", quantized=False).model(toks)
+    assert rel_err(got, want) < 0.5 * rel_err(floats, quantized)

@@ -642,9 +642,10 @@ def test_quantised_ilp_matches_brute_force_with_a_binding_ram_budget():
 
 def test_gpu_int4_counts_int4_bytes_for_gpu_attention_and_places_more_of_it():
     """--gpu-int4: the GPU's attention bytes are int4's (codes + bf16 scale/zero per 32), their time
-    at the int4 kernel's share of the GEMV bandwidth; FFN rows and LM head stay the dtype. With
-    a budget that holds the int4 attention of every layer but not the bf16 one, the plan puts more
-    attention on the GPU."""
+    at the int4 kernel's share of the GEMV bandwidth; the hot FFN rows' up/gate too (W_down's
+    columns stay the dtype: INT4_DOWN_DEFAULT), the LM head stays the dtype. With a budget that
+    holds the int4 attention of every layer but not the bf16 one, the plan puts more attention on
+    the GPU."""
     from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, quantize_format
 
     rng = np.random.default_rng(5)
@@ -658,7 +659,8 @@ def test_gpu_int4_counts_int4_bytes_for_gpu_attention_and_places_more_of_it():
     cp, ci = (build_costs(cfg, stats, hw, f, ctx=64, block_size=8, constants=TOY_CONSTANTS) for f in (plain, int4))
     for lp, li in zip(cp.layers, ci.layers):
         assert li.attn_bytes == pytest.approx(lp.attn_bytes * INT4_GPU_BYTES_PER_WEIGHT / 2)
-        np.testing.assert_allclose(li.unit_bytes, lp.unit_bytes)
+        np.testing.assert_allclose(li.unit_bytes, lp.unit_bytes * (2 * INT4_GPU_BYTES_PER_WEIGHT + 2) / 6)
+        np.testing.assert_allclose(li.unit_host_bytes, lp.unit_host_bytes)
         assert li.attn_host_bytes == pytest.approx(lp.attn_host_bytes)
     assert ci.head_bytes == pytest.approx(cp.head_bytes)  # counted as the dtype (often Q6_K in files)
     # room for the fixed parts, the int4 attention of every layer and little else
@@ -668,6 +670,52 @@ def test_gpu_int4_counts_int4_bytes_for_gpu_attention_and_places_more_of_it():
         res = solve(costs, vram, 1e12, solver="cbc", gap=0.0, time_limit=20)
         on_gpu.append(sum(res.placement.attn_gpu))
     assert on_gpu[1] > on_gpu[0]
+
+
+def test_gpu_int4_counts_hot_ffn_rows_int4_and_places_more_hot_neurons():
+    """--gpu-int4 and the hot FFN rows: up/gate at int4's bytes and speed, W_down's columns at the
+    dtype's (not requantised: INT4_DOWN_DEFAULT). A budget that holds N int4 hot neurons per layer
+    beside the attention holds fewer bf16 ones: the int4 plan places more hot neurons, about the
+    byte ratio more."""
+    from hotcold.planner.costs import (INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, gpu_int4_format,
+                                       quantize_format)
+    from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
+
+    assert not INT4_DOWN_DEFAULT  # the counts below assume W_down's hot columns in the dtype
+    rng = np.random.default_rng(6)
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=4, intermediate_size=64)
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw(cpu_bw=0.05e9)  # a slow CPU: every byte the budget allows goes to the GPU
+    hw.cpu_ffn_Bps["q4_0"] = hw.cpu_dense_Bps["q4_0"] = 0.05e9
+    plain = quantize_format(weight_format("bf16"), "q4_0")
+    full = quantize_format(weight_format("bf16"), "q4_0", gpu_int4=True)
+    int4 = gpu_int4_format(plain, 0.0, 1.0)  # the hot rows alone: attention in the dtype in both plans
+    for f in (full, int4):
+        assert f.gpu_int4 and f.gpu_ffn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT)
+        assert f.gpu_ffn_speed == pytest.approx(INT4_GPU_SPEED) and f.gpu_down_w == 2.0 and f.gpu_down_speed == 1.0
+    assert int4.gpu_attn_w == 2.0 and not plain.gpu_int4
+    cp, ci = (build_costs(cfg, stats, hw, f, ctx=64, block_size=8, constants=TOY_CONSTANTS) for f in (plain, int4))
+    h, ratio = cfg.hidden_size, (2 * INT4_GPU_BYTES_PER_WEIGHT + 2) / 6
+    for lp, li in zip(cp.layers, ci.layers):
+        rows = np.diff(lp.starts)
+        np.testing.assert_allclose(lp.unit_bytes, rows * 3 * h * 2)
+        np.testing.assert_allclose(li.unit_bytes, lp.unit_bytes * ratio)
+        t = rows * (2 * h * INT4_GPU_BYTES_PER_WEIGHT / INT4_GPU_SPEED + h * 2) / hw.gpu_gemv_Bps
+        np.testing.assert_allclose(li.unit_gpu_s, t)
+        assert li.attn_bytes == lp.attn_bytes and li.pred_bytes == lp.pred_bytes
+        np.testing.assert_allclose(li.unit_host_bytes, lp.unit_host_bytes)
+    n = 32  # int4 hot neurons per layer the budget holds beside everything else on the GPU
+    vram = (ci.gpu_fixed_bytes + ci.head_bytes + sum(l.attn_bytes + l.kv_bytes + l.pred_bytes for l in ci.layers)
+            + cfg.num_layers * n * 3 * h * 2 * ratio * 1.01)
+    hot = []
+    for costs in (cp, ci):
+        res = solve(costs, vram, 1e12, solver="cbc", gap=0.0, time_limit=20)
+        ev = evaluate(costs, res.placement)
+        assert ev.gpu_total <= vram and all(res.placement.attn_gpu) and res.placement.head_gpu
+        hot.append([len(res.placement.gpu_items(costs, l)) for l in range(cfg.num_layers)])
+    assert sum(hot[1]) == cfg.num_layers * n  # every block the budget holds
+    assert sum(hot[0]) <= sum(hot[1]) * ratio + 8 * cfg.num_layers  # bf16: about ratio as many
+    assert sum(hot[1]) > 1.5 * sum(hot[0])
 
 
 def test_gguf_format_from_the_file(tmp_path, monkeypatch):
@@ -690,6 +738,8 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
 
     f4 = model_format(path, weight_format("bf16"), gpu_int4=True)
     assert f4.gpu_attn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT, rel=0.01) and fmt.gpu_attn_w == 2.0
+    # ... and so are the FFNs' up/gate: the hot rows stay int4, W_down's columns are expanded
+    assert f4.gpu_ffn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT) and f4.gpu_down_w == fmt.gpu_ffn_w == 2.0
     monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--out", tmp_path / "p", "--json")
     assert r.exit_code == 0, r.output
@@ -701,6 +751,15 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     ffn_weights = cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
     assert meta["bytes"]["cpu"]["ffn"] == pytest.approx(ffn_weights * fmt.host_ffn_w, rel=1e-6)
     assert meta["bytes"]["cpu"]["embedding"] == pytest.approx(cfg.vocab_size * cfg.hidden_size * 34 / 32, rel=1e-6)
+    assert not meta["weights"]["gpu_int4"] and meta["weights"]["gpu_ffn_bytes_per_weight"] == 2.0
+    # plan.json says what --gpu-int4 counted (`run` follows it: executors/from_plan.py)
+    r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--gpu-int4", "--out", tmp_path / "p4",
+             "--json")
+    assert r.exit_code == 0, r.output
+    w4 = json.loads(r.output)["weights"]
+    assert w4["gpu_int4"] and not w4["gpu_int4_down"] and w4["format"] == "q4_1/bf16+int4"
+    assert w4["gpu_ffn_bytes_per_weight"] == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT)
+    assert w4["gpu_down_bytes_per_weight"] == 2.0
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--quantize", "q8_0")
     assert isinstance(r.exception, HotcoldError) and "GGUF" in str(r.exception)
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--quantize", "q3")
