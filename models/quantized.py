@@ -32,7 +32,8 @@ QUANTIZE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}  # --quantize 
 
 
 def _rows_per_chunk(cols: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * cols))
+    # a multiple of 8: an interleaved matrix's chunks are then whole groups, decoded in place
+    return max(8, CHUNK_BYTES // (4 * cols) // 8 * 8)
 
 
 def qlinear(m: QuantMatrix, x: torch.Tensor) -> torch.Tensor:

@@ -917,6 +917,116 @@ def _x8_rows_kernel(w, table, rows, out):
                         dst[t + k] = src[s + k]
 
 
+def _x8_store_rows(bd, v, dst, stride, col):
+    # v <32 x float>, lanes 4r..4r+3 for row r -> dst[r * stride + col .. + 4] (float*)
+    f4p = ir.VectorType(_F32, 4).as_pointer()
+    for r in range(X8):
+        p = bd.gep(dst, [bd.add(bd.mul(ir.Constant(_I64, r), stride), col)])
+        bd.store(_shuffle(bd, v, [4 * r + k for k in range(4)]), bd.bitcast(p, f4p), align=4)
+
+
+def _x8_decode_q4_k(bd, at, d, rep4, b, dst, stride):
+    # block b of a Q4_K group (at(k, ty): its byte k) -> dst rows (see _make_x8_decode); scales and
+    # mins unpacked as in _x8_q4_k_block
+    f8, f32v, v32 = ir.VectorType(_F32, 8), ir.VectorType(_F32, 32), ir.VectorType(_I8, 32)
+    c8 = lambda v: _vconst(_I8, 32, v)  # noqa: E731
+    dmin = bd.fpext(at(16, ir.VectorType(ir.HalfType(), 8)), f8)
+    A, B, C = (at(32 + 32 * k, v32) for k in range(3))
+    sc = (bd.and_(A, c8(63)), bd.or_(bd.and_(C, c8(15)), bd.shl(bd.lshr(A, c8(6)), c8(4))))
+    mn = (bd.and_(B, c8(63)), bd.or_(bd.lshr(C, c8(4)), bd.shl(bd.lshr(B, c8(6)), c8(4))))
+    col0 = bd.mul(b, ir.Constant(_I64, 256))
+    for c in range(4):
+        pats = []  # sub-blocks 2c, 2c + 1: (d * scale, dmin * min) in lanes 4r..4r+3
+        for h in range(2):
+            s = 2 * c + h
+            lanes = [8 * (s % 4) + r for r in rep4]
+            pats.append(tuple(bd.fmul(bd.uitofp(_shuffle(bd, v[s // 4], lanes), f32v), _shuffle(bd, f, rep4), flags=_FAST)
+                              for v, f in ((sc, d), (mn, dmin))))
+        for j in range(8):
+            qs = at(128 + 256 * c + 32 * j, v32)
+            for h, q in enumerate((bd.and_(qs, c8(15)), bd.lshr(qs, c8(4)))):
+                v = bd.fsub(bd.fmul(bd.uitofp(q, f32v), pats[h][0], flags=_FAST), pats[h][1], flags=_FAST)
+                _x8_store_rows(bd, v, dst, stride, bd.add(col0, ir.Constant(_I64, 32 * (2 * c + h) + 4 * j)))
+
+
+def _make_x8_decode(qt):
+    """Intrinsic (w, g, buf): the 8 rows of group g of the interleaved matrix w decoded into buf
+    float32 [8, C] (C-contiguous), for prefill's GEMMs."""
+
+    def dec(typingctx, w, g, buf):
+        if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and isinstance(buf, types.Array)
+                and buf.ndim == 2 and buf.layout == "C" and buf.dtype == types.float32):
+            return None
+
+        def codegen(context, bd, sig, args):
+            wa = context.make_array(sig.args[0])(context, bd, args[0])
+            ba = context.make_array(sig.args[2])(context, bd, args[2])
+            gb = X8 * _IR_BLOCK_BYTES[qt]
+            row = bd.gep(wa.data, [bd.mul(args[1], bd.extract_value(wa.strides, 0))])
+            nb = bd.sdiv(bd.extract_value(wa.shape, 1), ir.Constant(_I64, gb))
+            stride = bd.extract_value(ba.shape, 1)
+            f8, f32v, v32 = ir.VectorType(_F32, 8), ir.VectorType(_F32, 32), ir.VectorType(_I8, 32)
+            rep4 = [r for r in range(X8) for _ in range(4)]  # row r's value in lanes 4r..4r+3
+            with cgutils.for_range(bd, nb) as loop:
+                b = loop.index
+                o = bd.mul(b, ir.Constant(_I64, gb))
+
+                def at(k, ty):
+                    return _load(bd, row, bd.add(o, ir.Constant(_I64, k)), ty)
+
+                d = bd.fpext(at(0, ir.VectorType(ir.HalfType(), 8)), f8)
+                if qt in (Q4_0, Q8_0):
+                    col0 = bd.mul(b, ir.Constant(_I64, 32))
+                    dp = _shuffle(bd, d, rep4)
+                    for c in range(4 if qt == Q4_0 else 8):
+                        qs = at(16 + 32 * c, v32)
+                        if qt == Q8_0:
+                            halves = ((bd.sitofp(qs, f32v), 4 * c),)
+                        else:
+                            halves = tuple((bd.sitofp(bd.sub(q, _vconst(_I8, 32, 8)), f32v), 4 * c + 16 * h)
+                                           for h, q in enumerate((bd.and_(qs, _vconst(_I8, 32, 15)),
+                                                                  bd.lshr(qs, _vconst(_I8, 32, 4)))))
+                        for v, e in halves:
+                            _x8_store_rows(bd, bd.fmul(v, dp, flags=_FAST), ba.data, stride,
+                                           bd.add(col0, ir.Constant(_I64, e)))
+                else:
+                    _x8_decode_q4_k(bd, at, d, rep4, b, ba.data, stride)
+            return context.get_dummy_value()
+
+        return types.void(w, g, buf), codegen
+
+    dec.__name__ = dec.__qualname__ = f"_{_NAME_OF_ID[qt].lower()}_x8_decode"
+    return intrinsic(dec)
+
+
+_q4_0_x8_decode, _q4_k_x8_decode, _q8_0_x8_decode = (_make_x8_decode(qt) for qt in (Q4_0, Q4_K, Q8_0))
+
+
+@njit(**_JIT)
+def _x8_dequant_kernel(qt, w, g0, out, bf16):
+    # rows 8 g0 .. 8 g0 + K of the interleaved matrix w -> out [K, C]: float32, or bfloat16 bits
+    # (uint16, nearest even) when bf16; K a multiple of 8
+    C = out.shape[1]
+    for g in prange(out.shape[0] // X8):
+        buf = np.empty((X8, C), np.float32)
+        if qt == Q4_K:
+            _q4_k_x8_decode(w, g0 + g, buf)
+        elif qt == Q8_0:
+            _q8_0_x8_decode(w, g0 + g, buf)
+        else:
+            _q4_0_x8_decode(w, g0 + g, buf)
+        for r in range(X8):
+            o = out[X8 * g + r]
+            if bf16:
+                u = buf[r].view(np.uint32)
+                for i in range(C):
+                    v = u[i]
+                    o[i] = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            else:
+                for i in range(C):
+                    o[i] = buf[r, i]
+
+
 def _interleave(qt, rows: np.ndarray) -> np.ndarray:
     # [G, 8, nb, T] GGUF rows of type qt -> [G, nb * 8 * T] interleaved (the fields of _X8_FIELDS)
     g, _, nb, _ = rows.shape
@@ -1370,14 +1480,19 @@ def qdequantize(m: QuantMatrix, rows: np.ndarray | None = None, out: np.ndarray 
             m._all_rows = np.arange(m.rows, dtype=np.int64)
         rows = m._all_rows
     rows = _as_rows(rows, m.rows)
-    data = m.data
-    if m.interleaved:  # these rows in the GGUF layout first (a small copy: callers ask for chunks)
-        data, rows = m.row_data(rows), np.arange(rows.shape[0], dtype=np.int64)
-    shape, dt = (rows.shape[0], m.cols), (np.uint16 if bf16 else np.float32)
+    k = rows.shape[0]
+    shape, dt = (k, m.cols), (np.uint16 if bf16 else np.float32)
     if out is None:
         out = np.empty(shape, dt)
     elif out.dtype != dt or out.shape != shape or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous {np.dtype(dt)} array of shape {shape}")
+    data = m.data
+    if m.interleaved and k and k % X8 == 0 and rows[0] % X8 == 0 and rows[-1] - rows[0] == k - 1 \
+            and bool(np.all(np.diff(rows) == 1)):  # whole groups: decoded in place
+        _x8_dequant_kernel(m._id, m.data, rows[0] // X8, out, bf16)
+        return out
+    if m.interleaved:  # other rows in the GGUF layout first (a copy)
+        data, rows = m.row_data(rows), np.arange(k, dtype=np.int64)
     if rows.shape[0] and bf16:
         _qdequant_bf16_kernel(m._id, data, rows, out)
     elif rows.shape[0]:

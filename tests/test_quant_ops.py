@@ -535,6 +535,8 @@ def test_interleaved_matrix_holds_the_same_rows(qtype, shape):
     np.testing.assert_array_equal(p.dequantize(rows), deq(m)[rows].astype(np.float32))
     np.testing.assert_array_equal(quant.qdequantize(p, rows), quant.qdequantize(m, rows))
     np.testing.assert_array_equal(quant.qdequantize(p, bf16=True), quant.qdequantize(m, bf16=True))
+    whole = np.arange(8, shape[0], dtype=np.int64)  # whole groups: decoded in place, as prefill's chunks
+    np.testing.assert_array_equal(quant.qdequantize(p, whole), quant.qdequantize(m, whole))
     assert quant.pack_rows(p) is p
 
 
