@@ -30,7 +30,7 @@ from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
-from hotcold.models.quantized import QuantEmbedding, dequantize_model, pack_for_decode
+from hotcold.models.quantized import QuantEmbedding, dequantize_model, drop_module_pages, pack_for_decode
 from hotcold.predictors.artifact import PredictorSet
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
@@ -225,6 +225,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         else:
             mask_fn = None
         hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype, int4_hot, int4_down)
+        drop_module_pages(ffn)  # a GGUF's blocks were copied into the parts: one copy in RAM
         model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
         del ffn
         parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, lm.config.hidden_size), cold_part)
@@ -232,6 +233,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     for l in moe_layers:
         moe_ffn = model.layers[l].ffn
         moe_parts[l] = split_moe(moe_ffn, gpu_experts.get(l, ()), act, device, dtype, cpu_dtype)
+        drop_module_pages(moe_ffn)
         model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
         del moe_ffn
     for l in attention_cpu:  # its matrices interleaved for one-token GEMVs (quantised models)

@@ -24,7 +24,8 @@ from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
 
 __all__ = ["QuantLinear", "QuantEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
-           "QUANTIZE_TYPES", "is_quantized", "quant_bytes", "dequantized_rows", "pack_for_decode"]
+           "QUANTIZE_TYPES", "is_quantized", "quant_bytes", "dequantized_rows", "pack_for_decode",
+           "drop_module_pages"]
 
 GEMV_TOKENS = 4  # up to this many tokens per call: one block-decoding GEMV per token
 CHUNK_BYTES = 32 << 20  # float32 rows decoded at once for several tokens
@@ -256,6 +257,17 @@ def pack_for_decode(model: nn.Module) -> int:
                 drop_file_pages(m.qweight.data)
                 m.qweight, done = packed, done + packed.nbytes
     return done
+
+
+def drop_module_pages(module: nn.Module) -> None:
+    """drop_file_pages for every block matrix of module (QuantLinear, QuantEmbedding, QuantExperts):
+    for a module whose weights have been copied elsewhere (a split FFN's hot and cold parts)."""
+    for m in module.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            drop_file_pages(m.qweight.data)
+        elif isinstance(m, QuantExperts):
+            for q in (m.qgate, m.qup, m.qdown):
+                drop_file_pages(q.data)
 
 
 def drop_file_pages(a: np.ndarray) -> None:
