@@ -20,7 +20,7 @@ from torch import nn
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_threads
 from hotcold.executors.graphs import graph_blocks
 from hotcold.executors.gpu_executor import HOST_PREDICTOR_QTYPE, GPUExecutor, LearnedMask, OracleMask, predictor_dtype
-from hotcold.executors.host_attention import HostAttention
+from hotcold.executors.host_attention import HostAttention, HostEmbedding, HostHead
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.expert_cache import ExpertCache, slot_kind
 from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_experts, split_moe
@@ -30,7 +30,8 @@ from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
-from hotcold.models.quantized import QuantEmbedding, dequantize_model, drop_module_pages, pack_for_decode
+from hotcold.models.quantized import (QuantEmbedding, QuantLinear, dequantize_model, drop_module_pages,
+                                      pack_for_decode)
 from hotcold.predictors.artifact import PredictorSet
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
@@ -129,6 +130,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
                 prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
                 cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
+                embed_cpu: bool = False, head_cpu: bool = False,
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
@@ -163,6 +165,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       a layer whose rows cannot be says why in HotFFN.int4_skipped); None: gpu_int4 on a CUDA tier.
       True on a CPU tier runs torch's CPU twin kernels (for tests). int4_down: W_down's hot columns
       requantised to int4 as well (default INT4_DOWN_DEFAULT, sparse_ops/gpu_quant.py: kept in dtype).
+    embed_cpu / head_cpu: keep the token embedding / the LM head in host memory and compute them on
+      the CPU (HostEmbedding, HostHead; a tied head follows the embedding), as a plan counts them.
     cpu_inline: run the CPU parts in the calling thread rather than a worker (default: on a CPU tier,
       and on CUDA with cuda_graphs=True, where a graph queues the fast tier's work of a layer before
       its CPU part starts: 4-layer Qwen3-30B-A3B shape, 25% of experts on an H200, 140 -> 168 tok/s).
@@ -242,7 +246,26 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                  for l in sorted(attention_cpu)}
     for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
         model.layers[l].attn = nn.Identity()
+    tied = lm.config.tie_word_embeddings
+    embed = model.embed if embed_cpu or (head_cpu and tied) else None
+    head = model.lm_head if head_cpu and not tied else None
+    if embed is not None:
+        model.embed = nn.Identity()  # out of the move, like the host attention
+    if head is not None:
+        model.lm_head = nn.Identity()
     _move_rest(model, device, dtype, gpu_int4)
+    if embed is not None:  # (a model loaded on the device brings its float weights back)
+        if isinstance(embed, QuantEmbedding):
+            embed.dtype = dtype
+        else:
+            embed.to("cpu", dtype)
+        pack_for_decode(embed, tied)
+        model.embed = HostEmbedding(embed, device, cpu_threads)
+    if head is not None:
+        if not isinstance(head, QuantLinear):
+            head.to("cpu", dtype)
+        pack_for_decode(head)
+        model.lm_head = HostHead(head, cpu_threads)
     if not tier.cuda:  # the split FFNs have their rows: the rest can be interleaved
         pack_for_decode(model)
     for l, a in host_attn.items():

@@ -128,6 +128,8 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
                          attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts,
                          expert_cache_bytes=cache_bytes, gpu_int4=gpu_int4,
+                         # the planner counts the embedding in host memory, and the LM head where it put it
+                         embed_cpu=dev.type == "cuda", head_cpu=dev.type == "cuda" and not p.lm_head_gpu,
                          int4_down=weights.get("gpu_int4_down", INT4_DOWN_DEFAULT))
     for why, ls in engine.int4_skipped().items():
         names = ", ".join(map(str, ls[:8])) + (f" ... ({len(ls)} layers)" if len(ls) > 8 else "")

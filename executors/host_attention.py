@@ -78,4 +78,38 @@ class HostAttention(nn.Module):
         return y
 
 
-__all__ = ["HostAttention", "HostLinear"]
+class HostEmbedding(nn.Module):
+    """The token embedding kept in host memory, where the planner counts it: rows are looked up on
+    the CPU and sent to `device`; as a tied LM head (`logits`), the product runs on the CPU too
+    (a QuantEmbedding's block kernels, or torch) and the logits go to x's device."""
+
+    def __init__(self, embed: nn.Module, device, threads: int):
+        super().__init__()
+        self.embed, self.device, self.threads = embed, torch.device(device), threads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [B, T] -> [B, T, D] on device
+        return self.embed(tokens.cpu()).to(self.device)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, D] -> [B, T, V] float32, on x's device
+        set_threads(self.threads)
+        xc = x.cpu()
+        y = self.embed.logits(xc) if hasattr(self.embed, "logits") else (xc @ self.embed.weight.T).float()
+        return y.to(x.device)
+
+
+class HostHead(nn.Module):
+    """An untied LM head kept in host memory (the plan's `lm_head_gpu` false): x goes to the CPU,
+    one token multiplies with numba's kernels (HostLinear), several with torch; logits come back."""
+
+    def __init__(self, linear: nn.Linear | QuantLinear, threads: int):
+        super().__init__()
+        self.linear = HostLinear(linear, threads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., D] -> [..., V] on x's device
+        return self.linear(x.cpu()).to(x.device)
+
+
+__all__ = ["HostAttention", "HostEmbedding", "HostHead", "HostLinear"]

@@ -242,13 +242,15 @@ def _quantizable(w: torch.Tensor, qtype: str) -> bool:
     return w.shape[-1] % QTYPES[qtype][1] == 0
 
 
-def pack_for_decode(model: nn.Module) -> int:
+def pack_for_decode(model: nn.Module, tied: bool | None = None) -> int:
     """Interleave the CPU matrices of model that one-token decoding reads whole (`quant.pack_rows`:
     QuantLinear weights, and a QuantEmbedding that is the tied LM head; its lookups decode rows from
     either layout), for the faster GEMV; the file pages of what was copied are dropped, so RAM
     holds one copy. Call it once the model's split FFNs have taken their rows (row selections need
-    the GGUF layout). Returns the bytes interleaved."""
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    the GGUF layout). tied: whether a QuantEmbedding is the LM head (None: model.config says).
+    Returns the bytes interleaved."""
+    if tied is None:
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     done = 0
     for m in model.modules():
         if isinstance(m, QuantLinear) or (tied and isinstance(m, QuantEmbedding)):

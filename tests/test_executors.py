@@ -25,7 +25,7 @@ from torch import nn
 from hotcold.executors import ColdJob, CPUExecutor, HybridFFN, PrefillCosts, make_hybrid, prefill_regime, random_hot
 from hotcold.executors.moe import HybridMoE
 from hotcold.executors.gpu_executor import LearnedMask
-from hotcold.executors.host_attention import HostLinear
+from hotcold.executors.host_attention import HostEmbedding, HostHead, HostLinear
 from hotcold.executors.weights import split_ffn
 from hotcold.executors.prefill import STREAM_SLOTS_BYTES
 from hotcold.models.generate import Generator
@@ -306,7 +306,8 @@ def test_trained_predictors_match_references(folder, trained, regime):
 
 def _placed_on_cpu(folder, family: str, device: str, dtype: str, tol: float) -> None:
     """Attention of layer 0 and the predictor of the last layer placed on the CPU (as a plan may put
-    them) give the logits of the predictor-sparse reference; that layer's KV cache is in host memory."""
+    them), and the embedding and LM head in host memory (as a plan counts them), give the logits of
+    the predictor-sparse reference; that layer's KV cache is in host memory."""
     ref = reference(folder, family, device, dtype)
     preds = random_predictors(ref)
     toks = tokens(seed=16, device=device)
@@ -315,8 +316,11 @@ def _placed_on_cpu(folder, family: str, device: str, dtype: str, tol: float) -> 
     lm = fresh(folder, family, device, dtype)
     last = lm.config.num_layers - 1
     with make_hybrid(lm, random_hot(lm, 0.4, seed=17), preds, cpu_dtype="f32", threads=2,
-                     attention_cpu={0}, predictor_cpu={last}) as eng:
+                     attention_cpu={0}, predictor_cpu={last}, embed_cpu=True, head_cpu=True) as eng:
         assert [d.type for d in lm.layer_devices] == ["cpu"] + [device] * last
+        assert isinstance(lm.model.embed, HostEmbedding) and lm.model.embed.embed.weight.device.type == "cpu"
+        if not lm.config.tie_word_embeddings:
+            assert isinstance(lm.model.lm_head, HostHead) and lm.model.lm_head.linear.weight.device.type == "cpu"
         assert next(lm.model.layers[0].attn.parameters()).device.type == "cpu"
         mask_fn = eng.layers[last].gpu.mask_fn
         assert mask_fn.device.type == "cpu" and isinstance(mask_fn.l1, HostLinear)
