@@ -23,7 +23,8 @@ _state = {"debug": False}
 
 ModelArg = typer.Argument(None, help="HF model folder or .gguf file (default: the embedded Gemma 3 270M)")
 DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)")
-DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU; on CPU "
+                                               "float32, for `run` a float16/bfloat16 checkpoint's own dtype)")
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's choice).")
 QuantizeOpt = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: q8_0, q4_0 or q4_k "
                                                     "(GGUF files keep their own quantisation).")

@@ -67,6 +67,18 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def stored_half_dtype(path: str | Path) -> torch.dtype | None:
+    """float16 / bfloat16 when every matrix of an HF folder is stored so (headers only); else None
+    (float32 checkpoints, mixed ones, GGUF files: their blocks compute in float32 on the CPU)."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    from hotcold.models import hf_loader
+
+    kinds = {dt for _, shape, dt in hf_loader.tensor_inventory(path) if len(shape) >= 2}
+    return {frozenset({"F16"}): torch.float16, frozenset({"BF16"}): torch.bfloat16}.get(frozenset(kinds))
+
+
 def fingerprint(config: dict, inventory: list[tuple[str, list[int], str]]) -> str:
     """Hash of the config and every tensor's name, shape and dtype: identifies a model's artifacts."""
     blob = json.dumps({"config": config, "tensors": inventory}, sort_keys=True, default=str)

@@ -24,8 +24,9 @@ def serve(
     max_concurrency: int = typer.Option(8, "--max-concurrency", min=1,
                                         help="Most requests admitted (running + waiting); more get 429."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on "
-                                                             "CPU, bfloat16 on GPU)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on "
+                                                             "GPU; on CPU float32, or a float16/bfloat16 "
+                                                             "checkpoint's own dtype)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096)."),
     plan: Optional[Path] = typer.Option(None, "--plan", help="Plan to run by (default: the model's own, if any)."),
     no_plan: bool = typer.Option(False, "--no-plan", help="Ignore any plan: serve the dense model."),

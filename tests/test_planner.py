@@ -764,3 +764,29 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     assert isinstance(r.exception, HotcoldError) and "GGUF" in str(r.exception)
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--quantize", "q3")
     assert isinstance(r.exception, HotcoldError) and "--quantize" in str(r.exception)
+
+
+def test_run_dtype_on_the_cpu_follows_a_half_precision_checkpoint(tmp_path):
+    """`run` on the CPU computes a float16 / bfloat16 checkpoint in its own dtype (float32 would read
+    twice the bytes per token and take twice the RAM), a float32 one in float32; --dtype wins; a
+    dense open of the float16 folder really loads float16 weights."""
+    import torch
+    import transformers as T
+
+    from hotcold.executors.from_plan import open_for_run, run_dtype
+    from tiny_models import tiny_configs
+
+    cpu = torch.device("cpu")
+    folders = {}
+    for name, dt in (("f16", torch.float16), ("bf16", torch.bfloat16), ("f32", torch.float32)):
+        torch.manual_seed(0)
+        m = T.AutoModelForCausalLM.from_config(tiny_configs()["llama"]).to(dt)
+        m.save_pretrained(tmp_path / name)
+        folders[name] = tmp_path / name
+    assert run_dtype(folders["f16"], None, cpu) == torch.float16
+    assert run_dtype(folders["bf16"], "auto", cpu) == torch.bfloat16
+    assert run_dtype(folders["f32"], None, cpu) == torch.float32
+    assert run_dtype(folders["f16"], "float32", cpu) == torch.float32
+    assert run_dtype(folders["f16"], None, torch.device("cuda")) == torch.bfloat16  # the GPU default is unchanged
+    setup = open_for_run(folders["f16"], device="cpu")
+    assert setup.lm.dtype == torch.float16 and setup.lm.model.layers[0].ffn.up.weight.dtype == torch.float16
