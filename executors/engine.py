@@ -30,8 +30,8 @@ from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
-from hotcold.models.quantized import (QuantEmbedding, QuantLinear, dequantize_model, drop_module_pages,
-                                      pack_for_decode)
+from hotcold.models.quantized import (HalfEmbedding, QuantEmbedding, QuantLinear, dequantize_model,
+                                      drop_module_pages, pack_for_decode)
 from hotcold.predictors.artifact import PredictorSet
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
@@ -115,7 +115,7 @@ def _move_rest(model: nn.Module, device: torch.device, dtype: torch.dtype, int4:
     for m in model.modules():
         if isinstance(m, Rotary):
             m.reset(device)
-        elif isinstance(m, QuantEmbedding):
+        elif isinstance(m, (QuantEmbedding, HalfEmbedding)):
             m.dtype = dtype  # the rows it looks up come out in the tier's dtype
 
 
@@ -255,7 +255,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         model.lm_head = nn.Identity()
     _move_rest(model, device, dtype, gpu_int4)
     if embed is not None:  # (a model loaded on the device brings its float weights back)
-        if isinstance(embed, QuantEmbedding):
+        if isinstance(embed, (QuantEmbedding, HalfEmbedding)):
             embed.dtype = dtype
         else:
             embed.to("cpu", dtype)

@@ -110,9 +110,16 @@ _ALWAYS_DENSE = ("router.weight", "shared_gate.weight", "embed_positions.weight"
 
 
 def kept_quantized(name: str, ggml_type: str, ndim: int) -> bool:
-    """Whether the loader keeps canonical tensor `name` of `ggml_type` in blocks when asked to: the
-    matrices (2-D, or 3-D expert stacks) of a type the CPU kernels compute on."""
+    """Whether the loader keeps canonical tensor `name` of `ggml_type` as stored when asked to: the
+    matrices (2-D, or 3-D expert stacks) of a type the CPU kernels compute on, and a float16 /
+    bfloat16 token embedding (`HalfEmbedding`: expanding it to float32 doubled a generated Q4_0
+    file's RAM)."""
+    if name == "embed.weight" and ggml_type in _HALF_TYPES:
+        return True
     return ggml_type in QTYPES and ndim >= 2 and not name.endswith(_ALWAYS_DENSE)
+
+
+_HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def canonical_name(gguf_name: str) -> str | None:
@@ -546,7 +553,8 @@ class GGUFFile:
 
         keep_quantized: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K (`kept_quantized`)
         come as `QuantMatrix` views of the mapped file instead (no copy; llama q/k rows are
-        un-permuted into a copy), 3-D expert stacks as [E * rows, cols]. All names and types are
+        un-permuted into a copy), 3-D expert stacks as [E * rows, cols]; a float16 / bfloat16 token
+        embedding as a tensor of its own dtype (a copy; the file's pages are dropped). All names and types are
         checked before the first tensor is yielded.
         """
         plan = [(t, self._canonical(t)) for t in self._reader.tensors]
@@ -558,7 +566,13 @@ class GGUFFile:
             if name is None:
                 continue
             if keep_quantized and kept_quantized(name, t.tensor_type.name, len(t.shape)):
-                yield name, self._quant_matrix(t, heads)
+                if t.tensor_type.name in _HALF_TYPES:  # the embedding, copied as stored
+                    bits = np.array(t.data).view(np.uint8).reshape(-1).view(np.uint16)  # a copy, as stored
+                    w = torch.from_numpy(bits.reshape(-1, int(t.shape[0])))  # [V, D]
+                    yield name, w.view(_HALF_TYPES[t.tensor_type.name])
+                    self._release(t)
+                else:
+                    yield name, self._quant_matrix(t, heads)
                 continue
             w = self._convert(t, heads)
             yield name, torch.from_numpy(w).to(dtype)

@@ -124,11 +124,13 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def _build_quantized(model: Transformer, pending: dict[str, _Pending], dtype: torch.dtype, source: str) -> None:
     """Replace each _Pending module by the quantised module its parts make."""
-    from hotcold.models.quantized import QuantEmbedding, QuantExperts, QuantLinear
+    from hotcold.models.quantized import HalfEmbedding, QuantEmbedding, QuantExperts, QuantLinear
 
     for owner, p in pending.items():
         parts = p.parts
-        if owner == "embed":
+        if owner == "embed" and isinstance(parts.get("weight"), torch.Tensor):  # float16 / bfloat16 as stored
+            module = HalfEmbedding(parts["weight"], dtype)
+        elif owner == "embed":
             module = QuantEmbedding(parts["weight"], dtype)
         elif owner.endswith("experts"):
             missing = [k for k in ("gate", "up", "down") if k not in parts]

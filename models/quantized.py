@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hotcold.models.layers import activation_fn
 from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
 
-__all__ = ["QuantLinear", "QuantEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
+__all__ = ["QuantLinear", "QuantEmbedding", "HalfEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
            "QUANTIZE_TYPES", "is_quantized", "quant_bytes", "dequantized_rows", "pack_for_decode",
            "drop_module_pages"]
 
@@ -113,6 +114,44 @@ class QuantEmbedding(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Tied output head: x [..., D] -> [..., V] float32."""
         return qlinear(self.qweight, x)
+
+
+class HalfEmbedding(nn.Module):
+    """A float16 / bfloat16 token embedding [V, D] kept in that dtype on the CPU (a GGUF's F16 / BF16
+    token_embd: float32 would double it), rows converted to `dtype` as they are looked up. The
+    table is held as its 16-bit patterns (an integer buffer, which moving a model to another dtype
+    leaves alone); as a tied head, `logits` multiplies from it (numba's half GEMV for one token)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if weight.dtype not in (torch.float16, torch.bfloat16) or weight.dim() != 2:
+            raise ValueError(f"HalfEmbedding takes a float16 / bfloat16 [V, D] table, got {weight.dtype} "
+                             f"{list(weight.shape)}")
+        self.register_buffer("bits", weight.view(torch.int16), persistent=False)
+        self.half_dtype = weight.dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table in its stored dtype (a view)."""
+        return self.bits.view(self.half_dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [...] -> [..., D] in self.dtype
+        return F.embedding(tokens.to(self.weight.device), self.weight).to(self.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Tied output head: x [..., D] -> [..., V] float32 (on the table's device)."""
+        from hotcold.sparse_ops.cpu import HostMatrix, gemv
+
+        xf = x.reshape(-1, self.embedding_dim).to(self.weight.device)
+        if self.weight.device.type == "cpu" and xf.shape[0] == 1:
+            y = torch.from_numpy(gemv(HostMatrix.from_torch(self.weight), xf[0].float().numpy()))[None]
+        else:
+            y = torch.cat([(xf.float() @ self.weight[a:a + 8192].float().T)
+                           for a in range(0, self.num_embeddings, 8192)], dim=-1)  # [N, V], 8192 rows at a time
+        return y.reshape(*x.shape[:-1], self.num_embeddings)
 
 
 class QuantExperts(nn.Module):

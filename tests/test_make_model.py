@@ -424,13 +424,20 @@ QUANT_REL_BOUND = {"q8_0": 0.05, "q4_0": 0.5}
 
 @pytest.mark.parametrize("key", [("tiny-llama", "q8_0"), ("tiny-llama", "q4_0"), ("tiny-qwen3-moe", "q4_0")])
 def test_quantised_gguf_runs_in_hotcold_close_to_the_hf_form(quantised, key):
-    from hotcold.models.quantized import QuantExperts, QuantLinear
+    from safetensors import safe_open
+
+    from hotcold.models.quantized import HalfEmbedding, QuantExperts, QuantLinear
 
     folder = quantised[key]
     ids = token_ids(folder)
     lm = load_model(folder / "model.gguf", device="cpu", dtype="float32")
     kinds = {type(m) for m in lm.model.modules()}
     assert QuantLinear in kinds and (QuantExperts in kinds) == (key[0] != "tiny-llama")
+    # the F16 token embedding stays float16 (its rows as the HF form's), looked up as float32
+    assert isinstance(lm.model.embed, HalfEmbedding) and lm.model.embed.weight.dtype == torch.float16
+    with safe_open(str(folder / "hf" / "model-00001-of-00001.safetensors"), "pt") as f:
+        assert torch.equal(lm.model.embed.weight, f.get_tensor("model.embed_tokens.weight"))
+    assert lm.model.embed(torch.tensor([ids[:3]])).dtype == torch.float32
     with torch.no_grad():
         got = lm.model(torch.tensor([ids]))[0]
     ref = logits(folder / "hf", ids)

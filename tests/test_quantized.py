@@ -197,6 +197,27 @@ def test_pack_for_decode_on_the_real_gemma3_file():
         torch.testing.assert_close(lm.model(ids), many, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_embedding_lookups_and_tied_head(dtype):
+    """HalfEmbedding keeps its table as stored (a model's .to(dtype) leaves it), looks rows up in the
+    compute dtype, and as a tied head gives x @ W.T: one token by numba's half GEMV, several by torch."""
+    from hotcold.models.quantized import HalfEmbedding
+
+    torch.manual_seed(0)
+    w = torch.randn(300, 64).to(dtype)
+    emb = HalfEmbedding(w, torch.float32)
+    ids = torch.tensor([[0, 7, 299]])
+    assert torch.equal(emb(ids), w[ids].float())
+    holder = torch.nn.Sequential(emb).to(torch.float32)
+    assert holder[0].weight.dtype == dtype and not list(holder.parameters())
+    x = torch.randn(1, 5, 64)
+    want = x @ w.float().T  # [1, 5, 300]
+    torch.testing.assert_close(emb.logits(x), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(emb.logits(x[:, :1]), want[:, :1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="float16"):
+        HalfEmbedding(w.float())
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_drop_file_pages_releases_a_mapped_tensor(tmp_path):
     """After a copy, the source's pages leave the resident set (one copy of the weights in RAM); the
