@@ -264,7 +264,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if head is not None:
         if not isinstance(head, QuantLinear):
             head.to("cpu", dtype)
-        pack_for_decode(head)
+        pack_for_decode(head, is_head=True)
         model.lm_head = HostHead(head, cpu_threads)
     if not tier.cuda:  # the split FFNs have their rows: the rest can be interleaved
         pack_for_decode(model)

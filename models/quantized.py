@@ -281,19 +281,27 @@ def _quantizable(w: torch.Tensor, qtype: str) -> bool:
     return w.shape[-1] % QTYPES[qtype][1] == 0
 
 
-def pack_for_decode(model: nn.Module, tied: bool | None = None) -> int:
+# The LM head takes Q8 activations whatever its block type, where that type has an interleaved
+# layout (Q8_0: Gemma 3's 262k-row tied head, 178 MB of its 253 MB file), as llama.cpp's does; the
+# other Q8_0 matrices keep float x (XQ_DEFAULT). Logits move by about Q8's 1/254 per activation.
+HEAD_XQ = True
+
+
+def pack_for_decode(model: nn.Module, tied: bool | None = None, is_head: bool = False) -> int:
     """Interleave the CPU matrices of model that one-token decoding reads whole (`quant.pack_rows`:
     QuantLinear weights, and a QuantEmbedding that is the tied LM head; its lookups decode rows from
     either layout), for the faster GEMV; the file pages of what was copied are dropped, so RAM
     holds one copy. Call it once the model's split FFNs have taken their rows (row selections need
-    the GGUF layout). tied: whether a QuantEmbedding is the LM head (None: model.config says).
-    Returns the bytes interleaved."""
+    the GGUF layout). tied: whether a QuantEmbedding is the LM head (None: model.config says);
+    is_head: model is the LM head itself (see HEAD_XQ). Returns the bytes interleaved."""
     if tied is None:
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    heads = {id(model) if is_head else id(getattr(model, "lm_head", None))}
     done = 0
     for m in model.modules():
         if isinstance(m, QuantLinear) or (tied and isinstance(m, QuantEmbedding)):
-            packed = quant.pack_rows(m.qweight)
+            head = id(m) in heads or isinstance(m, QuantEmbedding)
+            packed = quant.pack_rows(m.qweight, xq=True if head and HEAD_XQ else None)
             if packed is not m.qweight:
                 drop_file_pages(m.qweight.data)
                 m.qweight, done = packed, done + packed.nbytes
