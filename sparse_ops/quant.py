@@ -744,9 +744,10 @@ _X8_FIELDS = {  # per type: (byte offset in the GGUF block, bytes, unit), in the
     Q4_0: ((0, 2, 2), (2, 16, 4)),  # d, qs
     Q4_K: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 4)),  # d, dmin, scales, qs
     Q8_0: ((0, 2, 2), (2, 32, 4)),  # d, qs
+    Q4_1: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),  # d, m, qs
 }
 _X8_TYPES = tuple(_X8_FIELDS)
-PACK_DEFAULT = frozenset({"Q4_0", "Q4_K", "Q8_0"})  # types `pack_rows` may interleave (see there)
+PACK_DEFAULT = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0"})  # types `pack_rows` may interleave (see there)
 
 
 def _dot4(bd, acc, q, xq):
@@ -779,17 +780,19 @@ def _x8_nibble_dots(bd, row, o, xp, xo, chunks):
     return sums
 
 
-def _x8_q4_0_block(bd, row, o, b, xp, xdp):
-    # block b of a Q4_0 group at row + o -> <8 x float>: each row's block . x
-    f8 = ir.VectorType(_F32, 8)
-    d = bd.fpext(_load(bd, row, o, ir.VectorType(ir.HalfType(), 8)), f8)
-    lo, hi = _x8_nibble_dots(bd, row, bd.add(o, ir.Constant(_I64, 16)), xp, bd.mul(b, ir.Constant(_I64, 32)), 4)
+def _x8_q4_block(bd, row, o, b, xp, xdp, qt):
+    # block b of a Q4_0 / Q4_1 group at row + o -> <8 x float>: each row's block . x
+    f8, h8 = ir.VectorType(_F32, 8), ir.VectorType(ir.HalfType(), 8)
+    d = bd.fpext(_load(bd, row, o, h8), f8)
+    qs = 16 if qt == Q4_0 else 32  # Q4_1: the 8 rows' m after their d
+    lo, hi = _x8_nibble_dots(bd, row, bd.add(o, ir.Constant(_I64, qs)), xp, bd.mul(b, ir.Constant(_I64, 32)), 4)
     b2 = bd.mul(b, ir.Constant(_I64, 2))
     dx, sx = (_splat(bd, bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, i))])), 8) for i in (0, 1))
-    # sum((q - 8) xq) dx = dot dx - 8 dx sum(xq)
-    t = bd.fsub(bd.fmul(bd.sitofp(bd.add(lo, hi), f8), dx, flags=_FAST),
-                bd.fmul(_vconst(_F32, 8, 8.0), sx, flags=_FAST), flags=_FAST)
-    return bd.fmul(d, t, flags=_FAST)
+    t = bd.fmul(bd.fmul(bd.sitofp(bd.add(lo, hi), f8), dx, flags=_FAST), d, flags=_FAST)
+    if qt == Q4_0:  # sum((q - 8) xq) dx = dot dx - 8 dx sum(xq)
+        return bd.fsub(t, bd.fmul(d, bd.fmul(_vconst(_F32, 8, 8.0), sx, flags=_FAST), flags=_FAST), flags=_FAST)
+    m = bd.fpext(_load(bd, row, bd.add(o, ir.Constant(_I64, 16)), h8), f8)  # w = d q + m
+    return bd.fadd(t, bd.fmul(m, sx, flags=_FAST), flags=_FAST)
 
 
 def _x8_q8_0_block(bd, row, o, b, xp, xdp):
@@ -842,7 +845,8 @@ def _make_x8_dot(qt):
     """Intrinsic (w, g, xq, xd, out): out[8g:8g+8] = the 8 rows of group g of w (uint8 [R / 8, blocks
     x 8 x block bytes], the interleaved layout above) . x, with Q8 activations xq int8 [C], xd as
     _quantize_x returns."""
-    block = {Q4_0: _x8_q4_0_block, Q4_K: _x8_q4_k_block, Q8_0: _x8_q8_0_block}[qt]
+    block = {Q4_0: lambda *a: _x8_q4_block(*a, Q4_0), Q4_1: lambda *a: _x8_q4_block(*a, Q4_1),
+             Q4_K: _x8_q4_k_block, Q8_0: _x8_q8_0_block}[qt]
 
     def dot(typingctx, w, g, xq, xd, out):
         if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8
@@ -871,7 +875,8 @@ def _make_x8_dot(qt):
     return intrinsic(dot)
 
 
-_q4_0_x8_dot_xq, _q4_k_x8_dot_xq, _q8_0_x8_dot_xq = (_make_x8_dot(qt) for qt in (Q4_0, Q4_K, Q8_0))
+_q4_0_x8_dot_xq, _q4_1_x8_dot_xq, _q4_k_x8_dot_xq, _q8_0_x8_dot_xq = (_make_x8_dot(qt)
+                                                                      for qt in (Q4_0, Q4_1, Q4_K, Q8_0))
 
 
 @njit(**_JIT)
@@ -884,6 +889,9 @@ def _qgemv_x8_kernel(qt, w, x, out):
     elif qt == Q8_0:
         for g in prange(w.shape[0]):
             _q8_0_x8_dot_xq(w, g, xq, xd, out)
+    elif qt == Q4_1:
+        for g in prange(w.shape[0]):
+            _q4_1_x8_dot_xq(w, g, xq, xd, out)
     else:
         for g in prange(w.shape[0]):
             _q4_0_x8_dot_xq(w, g, xq, xd, out)
@@ -975,20 +983,25 @@ def _make_x8_decode(qt):
                     return _load(bd, row, bd.add(o, ir.Constant(_I64, k)), ty)
 
                 d = bd.fpext(at(0, ir.VectorType(ir.HalfType(), 8)), f8)
-                if qt in (Q4_0, Q8_0):
+                if qt in (Q4_0, Q4_1, Q8_0):
                     col0 = bd.mul(b, ir.Constant(_I64, 32))
                     dp = _shuffle(bd, d, rep4)
-                    for c in range(4 if qt == Q4_0 else 8):
-                        qs = at(16 + 32 * c, v32)
+                    mp = _shuffle(bd, bd.fpext(at(16, ir.VectorType(ir.HalfType(), 8)), f8), rep4) if qt == Q4_1 else None
+                    q0 = 32 if qt == Q4_1 else 16  # the quants after d (and Q4_1's m)
+                    for c in range(8 if qt == Q8_0 else 4):
+                        qs = at(q0 + 32 * c, v32)
                         if qt == Q8_0:
                             halves = ((bd.sitofp(qs, f32v), 4 * c),)
                         else:
-                            halves = tuple((bd.sitofp(bd.sub(q, _vconst(_I8, 32, 8)), f32v), 4 * c + 16 * h)
+                            off = _vconst(_I8, 32, 8 if qt == Q4_0 else 0)
+                            halves = tuple((bd.sitofp(bd.sub(q, off), f32v), 4 * c + 16 * h)
                                            for h, q in enumerate((bd.and_(qs, _vconst(_I8, 32, 15)),
                                                                   bd.lshr(qs, _vconst(_I8, 32, 4)))))
                         for v, e in halves:
-                            _x8_store_rows(bd, bd.fmul(v, dp, flags=_FAST), ba.data, stride,
-                                           bd.add(col0, ir.Constant(_I64, e)))
+                            v = bd.fmul(v, dp, flags=_FAST)
+                            if mp is not None:  # Q4_1: w = d q + m
+                                v = bd.fadd(v, mp, flags=_FAST)
+                            _x8_store_rows(bd, v, ba.data, stride, bd.add(col0, ir.Constant(_I64, e)))
                 else:
                     _x8_decode_q4_k(bd, at, d, rep4, b, ba.data, stride)
             return context.get_dummy_value()
@@ -999,7 +1012,8 @@ def _make_x8_decode(qt):
     return intrinsic(dec)
 
 
-_q4_0_x8_decode, _q4_k_x8_decode, _q8_0_x8_decode = (_make_x8_decode(qt) for qt in (Q4_0, Q4_K, Q8_0))
+_q4_0_x8_decode, _q4_1_x8_decode, _q4_k_x8_decode, _q8_0_x8_decode = (_make_x8_decode(qt)
+                                                                      for qt in (Q4_0, Q4_1, Q4_K, Q8_0))
 
 
 @njit(**_JIT)
@@ -1013,6 +1027,8 @@ def _x8_dequant_kernel(qt, w, g0, out, bf16):
             _q4_k_x8_decode(w, g0 + g, buf)
         elif qt == Q8_0:
             _q8_0_x8_decode(w, g0 + g, buf)
+        elif qt == Q4_1:
+            _q4_1_x8_decode(w, g0 + g, buf)
         else:
             _q4_0_x8_decode(w, g0 + g, buf)
         for r in range(X8):

@@ -294,7 +294,7 @@ for qt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
     res[qt + "_gemv_xq"] = quant.qgemv_rows(m, rows, x, xq=True)
     coeff = np.linspace(-1, 1, 7).astype(np.float32)
     res[qt + "_axpy"] = quant.qaxpy_rows(m, rows, coeff, np.zeros(c, np.float32))
-for qt in ("Q4_0", "Q4_K", "Q8_0"):  # the interleaved layout's GEMV
+for qt in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):  # the interleaved layout's GEMV
     m = quant.random_matrix(qt, (48, 512), seed=3)
     res[qt + "_x8x"] = x = rng.standard_normal(512).astype(np.float32)
     res[qt + "_x8"] = quant.qgemv(quant.pack_rows(m, xq=True), x)
@@ -322,7 +322,7 @@ def test_portable_ir_kernels(tmp_path):
             assert_within(res[qt + "_gemv_xq"], quant.qgemv_rows(m, rows, x, xq=True),
                           TIGHT * (np.abs(w) @ np.abs(x)))
         assert_within(res[qt + "_axpy"], coeff @ w, TIGHT * (np.abs(coeff) @ np.abs(w)))
-    for qt in ("Q4_0", "Q4_K", "Q8_0"):
+    for qt in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
         m = quant.random_matrix(qt, (48, 512), seed=3)
         w, x = deq(m), res[qt + "_x8x"]
         assert_within(res[qt + "_x8"], quant.qgemv(m, x, xq=True), TIGHT * (np.abs(w) @ np.abs(x)))
@@ -518,7 +518,8 @@ def test_real_gguf_tensors(gemma3_path, qtype):
 
 X8_CASES = [("Q4_0", (8, 32)), ("Q4_0", (48, 160)), ("Q4_0", (1032, 4096)),
             ("Q4_K", (8, 256)), ("Q4_K", (48, 768)), ("Q4_K", (1032, 4096)),
-            ("Q8_0", (8, 32)), ("Q8_0", (48, 352)), ("Q8_0", (1032, 4096))]
+            ("Q8_0", (8, 32)), ("Q8_0", (48, 352)), ("Q8_0", (1032, 4096)),
+            ("Q4_1", (8, 32)), ("Q4_1", (48, 576)), ("Q4_1", (1032, 4096))]
 
 
 @pytest.mark.parametrize("qtype,shape", X8_CASES)
@@ -560,7 +561,7 @@ def test_interleaved_gemv(qtype, shape, how):
 def test_interleaving_applies_only_where_it_is_defined(monkeypatch):
     """Other types, row counts that are not a multiple of 8, and Q4_0 without Q8 activations (the
     exact-comparison setting) are left as they are; row selections refuse an interleaved matrix."""
-    assert quant.pack_rows(random_q("Q4_1", (16, 64), 0)).interleaved is False
+    assert quant.pack_rows(random_q("Q5_1", (16, 64), 0), xq=True).interleaved is False
     assert quant.pack_rows(random_q("Q6_K", (16, 256), 0), xq=True).interleaved is False
     assert quant.pack_rows(random_q("Q8_0", (16, 64), 0)).interleaved is False  # not in XQ_DEFAULT
     assert quant.pack_rows(random_q("Q4_0", (20, 64), 0)).interleaved is False
@@ -575,4 +576,4 @@ def test_interleaving_applies_only_where_it_is_defined(monkeypatch):
         with pytest.raises(ValueError, match="interleaved"):
             call()
     with pytest.raises(ValueError, match="interleaved layout"):
-        QuantMatrix(p.data, "Q4_1", (16, 64), interleaved=True)
+        QuantMatrix(p.data, "Q5_0", (16, 64), interleaved=True)
