@@ -119,34 +119,22 @@ class WeightFormat:
     gpu_down_bytes_per_weight: float | None = None
     gpu_down_speed: float = 1.0
 
-    @property
-    def gpu_attn_w(self) -> float:
-        return self.bytes_per_weight if self.gpu_attn_bytes_per_weight is None else self.gpu_attn_bytes_per_weight
-
-    @property
-    def gpu_ffn_w(self) -> float:
-        return self.bytes_per_weight if self.gpu_ffn_bytes_per_weight is None else self.gpu_ffn_bytes_per_weight
-
-    @property
-    def gpu_down_w(self) -> float:
-        return self.bytes_per_weight if self.gpu_down_bytes_per_weight is None else self.gpu_down_bytes_per_weight
+    # bytes per weight of each part: its own figure where set, else the dtype's (embedding: the host's)
+    gpu_attn_w = property(lambda self: _or(self.gpu_attn_bytes_per_weight, self.bytes_per_weight))
+    gpu_ffn_w = property(lambda self: _or(self.gpu_ffn_bytes_per_weight, self.bytes_per_weight))
+    gpu_down_w = property(lambda self: _or(self.gpu_down_bytes_per_weight, self.bytes_per_weight))
+    host_w = property(lambda self: _or(self.host_bytes_per_weight, self.bytes_per_weight))
+    host_embed_w = property(lambda self: _or(self.host_embed_bytes_per_weight, self.host_w))
+    host_ffn_w = property(lambda self: _or(self.host_ffn_bytes_per_weight, self.bytes_per_weight))
 
     @property
     def gpu_int4(self) -> bool:
         """Whether any GPU part is counted int4 (`--gpu-int4` found 4-bit matrices to keep)."""
         return self.gpu_attn_bytes_per_weight is not None or self.gpu_ffn_bytes_per_weight is not None
 
-    @property
-    def host_w(self) -> float:
-        return self.bytes_per_weight if self.host_bytes_per_weight is None else self.host_bytes_per_weight
 
-    @property
-    def host_embed_w(self) -> float:
-        return self.host_w if self.host_embed_bytes_per_weight is None else self.host_embed_bytes_per_weight
-
-    @property
-    def host_ffn_w(self) -> float:
-        return self.bytes_per_weight if self.host_ffn_bytes_per_weight is None else self.host_ffn_bytes_per_weight
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def quantized_format(base: WeightFormat, kind: str, host_bpw: float, host_ffn_bpw: float,

@@ -725,7 +725,7 @@ _q4_k_axpy, _q5_k_axpy, _q6_k_axpy = (_make_kaxpy(qt) for qt in (Q4_K, Q5_K, Q6_
 
 
 # ---------------------------------------------------------------------------------------------
-# Row-interleaved Q4_0 / Q4_K ("x8"): a dense matrix's rows in groups of 8 whose blocks are
+# Row-interleaved Q4_0 / Q4_1 / Q4_K / Q8_0 ("x8"): a dense matrix's rows in groups of 8 whose blocks are
 # interleaved, for the one-token GEMV over all rows (attention, the LM head, dense FFNs). The
 # kernels above handle a block per row: its scale, nibble unpacking, integer dot, conversion and
 # scaling cost ~14 instructions per 32 weights, and Q4_0 / Q4_K with Q8 activations ran compute-bound
@@ -737,7 +737,12 @@ _q4_k_axpy, _q5_k_axpy, _q6_k_axpy = (_make_kaxpy(qt) for qt in (Q4_K, Q5_K, Q6_
 # int32 lane (Q4_0: low nibbles elements 4c..4c+3, high ones 16+4c..; Q4_K: sub-blocks 2c / 2c+1),
 # and one vpdpbusd against x's 4 values broadcast adds 4 products to each row's lane; the scales of
 # the 8 rows are one vector load. About 5 instructions per row and 32 weights. Used where a matrix
-# is only read whole (`pack_rows`); row selections keep the GGUF layout.
+# is only read whole (`pack_rows`); row selections keep the GGUF layout. Q4_1 (its m beside d) and
+# Q8_0 (q + 128 as the unsigned operand) take the same scheme; Q8_0 only where Q8 activations are
+# accepted (CPU predictors, the LM head). Measured (1 / 2 threads, rows from DRAM, 2-core Zen 4):
+# Q4_0 16 -> 27 / 31 -> 47 GB/s, Q4_K 18 -> 26 / 34 -> 46; on the 16-core H200 host (Intel) 1 thread
+# is memory-latency-bound either way (7-10 GB/s) and 15 threads read 61-64 GB/s both ways; software
+# prefetch ahead of the group's single stream measured no gain here and was not kept.
 
 X8 = 8  # rows per interleaved group
 _X8_FIELDS = {  # per type: (byte offset in the GGUF block, bytes, unit), in the interleaved order
@@ -1306,7 +1311,7 @@ PACK_GROUPS = 512  # interleaved groups built at once by pack_rows (~1 MB of a 4
 
 
 def pack_rows(m: QuantMatrix, xq: bool | None = None) -> QuantMatrix:
-    """m in the interleaved layout (see "Row-interleaved Q4_0 / Q4_K" above) when its type is in
+    """m in the interleaved layout (see "Row-interleaved ..." above) when its type is in
     PACK_DEFAULT, its rows are a multiple of 8 and Q8 activations suit it (xq None: its type is in
     XQ_DEFAULT; True: the caller accepts them, e.g. for Q8_0 predictors); else m. For matrices only
     read whole: one-token qgemv over all rows runs 1.5-1.9x faster (1 thread, from DRAM); qdequantize
