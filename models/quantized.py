@@ -284,6 +284,7 @@ def _quantizable(w: torch.Tensor, qtype: str) -> bool:
 # The LM head takes Q8 activations whatever its block type, where that type has an interleaved
 # layout (Q8_0: Gemma 3's 262k-row tied head, 178 MB of its 253 MB file), as llama.cpp's does; the
 # other Q8_0 matrices keep float x (XQ_DEFAULT). Logits move by about Q8's 1/254 per activation.
+# With XQ_DEFAULT empty (float x everywhere, as exact comparisons set it) the head keeps float x too.
 HEAD_XQ = True
 
 
@@ -301,7 +302,7 @@ def pack_for_decode(model: nn.Module, tied: bool | None = None, is_head: bool = 
     for m in model.modules():
         if isinstance(m, QuantLinear) or (tied and isinstance(m, QuantEmbedding)):
             head = id(m) in heads or isinstance(m, QuantEmbedding)
-            packed = quant.pack_rows(m.qweight, xq=True if head and HEAD_XQ else None)
+            packed = quant.pack_rows(m.qweight, xq=True if head and HEAD_XQ and quant.XQ_DEFAULT else None)
             if packed is not m.qweight:
                 drop_file_pages(m.qweight.data)
                 m.qweight, done = packed, done + packed.nbytes
