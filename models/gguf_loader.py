@@ -33,6 +33,7 @@ from hotcold.sparse_ops.quant import QTYPES, QuantMatrix
 
 __all__ = [
     "GGUFFile",
+    "drop_file_pages",
     "SUPPORTED_TENSOR_TYPES",
     "canonical_name",
     "kept_quantized",
@@ -417,6 +418,24 @@ def _qwen_moe_fields(
 # ----------------------------------------------------------------------------------
 
 
+def drop_file_pages(a: np.ndarray) -> None:
+    """Drop the pages of a (a view of a memory-mapped file, e.g. a GGUF tensor) from this process's
+    resident set once it has been copied: pages read through a mapping stay resident until it is
+    closed. Anything else is left alone."""
+    root = a  # the array whose base is the mapping itself (np.memmap's own view of it)
+    while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
+        root = root.base
+    if not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED") or a.nbytes == 0:
+        return
+    mm = root.base
+    start_addr = root.ctypes.data - root.offset % mmap.ALLOCATIONGRANULARITY  # where mm begins
+    page = mmap.PAGESIZE
+    lo = (a.ctypes.data - start_addr + page - 1) // page * page  # whole pages inside a only
+    hi = (a.ctypes.data - start_addr + a.nbytes) // page * page
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 class _CheckedReader(gguf.GGUFReader):
     """GGUFReader that checks tensor types and sizes before mapping the tensor data."""
 
@@ -609,16 +628,7 @@ class GGUFFile:
         """Drop tensor t's file pages from this process's resident set once it has been converted: the
         whole file is mapped, and pages read through a mapping stay resident until it is closed (a
         3.8 GiB f16 file loaded to a peak RSS of 8.6 GiB, the file beside the model's copy)."""
-        base = self._reader.data
-        while base is not None and not hasattr(base, "_mmap"):
-            base = getattr(base, "base", None)
-        mm = getattr(base, "_mmap", None)
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        page = mmap.PAGESIZE
-        start = t.data_offset // page * page
-        end = -(-(t.data_offset + int(t.n_bytes)) // page) * page
-        mm.madvise(mmap.MADV_DONTNEED, start, min(end, len(mm)) - start)
+        drop_file_pages(t.data)
 
     # -- helpers --------------------------------------------------------------------
 

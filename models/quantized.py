@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotcold.models.gguf_loader import drop_file_pages
 from hotcold.models.layers import activation_fn
 from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
@@ -318,26 +319,6 @@ def drop_module_pages(module: nn.Module) -> None:
         elif isinstance(m, QuantExperts):
             for q in (m.qgate, m.qup, m.qdown):
                 drop_file_pages(q.data)
-
-
-def drop_file_pages(a: np.ndarray) -> None:
-    """Drop the pages of a (a view of a memory-mapped file, e.g. a GGUF tensor) from this process's
-    resident set once it has been copied: pages read through a mapping stay resident until it is
-    closed. Anything else is left alone."""
-    import mmap
-
-    root = a  # the array whose base is the mapping itself (np.memmap's own view of it)
-    while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
-        root = root.base
-    if not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED") or a.nbytes == 0:
-        return
-    mm = root.base
-    start_addr = root.ctypes.data - root.offset % mmap.ALLOCATIONGRANULARITY  # where mm begins
-    page = mmap.PAGESIZE
-    lo = (a.ctypes.data - start_addr + page - 1) // page * page  # whole pages inside a only
-    hi = (a.ctypes.data - start_addr + a.nbytes) // page * page
-    if hi > lo:
-        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 @torch.no_grad()

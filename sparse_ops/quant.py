@@ -315,15 +315,20 @@ def _dot_lanes(qt):
     return 8 if _VNNI and qt != Q8_0 else 16
 
 
+def _vpdpbusd(bd, acc, q, xq):
+    # AVX-512 VNNI: acc <8 x i32> + per lane the sum of 4 products of q's u8 and xq's s8 (<32 x i8> each)
+    t = ir.VectorType(_I32, 8)
+    f = bd.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(t, [t] * 3))
+    return bd.call(f, [acc, bd.bitcast(q, t), bd.bitcast(xq, t)])
+
+
 def _int_dot(bd, qt, q, xq, acc=None):
     # q . xq, <32 x i8> each -> <_dot_lanes(qt) x i32> of partial sums (+ acc); q signed for Q8_0,
     # unsigned for the others (Q4_0's nibbles, the K-quants' 4-6 bit values). Lanes are in element
     # order: the first half of the lanes sums elements 0-15, the second half 16-31.
     v16 = ir.VectorType(_I16, 32)
     if _VNNI and qt != Q8_0:  # 4 u8 x s8 products per int32 lane, added to acc
-        t = ir.VectorType(_I32, 8)
-        f = bd.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(t, [t] * 3))
-        return bd.call(f, [_vconst(_I32, 8, 0) if acc is None else acc, bd.bitcast(q, t), bd.bitcast(xq, t)])
+        return _vpdpbusd(bd, _vconst(_I32, 8, 0) if acc is None else acc, q, xq)
     if _VNNI:  # Q8_0: int16 pairs
         f = bd.module.declare_intrinsic("llvm.x86.avx512.pmaddw.d.512",
                                         fnty=ir.FunctionType(ir.VectorType(_I32, 16), [v16] * 2))
@@ -758,10 +763,8 @@ PACK_DEFAULT = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0"})  # types `pack_rows` 
 def _dot4(bd, acc, q, xq):
     # acc + the sums of 4 products q[4l..4l+3] . xq[4l..4l+3] per int32 lane l; q <32 x i8> unsigned,
     # xq signed; acc <8 x i32>
-    t = ir.VectorType(_I32, 8)
     if _VNNI:
-        f = bd.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(t, [t] * 3))
-        return bd.call(f, [acc, bd.bitcast(q, t), bd.bitcast(xq, t)])
+        return _vpdpbusd(bd, acc, q, xq)
     v16 = ir.VectorType(_I16, 32)  # portable: int16 products, then pairs twice (pmaddubsw / pmaddwd)
     p = bd.mul(bd.zext(q, v16), bd.sext(xq, v16), flags=["nsw"])
     ev, od = list(range(0, 32, 2)), list(range(1, 32, 2))
@@ -785,14 +788,19 @@ def _x8_nibble_dots(bd, row, o, xp, xo, chunks):
     return sums
 
 
+def _x8_xd(bd, xdp, k):
+    # (dx, dx * sum of xq) of x's 32-block k (as _quantize_x stores them), each splat over 8 lanes
+    k2 = bd.mul(k, ir.Constant(_I64, 2))
+    return tuple(_splat(bd, bd.load(bd.gep(xdp, [bd.add(k2, ir.Constant(_I64, i))])), 8) for i in (0, 1))
+
+
 def _x8_q4_block(bd, row, o, b, xp, xdp, qt):
     # block b of a Q4_0 / Q4_1 group at row + o -> <8 x float>: each row's block . x
     f8, h8 = ir.VectorType(_F32, 8), ir.VectorType(ir.HalfType(), 8)
     d = bd.fpext(_load(bd, row, o, h8), f8)
     qs = 16 if qt == Q4_0 else 32  # Q4_1: the 8 rows' m after their d
     lo, hi = _x8_nibble_dots(bd, row, bd.add(o, ir.Constant(_I64, qs)), xp, bd.mul(b, ir.Constant(_I64, 32)), 4)
-    b2 = bd.mul(b, ir.Constant(_I64, 2))
-    dx, sx = (_splat(bd, bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, i))])), 8) for i in (0, 1))
+    dx, sx = _x8_xd(bd, xdp, b)
     t = bd.fmul(bd.fmul(bd.sitofp(bd.add(lo, hi), f8), dx, flags=_FAST), d, flags=_FAST)
     if qt == Q4_0:  # sum((q - 8) xq) dx = dot dx - 8 dx sum(xq)
         return bd.fsub(t, bd.fmul(d, bd.fmul(_vconst(_F32, 8, 8.0), sx, flags=_FAST), flags=_FAST), flags=_FAST)
@@ -810,24 +818,30 @@ def _x8_q8_0_block(bd, row, o, b, xp, xdp):
         q = bd.xor(_load(bd, row, bd.add(o, ir.Constant(_I64, 16 + 32 * k)), v32), _vconst(_I8, 32, -128))
         xv = _load(bd, xp, bd.add(bd.mul(b, ir.Constant(_I64, 32)), ir.Constant(_I64, 4 * k)), _I32)
         sums[k % 2] = _dot4(bd, sums[k % 2], q, bd.bitcast(_splat(bd, xv, 8), v32))
-    b2 = bd.mul(b, ir.Constant(_I64, 2))
-    dx, sx = (_splat(bd, bd.load(bd.gep(xdp, [bd.add(b2, ir.Constant(_I64, i))])), 8) for i in (0, 1))
+    dx, sx = _x8_xd(bd, xdp, b)
     t = bd.fsub(bd.fmul(bd.sitofp(bd.add(sums[0], sums[1]), f8), dx, flags=_FAST),
                 bd.fmul(_vconst(_F32, 8, 128.0), sx, flags=_FAST), flags=_FAST)
     return bd.fmul(d, t, flags=_FAST)
 
 
-def _x8_q4_k_block(bd, row, o, b, xp, xdp):
-    # block b (256 elements) of a Q4_K group at row + o -> <8 x float>: each row's block . x. The
-    # packed 6-bit scales / mins of the 8 rows unpack as llama.cpp does, for all rows at once: bytes
-    # 0-3 / 4-7 / 8-11 of the 8 rows are 32-byte vectors A, B, C (lane 8j + r: byte j of row r)
-    f8, v32 = ir.VectorType(_F32, 8), ir.VectorType(_I8, 32)
+def _x8_q4_k_scales(bd, at):
+    # a Q4_K group block's (at(k, ty): its byte k) 6-bit scales and mins of the 8 rows, unpacked as
+    # llama.cpp does for all rows at once: bytes 0-3 / 4-7 / 8-11 of the rows' packed scales are
+    # 32-byte vectors A, B, C (lane 8j + r: byte j of row r) -> (sc, mn), each two <32 x i8> for
+    # sub-blocks 0-3 and 4-7 (lane 8 (s % 4) + r: sub-block s of row r)
     c8 = lambda v: _vconst(_I8, 32, v)  # noqa: E731
+    A, B, C = (at(32 + 32 * k, ir.VectorType(_I8, 32)) for k in range(3))
+    sc = (bd.and_(A, c8(63)), bd.or_(bd.and_(C, c8(15)), bd.shl(bd.lshr(A, c8(6)), c8(4))))
+    mn = (bd.and_(B, c8(63)), bd.or_(bd.lshr(C, c8(4)), bd.shl(bd.lshr(B, c8(6)), c8(4))))
+    return sc, mn
+
+
+def _x8_q4_k_block(bd, row, o, b, xp, xdp):
+    # block b (256 elements) of a Q4_K group at row + o -> <8 x float>: each row's block . x
+    f8 = ir.VectorType(_F32, 8)
     d, dmin = (bd.fpext(_load(bd, row, bd.add(o, ir.Constant(_I64, k)), ir.VectorType(ir.HalfType(), 8)), f8)
                for k in (0, 16))
-    A, B, C = (_load(bd, row, bd.add(o, ir.Constant(_I64, 32 + 32 * k)), v32) for k in range(3))
-    sc = (bd.and_(A, c8(63)), bd.or_(bd.and_(C, c8(15)), bd.shl(bd.lshr(A, c8(6)), c8(4))))  # sub-blocks 0-3, 4-7
-    mn = (bd.and_(B, c8(63)), bd.or_(bd.lshr(C, c8(4)), bd.shl(bd.lshr(B, c8(6)), c8(4))))
+    sc, mn = _x8_q4_k_scales(bd, lambda k, ty: _load(bd, row, bd.add(o, ir.Constant(_I64, k)), ty))
 
     def lanes(v, s):  # sub-block s's 8 rows as floats
         return bd.uitofp(_shuffle(bd, v[s // 4], list(range(8 * (s % 4), 8 * (s % 4) + 8))), f8)
@@ -838,8 +852,7 @@ def _x8_q4_k_block(bd, row, o, b, xp, xdp):
                                bd.add(bd.mul(b, ir.Constant(_I64, 256)), ir.Constant(_I64, 64 * c)), 8)
         for h, dot in enumerate(dots):
             s = 2 * c + h
-            k = bd.add(bd.mul(b, ir.Constant(_I64, 16)), ir.Constant(_I64, 2 * s))
-            dx, sx = (_splat(bd, bd.load(bd.gep(xdp, [bd.add(k, ir.Constant(_I64, i))])), 8) for i in (0, 1))
+            dx, sx = _x8_xd(bd, xdp, bd.add(bd.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, s)))
             t = bd.fmul(bd.sitofp(dot, f8), dx, flags=_FAST)
             acc_sc = bd.fadd(acc_sc, bd.fmul(lanes(sc, s), t, flags=_FAST), flags=_FAST)
             acc_mn = bd.fadd(acc_mn, bd.fmul(lanes(mn, s), sx, flags=_FAST), flags=_FAST)
@@ -939,14 +952,11 @@ def _x8_store_rows(bd, v, dst, stride, col):
 
 
 def _x8_decode_q4_k(bd, at, d, rep4, b, dst, stride):
-    # block b of a Q4_K group (at(k, ty): its byte k) -> dst rows (see _make_x8_decode); scales and
-    # mins unpacked as in _x8_q4_k_block
+    # block b of a Q4_K group (at(k, ty): its byte k) -> dst rows (see _make_x8_decode)
     f8, f32v, v32 = ir.VectorType(_F32, 8), ir.VectorType(_F32, 32), ir.VectorType(_I8, 32)
     c8 = lambda v: _vconst(_I8, 32, v)  # noqa: E731
     dmin = bd.fpext(at(16, ir.VectorType(ir.HalfType(), 8)), f8)
-    A, B, C = (at(32 + 32 * k, v32) for k in range(3))
-    sc = (bd.and_(A, c8(63)), bd.or_(bd.and_(C, c8(15)), bd.shl(bd.lshr(A, c8(6)), c8(4))))
-    mn = (bd.and_(B, c8(63)), bd.or_(bd.lshr(C, c8(4)), bd.shl(bd.lshr(B, c8(6)), c8(4))))
+    sc, mn = _x8_q4_k_scales(bd, at)
     col0 = bd.mul(b, ir.Constant(_I64, 256))
     for c in range(4):
         pats = []  # sub-blocks 2c, 2c + 1: (d * scale, dmin * min) in lanes 4r..4r+3
@@ -1021,6 +1031,15 @@ _q4_0_x8_decode, _q4_1_x8_decode, _q4_k_x8_decode, _q8_0_x8_decode = (_make_x8_d
                                                                       for qt in (Q4_0, Q4_1, Q4_K, Q8_0))
 
 
+@njit(nogil=True, fastmath=True, cache=True)
+def _bf16_bits(src, dst):
+    # float32 src [C] -> bfloat16 bits in uint16 dst [C], rounded to nearest even
+    u = src.view(np.uint32)
+    for i in range(dst.shape[0]):
+        v = u[i]
+        dst[i] = np.uint16((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
 @njit(**_JIT)
 def _x8_dequant_kernel(qt, w, g0, out, bf16):
     # rows 8 g0 .. 8 g0 + K of the interleaved matrix w -> out [K, C]: float32, or bfloat16 bits
@@ -1037,15 +1056,10 @@ def _x8_dequant_kernel(qt, w, g0, out, bf16):
         else:
             _q4_0_x8_decode(w, g0 + g, buf)
         for r in range(X8):
-            o = out[X8 * g + r]
             if bf16:
-                u = buf[r].view(np.uint32)
-                for i in range(C):
-                    v = u[i]
-                    o[i] = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                _bf16_bits(buf[r], out[X8 * g + r])
             else:
-                for i in range(C):
-                    o[i] = buf[r, i]
+                out[X8 * g + r, :] = buf[r]
 
 
 def _interleave(qt, rows: np.ndarray) -> np.ndarray:
@@ -1262,14 +1276,10 @@ def _qdequant_bf16_kernel(qt, w, rows, out):
     nb = (K + _BLOCK - 1) // _BLOCK
     for b in prange(nb):
         buf = np.empty(C, np.float32)
-        u = buf.view(np.uint32)
         for j in range(b * _BLOCK, min(K, (b + 1) * _BLOCK)):
             buf[:] = 0.0
             _qaxpy_span(qt, w, rows[j:j + 1], 0, 1, one, buf)
-            o = out[j]
-            for d in range(C):
-                v = u[d]
-                o[d] = np.uint16((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            _bf16_bits(buf, out[j])
 
 # ---------------------------------------------------------------------------------------------
 # Python entry points

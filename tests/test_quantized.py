@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from conftest import gemma3_gguf, smollm2_gguf
 from hotcold.errors import HotcoldError
 from hotcold.models.loader import load_model
+from hotcold.models.gguf_loader import drop_file_pages
 from hotcold.models.quantized import (GEMV_TOKENS, QuantEmbedding, QuantExperts, QuantLinear, dequantize_model,
-                                      drop_file_pages, is_quantized, pack_for_decode)
+                                      is_quantized, pack_for_decode)
 from hotcold.sparse_ops.quant import QuantMatrix, qdequantize, random_matrix
 from tiny_models import make_tiny
 
