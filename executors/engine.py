@@ -1,7 +1,7 @@
 """Build the hybrid engine from a loaded model and a plan: `make_hybrid(...) -> HybridEngine`.
 
 Every dense/gated block's FFN becomes a HybridFFN (hot neurons on `device`, cold ones in host
-memory for the CPU worker); every MoE block's FFN a HybridMoE (router, shared expert and the plan's
+memory for the CPU worker), or, all its neurons hot under int4, stays whole with int4 matrices; every MoE block's FFN a HybridMoE (router, shared expert and the plan's
 GPU experts on `device`, the other experts in host memory for the CPU worker); everything else
 (attention, norms, embeddings, lm_head) moves to `device`. The original FFN parameters are dropped
 layer by layer as they are split, so host memory holds each weight once. `engine.lm` is the same
@@ -27,11 +27,11 @@ from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_exper
 from hotcold.executors.prefill import REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, pin_host, unpin_host
 from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
-from hotcold.executors.weights import check_hot, split_ffn
+from hotcold.executors.weights import check_hot, split_ffn, whole_int4, whole_int4_reason
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.loader import LoadedModel
 from hotcold.models.quantized import (HalfEmbedding, QuantEmbedding, QuantLinear, dequantize_model,
-                                      drop_module_pages, pack_for_decode)
+                                      drop_module_pages, pack_for_decode, quant_bytes)
 from hotcold.predictors.artifact import PredictorSet
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
@@ -42,9 +42,10 @@ class HybridEngine:
 
     def __init__(self, lm: LoadedModel, layers: dict[int, HybridFFN], cpu: CPUExecutor, tier: FastTier,
                  book: StatsBook, streamer: ColdStreamer | None, pinned: list[int],
-                 moe: dict[int, HybridMoE] | None = None):
+                 moe: dict[int, HybridMoE] | None = None, whole: dict[int, nn.Module] | None = None):
         self.lm, self.layers, self.cpu, self.tier, self.book = lm, layers, cpu, tier, book
         self.moe = moe or {}
+        self.whole = whole or {}  # dense/gated FFNs kept int4 whole on the fast tier (not split)
         self.streamer = streamer
         # pinned host memory must be unregistered before it is freed: at close() or when collected
         self._unpin = weakref.finalize(self, unpin_host, pinned)
@@ -69,7 +70,7 @@ class HybridEngine:
         first = next(iter([*ffns, *moes]), None)
         fast_moe, host_moe = sum(m.fast_bytes for m in moes), sum(m.host_bytes for m in moes)
         return {
-            "fast_ffn_bytes": sum(f.gpu.nbytes for f in ffns) + fast_moe,
+            "fast_ffn_bytes": sum(f.gpu.nbytes for f in ffns) + fast_moe + sum(map(quant_bytes, self.whole.values())),
             "host_ffn_bytes": sum(f.cold.nbytes for f in ffns) + host_moe,
             "fast_moe_bytes": fast_moe,
             "host_moe_bytes": host_moe,
@@ -163,6 +164,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       and the split FFNs' hot up/gate rows as Int4Matrix (see int4_hot).
     int4_hot: whether the split FFNs' hot rows are kept int4 (executors/weights.py `_hot_int4`;
       a layer whose rows cannot be says why in HotFFN.int4_skipped); None: gpu_int4 on a CUDA tier.
+      A layer whose neurons are all hot and whose up/gate/down are all 4-bit is then not split: its
+      FFN stays whole with Int4Linear matrices on the fast tier (`whole_int4`; engine.whole).
       True on a CPU tier runs torch's CPU twin kernels (for tests). int4_down: W_down's hot columns
       requantised to int4 as well (default INT4_DOWN_DEFAULT, sparse_ops/gpu_quant.py: kept in dtype).
     embed_cpu / head_cpu: keep the token embedding / the LM head in host memory and compute them on
@@ -208,10 +211,15 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         int4_hot = gpu_int4 and tier.cuda
     book = StatsBook(enabled=stats)
     parts = {}
+    whole: dict[int, nn.Module] = {}
     for l in layers:
         ffn = model.layers[l].ffn
         n = ffn.up.out_features  # I (a QuantLinear's weight property would decode it all)
         hot_idx = check_hot(hot.get(l, torch.zeros(0, dtype=torch.int64)), n)
+        if int4_hot and hot_idx.numel() == n and whole_int4_reason(ffn, device) is None:
+            whole_int4(ffn, device, dtype)  # every neuron hot: no split, the FFN int4 as it is
+            whole[l] = ffn
+            continue
         is_hot = torch.zeros(n, dtype=torch.bool)
         is_hot[hot_idx] = True
         perm = torch.cat([hot_idx, torch.nonzero(~is_hot).flatten()])  # hot-first order
@@ -299,7 +307,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if tier.cuda and cuda_graphs:
         graph_blocks(model, ffn=cuda_graphs != "attention")
     lm.device, lm.dtype = device, dtype
-    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe)
+    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe, whole)
 
 
 def _expert_cache(model, moe: dict[int, HybridMoE], tier: FastTier, kind: str, nbytes: int,

@@ -13,7 +13,9 @@ that offers a split one-token step (`graph_ready()`, `graph_pre`, `graph_post`: 
 HybridMoE) has its device half captured in the same graph (predictor or router, the fast tier's
 neurons or experts, the input packed for the host); after the replay its host half runs eagerly
 (one copy to the host, the CPU's share, one copy back and a sum), since a graph cannot wait for the
-CPU. Other FFNs run eagerly after the replay. Prefill (several tokens),
+CPU. A dense or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole) is
+captured whole with the attention half (then the whole layer is one graph); other FFNs run eagerly
+after the replay. Prefill (several tokens),
 CPU tiers, blocks whose attention runs on the host (HostAttention) and post-norm blocks (OPT) run
 the block as before. A graph belongs to one KV cache (its buffers' addresses are baked in): a new
 cache re-captures it, dropping the old one.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hotcold.models.layers import Attention
+from hotcold.models.layers import Attention, DenseFFN, GatedFFN
 from hotcold.models.transformer import Block
 
 
@@ -42,6 +44,7 @@ class _Captured:
     res: torch.Tensor  # static outputs: the residual after attention, and the FFN's input
     f_in: torch.Tensor
     pre: tuple | None = None  # static outputs of the FFN's graph_pre (None: the FFN runs eagerly)
+    h: torch.Tensor | None = None  # static output of a device FFN captured whole
 
 
 class GraphedBlock(nn.Module):
@@ -56,12 +59,15 @@ class GraphedBlock(nn.Module):
         self.ffn_in_graph = ffn  # False: the FFN always runs eagerly after the attention half (to compare)
         self.captured: _Captured | None = None
         self.replays = 0
+        self._device_ffn: bool | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         b = self.block
         if not self.graphable(x, cache_kv):
             return b(x, positions, cache_kv, start)
         split = x.shape[0] == 1 and self.split_ffn()  # the split steps take one token
+        if not split and self.device_ffn():
+            split = "whole"
         key = (cache_kv[0].data_ptr(), tuple(cache_kv[0].shape), tuple(x.shape), x.dtype, split)
         c = self.captured
         if c is None or c.key != key:
@@ -70,7 +76,10 @@ class GraphedBlock(nn.Module):
         else:
             c.x.copy_(x)
             c.positions.copy_(positions)
-        if c.pre is None:
+        if c.h is not None:
+            c.graph.replay()
+            h = c.h
+        elif c.pre is None:
             c.graph.replay()
             h = b.ffn(c.f_in)
         else:
@@ -104,6 +113,17 @@ class GraphedBlock(nn.Module):
         ffn = self.block.ffn
         return self.ffn_in_graph and callable(getattr(ffn, "graph_pre", None)) and ffn.graph_ready()
 
+    def device_ffn(self) -> bool:
+        """Whether the FFN is a plain dense/gated one with every weight on the device (captured whole;
+        decided at the first step: the FFN does not change once the blocks are wrapped)."""
+        if self._device_ffn is None:
+            ffn = self.block.ffn
+            self._device_ffn = (self.ffn_in_graph and isinstance(ffn, (DenseFFN, GatedFFN))
+                                and all(t.is_cuda for t in (*ffn.parameters(), *ffn.buffers()))
+                                and all(getattr(m, "qweight", None) is None or m.qweight.device.type == "cuda"
+                                        for m in ffn.modules()))
+        return self._device_ffn
+
     def _attention_half(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, 1, D] -> (res, f_in) [B, 1, D]
         b = self.block
@@ -113,12 +133,15 @@ class GraphedBlock(nn.Module):
         res = x + h
         return res, b.ffn_norm(res)
 
-    def _body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool):
-        # what the graph holds: the attention half, then the FFN's device half when split
+    def _body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool | str):
+        # what the graph holds: the attention half, then the FFN's device half when split, or the
+        # whole FFN ("whole")
         res, f_in = self._attention_half(x, positions, cache_kv)
-        return res, f_in, self.block.ffn.graph_pre(f_in) if split else None
+        if split == "whole":
+            return res, f_in, None, self.block.ffn(f_in)
+        return res, f_in, self.block.ffn.graph_pre(f_in) if split else None, None
 
-    def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool) -> _Captured:
+    def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool | str) -> _Captured:
         sx, sp = x.clone(), positions.clone()
         # warm up on a side stream (lazy initialisations, Triton compilation, must not happen inside
         # the capture); it writes this step's key/value at its position, as the replay will again
@@ -129,8 +152,8 @@ class GraphedBlock(nn.Module):
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            res, f_in, pre = self._body(sx, sp, cache_kv, split)
-        return _Captured(key, graph, sx, sp, res, f_in, pre)
+            res, f_in, pre, h = self._body(sx, sp, cache_kv, split)
+        return _Captured(key, graph, sx, sp, res, f_in, pre, h)
 
 
 def graph_blocks(model: nn.Module, ffn: bool = True) -> list[int]:

@@ -11,7 +11,8 @@ cold up/gate rows are a copy of their GGUF blocks (`QuantMatrix`, whatever `cpu_
 W_down transposed is requantised to `DOWN_T_DEFAULT` (Q8_0, see `transpose_quantized`), so host
 memory is about the file's size. The hot part on the fast tier is dequantised into the tier dtype,
 BLOCK_ROWS rows (or, for W_down's columns, `_COL_CHUNK_BYTES` of float32) at a time; or, asked for
-int4 (`--gpu-int4`), its 4-bit up/gate rows stay 4-bit (see `_hot_int4`).
+int4 (`--gpu-int4`), its 4-bit up/gate rows stay 4-bit (see `_hot_int4`); an FFN whose neurons are
+all hot and whose matrices are all 4-bit is not split but kept int4 whole (`whole_int4`).
 """
 
 from __future__ import annotations
@@ -262,6 +263,34 @@ def _int4_reason(ffn, gated: bool, device, h: int, int4_down: bool) -> str | Non
         if why is not None:
             return f"{name}: {why}"
     return int4_layout_reason(device, (ffn.down.out_features, n)) if int4_down else None
+
+
+def whole_int4_reason(ffn, device) -> str | None:
+    """Why a dense/gated FFN cannot be kept int4 whole on device (`whole_int4`); None if it can."""
+    for name in ("up", "gate", "down"):
+        lin = getattr(ffn, name, None)
+        if lin is None:
+            continue
+        if not isinstance(lin, QuantLinear):
+            return f"its {name} weights are not quantised"
+        why = int4_unsupported_reason(lin.qweight.qtype, device, lin.qweight.shape)
+        if why is not None:
+            return f"{name}: {why}"
+    return None
+
+
+def whole_int4(ffn, device, dtype) -> None:
+    """Every neuron hot and every matrix 4-bit: the FFN's QuantLinears become Int4Linears on device
+    from their own blocks (W_down's blocks run along the neuron axis, whole here, so nothing is
+    requantised: exact up to the bf16 rounding of scale and zero, as the hot up/gate rows), in place;
+    their file pages are dropped. Check `whole_int4_reason` first."""
+    from hotcold.models.quantized import dequantize_module, drop_module_pages
+
+    for name in ("up", "gate", "down"):
+        lin = getattr(ffn, name, None)
+        if lin is not None:
+            setattr(ffn, name, dequantize_module(lin, device, dtype, int4=True))
+            drop_module_pages(lin)
 
 
 def _hot_int4(ffn, hot: torch.Tensor, gated: bool, device, dtype, int4_down: bool) -> HotFFN:

@@ -118,6 +118,10 @@ class WeightFormat:
     gpu_ffn_speed: float = 1.0
     gpu_down_bytes_per_weight: float | None = None
     gpu_down_speed: float = 1.0
+    # `--gpu-int4`: the dense/gated layers whose up, gate and down are all of a 4-bit type (True: every
+    # layer). A layer of these with every neuron on the GPU keeps its whole FFN int4 from its own
+    # blocks (W_down too: its blocks run along the neuron axis, which is whole then): `whole_int4`.
+    gpu_whole_int4: bool | frozenset = False
 
     # bytes per weight of each part: its own figure where set, else the dtype's (embedding: the host's)
     gpu_attn_w = property(lambda self: _or(self.gpu_attn_bytes_per_weight, self.bytes_per_weight))
@@ -131,6 +135,11 @@ class WeightFormat:
     def gpu_int4(self) -> bool:
         """Whether any GPU part is counted int4 (`--gpu-int4` found 4-bit matrices to keep)."""
         return self.gpu_attn_bytes_per_weight is not None or self.gpu_ffn_bytes_per_weight is not None
+
+    def whole_int4(self, layer: int) -> bool:
+        """Whether layer's FFN, when every neuron is on the GPU, is kept int4 whole (see gpu_whole_int4)."""
+        w = self.gpu_whole_int4
+        return w is True or (isinstance(w, frozenset) and layer in w)
 
 
 def _or(value: float | None, default: float) -> float:
@@ -160,19 +169,21 @@ def _int4_mix(bytes_per_weight: float, share: float) -> tuple[float, float]:
     return w, w / t
 
 
-def gpu_int4_format(fmt: WeightFormat, int4_share: float, ffn_share: float = 0.0) -> WeightFormat:
+def gpu_int4_format(fmt: WeightFormat, int4_share: float, ffn_share: float = 0.0,
+                    whole: bool | frozenset = False) -> WeightFormat:
     """fmt with `--gpu-int4`: int4_share of the GPU's attention weights kept int4, and ffn_share of the
-    hot FFN rows' up/gate weights (their W_down columns too where INT4_DOWN_DEFAULT requantises them)."""
+    hot FFN rows' up/gate weights (their W_down columns too where INT4_DOWN_DEFAULT requantises them);
+    whole: the layers whose FFN is kept int4 whole when every neuron is hot (WeightFormat.gpu_whole_int4)."""
     from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
-    if int4_share <= 0 and ffn_share <= 0:
+    if int4_share <= 0 and ffn_share <= 0 and not whole:
         return fmt
     bpw = fmt.bytes_per_weight
     (aw, asp), (fw, fsp), (dw, dsp) = (_int4_mix(bpw, s) for s in (int4_share, ffn_share,
                                                                     ffn_share if INT4_DOWN_DEFAULT else 0.0))
     return dataclasses.replace(fmt, name=f"{fmt.name}+int4", gpu_attn_bytes_per_weight=aw, gpu_attn_speed=asp,
                                gpu_ffn_bytes_per_weight=fw, gpu_ffn_speed=fsp, gpu_down_bytes_per_weight=dw,
-                               gpu_down_speed=dsp)
+                               gpu_down_speed=dsp, gpu_whole_int4=whole)
 
 
 def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> WeightFormat:
@@ -185,7 +196,7 @@ def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> We
     bpw = ts / bs
     fmt = quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
     share = 1.0 if gpu_int4 and kind.upper() in ("Q4_0", "Q4_K") else 0.0
-    return gpu_int4_format(fmt, share, share)
+    return gpu_int4_format(fmt, share, share, whole=share > 0)
 
 
 FORMATS = {
@@ -241,6 +252,10 @@ class LayerCosts:
     unit_host_bytes: np.ndarray | None = None  # [K] weight bytes in host memory (None: unit_bytes)
     attn_host_bytes: float | None = None  # attention weights in host memory (None: attn_bytes)
     pred_host_bytes: float | None = None  # the predictor in host memory (None: pred_bytes)
+    # with every unit on the GPU, the FFN kept int4 whole (WeightFormat.whole_int4): its GPU bytes and
+    # seconds per step replace the units' sums (None: the units' sums apply)
+    whole_bytes: float | None = None
+    whole_gpu_s: float | None = None
 
     def __post_init__(self):
         if self.unit_host_bytes is None:
@@ -369,6 +384,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     moe_cpu_delta_s = 0.0
     for l, st in enumerate(stats):
         kind = st.kind
+        whole_bytes = whole_gpu_s = None
         freq = np.clip(np.asarray(st.freq, dtype=np.float64), 0.0, 1.0)
         order = np.argsort(-freq, kind="stable").astype(np.int64)
         f_sorted = freq[order]
@@ -437,6 +453,9 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             ffn_gpu_fixed_s = c.ffn_gpu_kernels * launch
             ffn_cpu_fixed_s = c.ffn_cpu_calls * call
             mask_bytes = n_items * c.mask_bytes_per_neuron
+            if fmt.whole_int4(l):  # every matrix at int4's bytes and speed
+                whole_bytes = n_items * (n_mats * h * INT4_GPU_BYTES_PER_WEIGHT + extra)
+                whole_gpu_s = n_items * (n_mats * h * INT4_GPU_BYTES_PER_WEIGHT / INT4_GPU_SPEED + extra) / gbw
         layers.append(LayerCosts(
             layer=l, kind=kind, order=order, starts=starts, unit_bytes=np.asarray(unit_bytes, dtype=np.float64),
             unit_gpu_s=np.asarray(unit_gpu_s, dtype=np.float64), unit_cpu_s=np.asarray(unit_cpu_s, dtype=np.float64),
@@ -446,7 +465,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             ffn_cpu_fixed_s=ffn_cpu_fixed_s, hybrid_gpu_s=c.hybrid_gpu_kernels * launch,
             ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0,
             unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes,
-            pred_host_bytes=pred_host_bytes))
+            pred_host_bytes=pred_host_bytes, whole_bytes=whole_bytes, whole_gpu_s=whole_gpu_s))
     head_bytes = float(cfg.vocab_size * h * w)  # kept as the dtype: often the file's widest type (Q6_K)
     head_host_bytes = float(cfg.vocab_size * h * (fmt.host_embed_w if cfg.tie_word_embeddings else wh))
     embed_bytes = float(cfg.vocab_size * h * fmt.host_embed_w)
@@ -545,7 +564,9 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
         a = bool(p.attn_gpu[l])
         has_cpu = bool((~on).any())
         has_gpu = bool(on.any())
-        g = {"attention": a * lc.attn_bytes, "kv_cache": a * lc.kv_bytes, "ffn": float(lc.unit_bytes[on].sum())}
+        whole = not has_cpu and lc.whole_bytes is not None and lc.n_units > 0
+        g = {"attention": a * lc.attn_bytes, "kv_cache": a * lc.kv_bytes,
+             "ffn": lc.whole_bytes if whole else float(lc.unit_bytes[on].sum())}
         h = {"attention": (not a) * lc.attn_host_bytes, "kv_cache": (not a) * lc.kv_bytes,
              "ffn": float(lc.unit_host_bytes[~on].sum())}
         sync = 0.0
@@ -562,7 +583,7 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
                 g["predictors"] = lc.pred_bytes
             else:
                 h["predictors"] = lc.pred_host_bytes
-        ffn_gpu = float(lc.unit_gpu_s[on].sum()) + (lc.ffn_gpu_fixed_s if has_gpu else 0.0)
+        ffn_gpu = (lc.whole_gpu_s if whole else float(lc.unit_gpu_s[on].sum())) + (lc.ffn_gpu_fixed_s if has_gpu else 0.0)
         ffn_cpu = float(lc.unit_cpu_s[~on].sum()) + (lc.ffn_cpu_fixed_s if has_cpu else 0.0)
         if has_cpu and hybrid:
             ffn_gpu += lc.hybrid_gpu_s

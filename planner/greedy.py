@@ -50,6 +50,8 @@ def greedy(costs: ModelCosts, vram: float) -> Placement:
         completes = lc.kind != "moe" and k == lc.n_units - 1
         if completes and p.attn_gpu[l]:
             need -= lc.pred_bytes  # the layer no longer needs its predictor
+        if completes and lc.whole_bytes is not None:
+            need += lc.whole_bytes - float(lc.unit_bytes.sum())  # now kept int4 whole (fewer bytes)
         if need <= free:
             p.on_gpu[l][k] = True
             free -= need

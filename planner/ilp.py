@@ -8,8 +8,10 @@ Dense/gated layer l (K neuron blocks in hot-first order; see costs.py for the ti
   The time of each choice is computed exactly, t = attention + predictor + u with
   u = max(GPU side, CPU side + sync), the sync, predictor and launches only where they apply: the
   constraints t_l >= GPU time and t_l >= CPU time + sync are evaluated per prefix rather than left
-  to the solver. This "multiple-choice" form has the tightest possible LP relaxation per layer (the
-  convex hull of its choices) and solves an 80-layer x 100-block model in about a second, where
+  to the solver. With every block on the GPU, a layer the format keeps int4 whole (costs.py
+  `whole_bytes`, `whole_gpu_s`) takes those figures instead of the blocks' sums. This
+  "multiple-choice" form has the tightest possible LP relaxation per layer (the convex hull of its
+  choices) and solves an 80-layer x 100-block model in about a second, where
   the textbook form (block binaries x[l,k] with x[l,k+1] <= x[l,k], a continuous u_l and sync
   indicators) needed up to the time limit in GPU-bound regimes.
 MoE layer l (any subset of experts can be on the GPU):
@@ -70,6 +72,8 @@ def prefix_options(lc: LayerCosts) -> list[tuple[int, np.ndarray, np.ndarray, np
     gpu_cum = np.concatenate([[0.0], np.cumsum(lc.unit_gpu_s)])
     cpu_rest = np.concatenate([np.cumsum(lc.unit_cpu_s[::-1])[::-1], [0.0]])  # CPU time of blocks n..K-1
     bytes_cum = np.concatenate([[0.0], np.cumsum(lc.unit_bytes)])
+    if lc.whole_bytes is not None and K:  # every block on the GPU: the FFN kept int4 whole
+        gpu_cum[K], bytes_cum[K] = lc.whole_gpu_s, lc.whole_bytes
     host_cum = np.concatenate([[0.0], np.cumsum(lc.unit_host_bytes)])
     has_cpu = (n < K).astype(float)
     has_gpu = (n > 0).astype(float)

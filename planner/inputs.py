@@ -75,7 +75,8 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     (W_down's host copy is Q8_0, as executors/weights.py builds it; the token embedding, a row
     lookup, apart from the attention and LM head that are read whole), the CPU kernel kind of its
     largest share of gate/up bytes; gpu_int4: the shares of its attention matrices, and of its
-    dense/gated FFNs' up/gate matrices (the hot rows), that the GPU keeps int4 (Q4_0 / Q4_1 / Q4_K)."""
+    dense/gated FFNs' up/gate matrices (the hot rows), that the GPU keeps int4 (Q4_0 / Q4_1 / Q4_K),
+    and the layers whose whole FFN it keeps int4 when every neuron is hot (all three matrices 4-bit)."""
     from hotcold.models.gguf_loader import GGUFFile
     from hotcold.sparse_ops.gpu_quant import INT4_QTYPES
     from hotcold.sparse_ops.quant import QTYPES
@@ -83,6 +84,7 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     _, bs8, ts8 = QTYPES["Q8_0"]
     ffn_b = ffn_n = other_b = other_n = embed_b = embed_n = attn_n = int4_n = rows_n = rows4_n = 0.0
     kinds: dict[str, float] = {}
+    ffn4: dict[int, bool] = {}  # dense/gated layer -> all its FFN matrices of a 4-bit type (kept int4 whole)
     for name, qtype, n, nbytes, kept in GGUFFile(path).tensor_storage():
         host = nbytes if kept else n * base.bytes_per_weight
         if name == "embed.weight":
@@ -93,6 +95,9 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
             elif kept:
                 kinds[qtype] = kinds.get(qtype, 0.0) + nbytes
             ffn_b, ffn_n = ffn_b + host, ffn_n + n
+            if name.endswith(".weight") and name.split(".")[3] in ("up", "gate", "down"):
+                l = int(name.split(".")[1])
+                ffn4[l] = ffn4.get(l, True) and bool(kept) and qtype in INT4_QTYPES
             if _is_hot_row_matrix(name):
                 rows_n += n
                 rows4_n += n if kept and qtype in INT4_QTYPES else 0
@@ -106,7 +111,10 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     kind = max(kinds, key=kinds.get).lower()
     fmt = quantized_format(base, kind, other_b / max(other_n, 1.0), ffn_b / max(ffn_n, 1.0),
                            embed_b / embed_n if embed_n else None)
-    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0), rows4_n / max(rows_n, 1.0)) if gpu_int4 else fmt
+    if not gpu_int4:
+        return fmt
+    whole = frozenset(l for l, ok in ffn4.items() if ok)
+    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0), rows4_n / max(rows_n, 1.0), whole)
 
 
 def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False) -> WeightFormat:

@@ -398,6 +398,70 @@ def test_int4_hot_rows_fall_back_where_they_cannot_be_int4(folder):
         assert not any(f.gpu.hot.int4 for f in eng.layers.values()) and eng.int4_skipped() == {}
 
 
+def whole_hot(lm, layers: list[int], frac: float, seed: int) -> dict[int, torch.Tensor]:
+    """random_hot(frac), with every neuron of `layers` hot (in a random order)."""
+    hot = random_hot(lm, frac, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    for l in layers:
+        hot[l] = torch.randperm(lm.config.intermediate_size, generator=gen)
+    return hot
+
+
+def check_whole(eng, lm, ref: LoadedModel, layers: list[int]) -> None:
+    """layers' FFNs are kept int4 whole (not split): up/gate/down Int4Linear whose weights are ref's
+    own, W_down included (its blocks are whole: no second rounding), up to the bf16 rounding of the
+    scales; they are counted as fast-tier FFN bytes (0.625 bytes a weight)."""
+    from hotcold.sparse_ops.gpu_quant import Int4Linear
+
+    assert sorted(eng.whole) == layers and not set(eng.layers) & set(layers)
+    whole_bytes = 0
+    for l in layers:
+        ffn, rf = lm.model.layers[l].ffn, ref.model.layers[l].ffn
+        assert ffn is eng.whole[l]
+        for name in ("up", "gate", "down"):
+            want = getattr(rf, name, None)
+            if want is None:
+                continue
+            lin = getattr(ffn, name)
+            assert isinstance(lin, Int4Linear), f"layer {l} {name} is {type(lin).__name__}"
+            w, want_w = lin.qweight.dequantize(torch.float32).cpu(), want.weight.float()
+            assert w.shape == want_w.shape and (w - want_w).abs().max() <= 2.0 ** -7 * want_w.abs().max()
+            whole_bytes += lin.qweight.nbytes
+            assert lin.qweight.nbytes == want_w.numel() * (0.5 + 4 / 32)
+    split = sum(f.gpu.nbytes for f in eng.layers.values())
+    assert eng.memory()["fast_ffn_bytes"] == split + whole_bytes
+
+
+@pytest.mark.parametrize("family, kind", [("llama", "q4_0"), ("opt", "q4_0"), ("llama", "q4_k")])
+def test_all_hot_layers_stay_int4_whole(folder, family, kind):
+    """int4_hot and every neuron of a layer hot (a plan that places the whole FFN on the GPU): the FFN
+    is not split but kept whole, its three matrices int4 from their own blocks (check_whole); the
+    other layers are split as before; the logits stay the quantised reference's within its tolerance."""
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=16)
+    want = decode_logits(ref, toks)
+    lm = fresh(folder, family, kind)
+    with make_hybrid(lm, whole_hot(lm, [0, 2], 0.4, seed=6), "oracle", threads=2, int4_hot=True) as eng:
+        check_whole(eng, lm, ref, [0, 2])
+        assert sorted(eng.layers) == [1] and eng.layers[1].gpu.hot.int4
+        got = decode_logits(lm, toks)
+        with torch.inference_mode():
+            prefill = lm.model(toks)
+    for i in range(T):
+        assert rel_err(got[:, i], want[:, i]) < TOL[kind], f"decode step {i}"
+    with torch.inference_mode():
+        assert rel_err(prefill, ref.model(toks)) < TOL[kind]
+
+
+def test_all_hot_layers_split_where_they_cannot_be_int4_whole(folder):
+    """Q8_0 blocks (not a 4-bit type) or int4_hot off: an all-hot layer is split as any other."""
+    for kind, int4 in (("q8_0", True), ("q4_0", False)):
+        lm = fresh(folder, "llama", kind)
+        with make_hybrid(lm, whole_hot(lm, [1], 0.4, seed=7), None, threads=2, int4_hot=int4) as eng:
+            assert eng.whole == {} and sorted(eng.layers) == [0, 1, 2]
+            assert eng.layers[1].gpu.hot.n == lm.config.intermediate_size
+
+
 # ---------------------------------------------------------------------------------------------
 # A real GGUF file
 
@@ -518,3 +582,31 @@ def test_cuda_int4_down_requantised(folder):
     with torch.inference_mode():
         quantized, floats = ref.model(toks), reference(folder, "llama", "q4_0", quantized=False).model(toks)
     assert rel_err(got, want) < 0.5 * rel_err(floats, quantized)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("kind", ["q4_0", "q4_k"])
+def test_cuda_all_hot_layers_int4_whole_in_the_graphs(folder, kind):
+    """On a GPU: an all-hot layer's FFN kept int4 whole is captured with its attention in one CUDA graph
+    (no eager FFN after the replay); logits as the eager engine's and the quantised reference's."""
+    from hotcold.executors.graphs import GraphedBlock
+
+    ref = reference(folder, "llama", kind)
+    toks = tokens(seed=17)
+    want = decode_logits(ref, toks)
+    got = {}
+    for graphs in (True, False):
+        lm = fresh(folder, "llama", kind)
+        with make_hybrid(lm, whole_hot(lm, [0, 2], 0.4, seed=8), "oracle", device="cuda", threads=2, gpu_int4=True,
+                         cuda_graphs=graphs) as eng:
+            check_whole(eng, lm, ref, [0, 2])
+            got[graphs] = decode_logits(lm, toks.cuda()).cpu()
+            if graphs:
+                blocks = lm.model.layers
+                assert all(isinstance(b, GraphedBlock) and b.replays == T for b in blocks)
+                assert [b.captured.h is not None for b in blocks] == [True, False, True]
+                assert blocks[1].captured.pre is not None
+    for i in range(T):
+        assert rel_err(got[True][:, i], want[:, i]) < 2 * TOL[kind], f"decode step {i}"
+    assert rel_err(got[True], got[False]) < 1e-3

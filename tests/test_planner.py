@@ -718,6 +718,54 @@ def test_gpu_int4_counts_hot_ffn_rows_int4_and_places_more_hot_neurons():
     assert sum(hot[1]) > 1.5 * sum(hot[0])
 
 
+def test_gpu_int4_whole_layers_cost_their_int4_bytes_when_every_neuron_is_hot():
+    """--gpu-int4 on a model whose FFN matrices are all 4-bit: with every block of a layer on the GPU,
+    its FFN counts as kept int4 whole (W_down too: 0.625 bytes a weight at int4's speed) instead of
+    the hot rows' sums (W_down's columns in bf16); the ILP's options and evaluate agree; a budget
+    that holds every layer whole but not split gets every neuron on the GPU, where the format
+    without whole layers leaves some on the CPU."""
+    import dataclasses
+
+    from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, quantize_format
+    from hotcold.planner.ilp import prefix_options
+
+    rng = np.random.default_rng(7)
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=4, intermediate_size=64)
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw(cpu_bw=0.05e9)
+    hw.cpu_ffn_Bps["q4_0"] = hw.cpu_dense_Bps["q4_0"] = 0.05e9
+    whole = quantize_format(weight_format("bf16"), "q4_0", gpu_int4=True)
+    split = dataclasses.replace(whole, gpu_whole_int4=False)
+    assert whole.whole_int4(3) and not split.whole_int4(3)
+    assert dataclasses.replace(whole, gpu_whole_int4=frozenset({1})).whole_int4(1)
+    cw, cs = (build_costs(cfg, stats, hw, f, ctx=64, block_size=8, constants=TOY_CONSTANTS) for f in (whole, split))
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    for lw, ls in zip(cw.layers, cs.layers):
+        assert ls.whole_bytes is None and lw.whole_bytes == pytest.approx(i * 3 * h * INT4_GPU_BYTES_PER_WEIGHT)
+        assert lw.whole_gpu_s == pytest.approx(lw.whole_bytes / INT4_GPU_SPEED / hw.gpu_gemv_Bps)
+        assert lw.whole_bytes < 0.6 * lw.unit_bytes.sum()  # W_down at 0.625 bytes instead of 2
+        np.testing.assert_allclose(lw.unit_bytes, ls.unit_bytes)  # partial layers: unchanged
+        for a, t, gb, hb in prefix_options(lw):
+            for n in (lw.n_units - 1, lw.n_units):
+                on = np.arange(lw.n_units) < n
+                p = Placement("hybrid", [bool(a)] * 4, [on] * 4, True)
+                le = evaluate(cw, p).layers[lw.layer]
+                assert le.t_s == pytest.approx(t[n]) and sum(le.gpu_bytes.values()) == pytest.approx(gb[n])
+        assert prefix_options(lw)[1][2][-1] < prefix_options(lw)[1][2][-2]  # all blocks: fewer bytes than all but one
+    vram = (cw.gpu_fixed_bytes + cw.head_bytes + sum(l.attn_bytes + l.kv_bytes + l.whole_bytes for l in cw.layers)
+            + 2048)  # (the ILP keeps 1 KiB below the budget)
+    hot = []
+    for costs in (cw, cs):
+        res = solve(costs, vram, 1e12, solver="cbc", gap=0.0, time_limit=20)
+        ev = evaluate(costs, res.placement)
+        assert ev.gpu_total <= vram
+        hot.append(sum(len(res.placement.gpu_items(costs, l)) for l in range(cfg.num_layers)))
+    assert hot[0] == cfg.num_layers * i and hot[1] < hot[0]
+    # greedy agrees: completing a layer releases the difference
+    g = evaluate(cw, greedy(cw, vram))
+    assert g.gpu_total <= vram and sum(g.gpu_bytes.values()) == g.gpu_total
+
+
 def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     """SmolLM2 Q4_1: FFN host bytes = two Q4_1 matrices + W_down as Q8_0 per three weights; `plan`
     says so in plan.json and counts them; --quantize is refused for a GGUF and for an unknown type."""
@@ -740,6 +788,13 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     assert f4.gpu_attn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT, rel=0.01) and fmt.gpu_attn_w == 2.0
     # ... and so are the FFNs' up/gate: the hot rows stay int4, W_down's columns are expanded
     assert f4.gpu_ffn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT) and f4.gpu_down_w == fmt.gpu_ffn_w == 2.0
+    # ... and an all-hot layer's whole FFN (up, gate and down all Q4_1) stays int4
+    n_layers = len({n.split(".")[1] for n, *_ in GGUFFile(path).tensor_storage() if n.startswith("layers.")})
+    assert f4.gpu_whole_int4 == frozenset(range(n_layers)) and fmt.gpu_whole_int4 is False
+    # Gemma 3 Q4_K_M: up/gate are Q5_0 (no int4 kernel), W_down Q4_K or Q6_K: no layer whole
+    from conftest import gemma3_gguf
+
+    assert model_format(gemma3_gguf(), weight_format("bf16"), gpu_int4=True).gpu_whole_int4 == frozenset()
     monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
     r = _cli("plan", path, "--uniform", "--vram", "0", "--hardware", "h200", "--out", tmp_path / "p", "--json")
     assert r.exit_code == 0, r.output
