@@ -74,9 +74,11 @@ def plan(
                                                                       "plus per-token activations)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="Plan for `hotcold run --quantize q8_0|q4_0|q4_k` "
                                                                     "(an HF checkpoint quantised at load)."),
-    gpu_int4: bool = typer.Option(False, "--gpu-int4", help="Plan for `hotcold run --gpu-int4`: a quantised model's "
-                                  "Q4_0/Q4_1/Q4_K attention and hot FFN up/gate rows kept 4-bit on the GPU (the run "
-                                  "follows the plan)."),
+    gpu_int4: Optional[bool] = typer.Option(None, "--gpu-int4/--no-gpu-int4", help="Keep a quantised model's "
+                                            "Q4_0/Q4_1/Q4_K attention and hot FFN up/gate rows 4-bit on the GPU "
+                                            "(torch's int4 kernels), or expand them to --dtype. Default: whichever "
+                                            "plan is predicted faster, where the GPU runs the int4 kernels (the run "
+                                            "follows the plan)."),
     expert_cache: Optional[str] = typer.Option(None, "--expert-cache", help="MoE models: GPU memory within --vram for "
                                                "the expert cache that look-ahead prefetch fills (e.g. 1GiB; default 0)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
@@ -93,7 +95,7 @@ def plan(
     from hotcold.planner.costs import Constants, weight_format
     from hotcold.planner.inputs import model_format, read_profile, uniform_stats
     from hotcold.profiler.artifact import find_profile
-    from hotcold.planner.make import PlanRequest, make_plan, plan_json, plan_tensors
+    from hotcold.planner.make import PlanRequest, plan_json, plan_tensors
     from hotcold.planner.plan import write_plan
     from hotcold.planner.probe import load_hardware
     from hotcold.planner.sizes import parse_size
@@ -113,7 +115,8 @@ def plan(
         if info.path.is_file():
             raise HotcoldError(f"--quantize applies to HF checkpoints; {info.path.name} is a GGUF file and runs in "
                                "its own quantisation")
-    fmt = model_format(info.path, fmt, quantize, gpu_int4)  # a quantised model: its host side in blocks
+    # a quantised model: its host side in blocks; int4: its 4-bit matrices also kept int4 on the GPU
+    fmt, int4 = [model_format(info.path, fmt, quantize, gpu_int4=g) for g in (False, True)]
     if uniform:
         stats, source, sparsity = uniform_stats(cfg, assume_sparsity), "uniform", assume_sparsity
     else:
@@ -139,15 +142,88 @@ def plan(
         constants = dataclasses.replace(constants, expert_cache_bytes=parse_size(expert_cache, "--expert-cache"))
     req = PlanRequest(vram=vram_b, ram=ram_b, ctx=ctx_n, fmt=fmt, batch=batch, block_size=block, solver=solver,
                       time_limit=time_limit, gap=gap, threads=threads, explain=explain, constants=constants)
-    result = make_plan(cfg, stats, hw, req)
+    result, req, choice, line = _plan_gpu_weights(cfg, stats, hw, req, int4, gpu_int4, measured)
+    if line and not as_json:
+        err.print(f"[dim]{line}[/dim]")
     meta = plan_json(result, req, fingerprint=info.fingerprint, model=info.path, model_type=cfg.model_type, hw=hw,
                      hw_file=hw_file, profile_source=source, sparsity=sparsity)
+    meta["weights"]["gpu_int4_choice"] = choice
     folder = artifact_dir(info.path, info.fingerprint, out)
     paths = write_plan(folder, plan_tensors(result), meta)
     if as_json:
         print(json.dumps(meta, indent=1))
         return
     print_plan(result, meta, paths[1])
+
+
+# ------------------------------------------------------------------------------------------- int4 or expanded
+def _int4_unavailable(hw, measured: bool) -> str | None:
+    """Why the plan's hardware cannot run torch's int4 kernels; None if it can. The presets (H200,
+    RTX 4090: compute capability >= 8.0) can; torch answers for this machine; a profile of another
+    machine cannot be checked here."""
+    import socket
+
+    if hw.source.startswith("preset:"):
+        return None
+    if measured or hw.hostname == socket.gethostname():
+        from hotcold.sparse_ops.gpu_quant import cuda_int4_available
+
+        return None if cuda_int4_available() else "torch's int4 kernels do not run on this GPU"
+    return (f"the hardware profile of {hw.hostname or 'another machine'}: whether its GPU runs the int4 kernels "
+            "cannot be checked here; --gpu-int4 plans int4 for it")
+
+
+def _faster(a, b) -> bool:
+    """Whether plan a beats plan b: predicted faster per token; within 0.5%, fewer GPU bytes."""
+    ta, tb = a.evaluation.time_s, b.evaluation.time_s
+    if abs(ta - tb) <= 0.005 * max(ta, tb):
+        return a.evaluation.gpu_total < b.evaluation.gpu_total
+    return ta < tb
+
+
+def _plan_gpu_weights(cfg, stats, hw, req, int4, gpu_int4: bool | None, measured: bool):
+    """make_plan with a quantised model's 4-bit matrices expanded to the dtype on the GPU (req.fmt) or
+    kept int4 (format int4): as --gpu-int4 / --no-gpu-int4 say, else both plans and the better
+    (_faster), where the model has 4-bit matrices, the plan a GPU and its hardware the int4 kernels.
+    Returns (result, its request, plan.json's weights.gpu_int4_choice, a line for the user or None)."""
+    import dataclasses
+
+    from hotcold.planner.make import BudgetError, make_plan
+
+    def plan_with(kept_int4: bool):
+        r = dataclasses.replace(req, fmt=int4) if kept_int4 else req
+        return make_plan(cfg, stats, hw, r), r
+
+    def choice(mode: str, **tok_s) -> dict:
+        return {"mode": mode, "int4_tok_s": tok_s.get("int4"), "expanded_tok_s": tok_s.get("expanded")}
+
+    if gpu_int4 is not None:
+        result, r = plan_with(gpu_int4)
+        kind = "int4" if r.fmt.gpu_int4 else "expanded"
+        flag = "--gpu-int4" if gpu_int4 else "--no-gpu-int4"
+        why = f"{flag}: the model has no Q4_0/Q4_1/Q4_K matrices" if gpu_int4 and not int4.gpu_int4 else flag
+        return (result, r, choice("flag", **{kind: result.tokens_per_s}),
+                f"GPU weights: {kind} ({why}; predicted {result.tokens_per_s:.1f} tok/s)")
+    on_gpu = int4.gpu_int4 and hw.cuda and req.vram > 0  # 4-bit matrices a GPU of the plan could keep
+    why = _int4_unavailable(hw, measured) if on_gpu else None
+    if not on_gpu or why:
+        result, r = plan_with(False)
+        return result, r, choice("auto", expanded=result.tokens_per_s), why and f"GPU weights: expanded ({why})"
+    made, errors = {}, {}
+    for kind in ("int4", "expanded"):
+        try:
+            made[kind] = plan_with(kind == "int4")
+        except BudgetError as e:
+            errors[kind] = e
+    if not made:
+        raise errors["int4"]  # int4 needs less of the GPU: its message names the budget auto needs
+    if len(made) == 2:
+        best, other = ("int4", "expanded") if _faster(made["int4"][0], made["expanded"][0]) else ("expanded", "int4")
+    else:
+        (best,), other = made, next(iter(errors))
+    tok_s = {k: res.tokens_per_s for k, (res, _) in made.items()}
+    alt = f"{other} {tok_s[other]:.1f}" if other in tok_s else f"{other} does not fit"
+    return (*made[best], choice("auto", **tok_s), f"GPU weights: {best} (predicted {tok_s[best]:.1f} tok/s; {alt})")
 
 
 # ------------------------------------------------------------------------------------------- the table

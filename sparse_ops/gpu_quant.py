@@ -59,7 +59,8 @@ from torch import nn
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, _qtype_name
 
 __all__ = ["Int4Matrix", "Int4Linear", "int4_supported", "int4_unsupported_reason", "int4_layout_reason",
-           "int4_padded", "decode_int4", "quantize_int4", "INT4_QTYPES", "GROUP_SIZE", "INT4_DOWN_DEFAULT"]
+           "cuda_int4_available", "int4_padded", "decode_int4", "quantize_int4", "INT4_QTYPES", "GROUP_SIZE",
+           "INT4_DOWN_DEFAULT"]
 
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
 GROUP_SIZE = 32  # every type above has one (scale, zero) per 32 weights
@@ -96,6 +97,12 @@ def _kernel_device(device) -> str | None:
     if dev.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "cpu"
     return None
+
+
+def cuda_int4_available(device="cuda") -> bool:
+    """Whether torch's int4 CUDA kernels run on this machine's GPU (device): `hotcold plan` asks
+    before counting a quantised model's 4-bit matrices int4 there."""
+    return _kernel_device(device) == "cuda"
 
 
 def _pick_inner_k_tiles(k: int) -> int | None:
