@@ -145,7 +145,7 @@ class GraphedBlock(nn.Module):
         sx, sp = x.clone(), positions.clone()
         # warm up on a side stream (lazy initialisations, Triton compilation, must not happen inside
         # the capture); it writes this step's key/value at its position, as the replay will again
-        side = torch.cuda.Stream(x.device)
+        side = _side_stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
             self._body(sx, sp, cache_kv, split)
@@ -154,6 +154,17 @@ class GraphedBlock(nn.Module):
         with torch.cuda.graph(graph, pool=self.pool):
             res, f_in, pre, h = self._body(sx, sp, cache_kv, split)
         return _Captured(key, graph, sx, sp, res, f_in, pre, h)
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device for every capture: cuBLAS keeps a workspace per stream it ran on
+    (32 MiB on an H200), so a new stream per layer held 0.68 GiB more VRAM on a 20-layer 13B shape."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
 
 
 def graph_blocks(model: nn.Module, ffn: bool = True) -> list[int]:
