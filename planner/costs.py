@@ -111,7 +111,8 @@ class WeightFormat:
     # `--gpu-int4`: the GPU's attention matrices, and the hot FFN rows' up/gate (gpu_ffn_*) and W_down
     # columns (gpu_down_*), in torch's int4 layout where the file's type allows (sparse_ops/gpu_quant.py,
     # executors/weights.py): their bytes per weight, and the share of the GEMV bandwidth the int4
-    # kernel reaches (None / 1: as bytes_per_weight). The LM head is counted as the dtype.
+    # kernel reaches (None / 1: as bytes_per_weight). The LM head is counted as the dtype unless
+    # gpu_head_int4.
     gpu_attn_bytes_per_weight: float | None = None
     gpu_attn_speed: float = 1.0
     gpu_ffn_bytes_per_weight: float | None = None
@@ -122,6 +123,7 @@ class WeightFormat:
     # layer). A layer of these with every neuron on the GPU keeps its whole FFN int4 from its own
     # blocks (W_down too: its blocks run along the neuron axis, which is whole then): `whole_int4`.
     gpu_whole_int4: bool | frozenset = False
+    gpu_head_int4: bool = False  # `--gpu-int4`: an untied LM head of a 4-bit type kept int4 on the GPU
 
     # bytes per weight of each part: its own figure where set, else the dtype's (embedding: the host's)
     gpu_attn_w = property(lambda self: _or(self.gpu_attn_bytes_per_weight, self.bytes_per_weight))
@@ -134,7 +136,8 @@ class WeightFormat:
     @property
     def gpu_int4(self) -> bool:
         """Whether any GPU part is counted int4 (`--gpu-int4` found 4-bit matrices to keep)."""
-        return self.gpu_attn_bytes_per_weight is not None or self.gpu_ffn_bytes_per_weight is not None
+        return (self.gpu_attn_bytes_per_weight is not None or self.gpu_ffn_bytes_per_weight is not None
+                or self.gpu_head_int4 or bool(self.gpu_whole_int4))
 
     def whole_int4(self, layer: int) -> bool:
         """Whether layer's FFN, when every neuron is on the GPU, is kept int4 whole (see gpu_whole_int4)."""
@@ -170,20 +173,21 @@ def _int4_mix(bytes_per_weight: float, share: float) -> tuple[float, float]:
 
 
 def gpu_int4_format(fmt: WeightFormat, int4_share: float, ffn_share: float = 0.0,
-                    whole: bool | frozenset = False) -> WeightFormat:
+                    whole: bool | frozenset = False, head: bool = False) -> WeightFormat:
     """fmt with `--gpu-int4`: int4_share of the GPU's attention weights kept int4, and ffn_share of the
     hot FFN rows' up/gate weights (their W_down columns too where INT4_DOWN_DEFAULT requantises them);
-    whole: the layers whose FFN is kept int4 whole when every neuron is hot (WeightFormat.gpu_whole_int4)."""
+    whole: the layers whose FFN is kept int4 whole when every neuron is hot (WeightFormat.gpu_whole_int4);
+    head: the LM head is of a 4-bit type (kept int4 when untied)."""
     from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
-    if int4_share <= 0 and ffn_share <= 0 and not whole:
+    if int4_share <= 0 and ffn_share <= 0 and not whole and not head:
         return fmt
     bpw = fmt.bytes_per_weight
     (aw, asp), (fw, fsp), (dw, dsp) = (_int4_mix(bpw, s) for s in (int4_share, ffn_share,
                                                                     ffn_share if INT4_DOWN_DEFAULT else 0.0))
     return dataclasses.replace(fmt, name=f"{fmt.name}+int4", gpu_attn_bytes_per_weight=aw, gpu_attn_speed=asp,
                                gpu_ffn_bytes_per_weight=fw, gpu_ffn_speed=fsp, gpu_down_bytes_per_weight=dw,
-                               gpu_down_speed=dsp, gpu_whole_int4=whole)
+                               gpu_down_speed=dsp, gpu_whole_int4=whole, gpu_head_int4=head)
 
 
 def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> WeightFormat:
@@ -196,7 +200,7 @@ def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> We
     bpw = ts / bs
     fmt = quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
     share = 1.0 if gpu_int4 and kind.upper() in ("Q4_0", "Q4_K") else 0.0
-    return gpu_int4_format(fmt, share, share, whole=share > 0)
+    return gpu_int4_format(fmt, share, share, whole=share > 0, head=share > 0)
 
 
 FORMATS = {
@@ -466,7 +470,10 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0,
             unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes,
             pred_host_bytes=pred_host_bytes, whole_bytes=whole_bytes, whole_gpu_s=whole_gpu_s))
-    head_bytes = float(cfg.vocab_size * h * w)  # kept as the dtype: often the file's widest type (Q6_K)
+    # kept as the dtype (often the file's widest type, Q6_K), or int4 (a tied head is the embedding's table)
+    head_int4 = fmt.gpu_head_int4 and not cfg.tie_word_embeddings
+    head_w, head_speed = (INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED) if head_int4 else (w, 1.0)
+    head_bytes = float(cfg.vocab_size * h * head_w)
     head_host_bytes = float(cfg.vocab_size * h * (fmt.host_embed_w if cfg.tie_word_embeddings else wh))
     embed_bytes = float(cfg.vocab_size * h * fmt.host_embed_w)
     if cfg.model_type == "opt":
@@ -478,7 +485,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         workspace += ctx_bytes + min(c.stream_slots_bytes, 2 * _dense_ffn_bytes(cfg) * w)
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,
-        head_gpu_s=head_bytes / gbw + c.head_gpu_kernels * launch,
+        head_gpu_s=head_bytes / head_speed / gbw + c.head_gpu_kernels * launch,
         head_cpu_s=head_host_bytes / dense_bps + c.head_cpu_calls * call, head_host_bytes=head_host_bytes,
         head_sync_s=(rt + B * h * tv / pcie + handoff) if has_gpu else 0.0,
         tied=bool(cfg.tie_word_embeddings), embed_bytes=embed_bytes, workspace_bytes=float(workspace),

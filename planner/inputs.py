@@ -76,7 +76,8 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     lookup, apart from the attention and LM head that are read whole), the CPU kernel kind of its
     largest share of gate/up bytes; gpu_int4: the shares of its attention matrices, and of its
     dense/gated FFNs' up/gate matrices (the hot rows), that the GPU keeps int4 (Q4_0 / Q4_1 / Q4_K),
-    and the layers whose whole FFN it keeps int4 when every neuron is hot (all three matrices 4-bit)."""
+    the layers whose whole FFN it keeps int4 when every neuron is hot (all three matrices 4-bit), and
+    whether the LM head is 4-bit."""
     from hotcold.models.gguf_loader import GGUFFile
     from hotcold.sparse_ops.gpu_quant import INT4_QTYPES
     from hotcold.sparse_ops.quant import QTYPES
@@ -85,8 +86,10 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     ffn_b = ffn_n = other_b = other_n = embed_b = embed_n = attn_n = int4_n = rows_n = rows4_n = 0.0
     kinds: dict[str, float] = {}
     ffn4: dict[int, bool] = {}  # dense/gated layer -> all its FFN matrices of a 4-bit type (kept int4 whole)
+    head4 = False  # an (untied) LM head of a 4-bit type
     for name, qtype, n, nbytes, kept in GGUFFile(path).tensor_storage():
         host = nbytes if kept else n * base.bytes_per_weight
+        head4 = head4 or (name == "lm_head.weight" and bool(kept) and qtype in INT4_QTYPES)
         if name == "embed.weight":
             embed_b, embed_n = embed_b + host, embed_n + n
         elif _is_ffn_matrix(name):
@@ -114,7 +117,7 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     if not gpu_int4:
         return fmt
     whole = frozenset(l for l, ok in ffn4.items() if ok)
-    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0), rows4_n / max(rows_n, 1.0), whole)
+    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0), rows4_n / max(rows_n, 1.0), whole, head4)
 
 
 def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False) -> WeightFormat:

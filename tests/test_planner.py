@@ -662,7 +662,15 @@ def test_gpu_int4_counts_int4_bytes_for_gpu_attention_and_places_more_of_it():
         np.testing.assert_allclose(li.unit_bytes, lp.unit_bytes * (2 * INT4_GPU_BYTES_PER_WEIGHT + 2) / 6)
         np.testing.assert_allclose(li.unit_host_bytes, lp.unit_host_bytes)
         assert li.attn_host_bytes == pytest.approx(lp.attn_host_bytes)
-    assert ci.head_bytes == pytest.approx(cp.head_bytes)  # counted as the dtype (often Q6_K in files)
+    # --quantize q4_0 quantises the (untied) LM head too: int4 on the GPU, at int4's speed; a file's
+    # head of another type (often Q6_K) or a tied one (the embedding's table) stays the dtype
+    assert not cfg.tie_word_embeddings and int4.gpu_head_int4 and not plain.gpu_head_int4
+    assert ci.head_bytes == pytest.approx(cp.head_bytes * INT4_GPU_BYTES_PER_WEIGHT / 2)
+    assert ci.head_gpu_s - cp.head_gpu_s == pytest.approx((ci.head_bytes / INT4_GPU_SPEED - cp.head_bytes)
+                                                          / hw.gpu_gemv_Bps)
+    tied = build_costs(tiny_cfg("llama_relu", num_hidden_layers=4, tie_word_embeddings=True), stats, hw, int4,
+                       ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    assert tied.head_bytes == pytest.approx(cp.head_bytes)
     # room for the fixed parts, the int4 attention of every layer and little else
     vram = ci.gpu_fixed_bytes + ci.head_bytes + sum(l.attn_bytes + l.kv_bytes for l in ci.layers) * 1.05
     on_gpu = []
@@ -791,6 +799,7 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     # ... and an all-hot layer's whole FFN (up, gate and down all Q4_1) stays int4
     n_layers = len({n.split(".")[1] for n, *_ in GGUFFile(path).tensor_storage() if n.startswith("layers.")})
     assert f4.gpu_whole_int4 == frozenset(range(n_layers)) and fmt.gpu_whole_int4 is False
+    assert not f4.gpu_head_int4  # tied: the LM head is the Q8_0 embedding's table
     # Gemma 3 Q4_K_M: up/gate are Q5_0 (no int4 kernel), W_down Q4_K or Q6_K: no layer whole
     from conftest import gemma3_gguf
 
