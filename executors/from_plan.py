@@ -73,13 +73,33 @@ def _load_dense(path: Path, device, dtype, quantize: str | None, gpu_int4: bool)
     return _graphed(lm)
 
 
+def dense_int4_default(path: Path, quantize: str | None, device: torch.device) -> bool:
+    """Whether a run without a plan keeps a quantised model's 4-bit matrices int4 on device by default:
+    a GPU that runs torch's int4 kernels, and Q4_0/Q4_1/Q4_K matrices (a GGUF's own, or --quantize
+    q4_0|q4_k). They hold 0.31x the VRAM of bfloat16 (a 7B Q4 file fits an 8 GB card only so) and
+    multiply one token 1.35-1.6x faster; a long prompt's prefill is slower (sparse_ops/gpu_quant.py)."""
+    from hotcold.sparse_ops.gpu_quant import INT4_QTYPES, cuda_int4_available
+
+    if device.type != "cuda" or not cuda_int4_available(device):
+        return False
+    if quantize:
+        return quantize.upper() in INT4_QTYPES
+    if not Path(path).is_file():
+        return False
+    from hotcold.models.gguf_loader import GGUFFile
+
+    return any(kept and qtype in INT4_QTYPES for _, qtype, _, _, kept in GGUFFile(path).tensor_storage())
+
+
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
-                 quantize: str | None = None, gpu_int4: bool = False) -> RunSetup:
+                 quantize: str | None = None, gpu_int4: bool | None = None) -> RunSetup:
     """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
     `load_model` (HF checkpoints quantised at load). gpu_int4: on CUDA, a quantised model's 4-bit
     matrices stay 4-bit on the GPU, the split FFNs' hot rows included (see make_hybrid); a plan made
-    with --gpu-int4 turns it on, and says whether W_down's hot columns are requantised too."""
+    with --gpu-int4 turns it on, and says whether W_down's hot columns are requantised too; None
+    (default): the plan's choice, or without a plan `dense_int4_default`; False: expanded unless the
+    plan counted int4 (its GPU bytes assume it)."""
     from hotcold.planner.plan import find_plan, load_plan
 
     info = describe_model(path)
@@ -87,12 +107,18 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     if plan_path is None:
         notes = ["no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
                  "split it between GPU and CPU)"] if use_plan else []
+        if gpu_int4 is None:
+            gpu_int4 = dense_int4_default(info.path, quantize, resolve_device(device))
+            if gpu_int4:
+                notes.append("its Q4_0/Q4_1/Q4_K matrices stay 4-bit on the GPU (torch's int4 kernels; "
+                             "--no-gpu-int4 expands them)")
         return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4), notes=notes)
     p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
     weights = p.meta.get("weights", {})
-    if weights.get("gpu_int4"):  # planned with --gpu-int4: its GPU bytes assume it
+    if weights.get("gpu_int4"):  # planned with int4 GPU weights: its GPU bytes assume it
         gpu_int4 = True
+    gpu_int4 = bool(gpu_int4)
     if p.mode == "gpu":
         if quantize and not gpu_int4:
             raise HotcoldError("--quantize keeps weights in host memory; this model's plan puts all of it on the GPU "

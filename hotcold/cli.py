@@ -28,9 +28,9 @@ DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (def
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's choice).")
 QuantizeOpt = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: q8_0, q4_0 or q4_k "
                                                     "(GGUF files keep their own quantisation).")
-GpuInt4Opt = typer.Option(False, "--gpu-int4", help="On CUDA, keep a quantised model's Q4_0/Q4_1/Q4_K matrices "
-                                                    "(attention, LM head, the split FFNs' hot up/gate rows) 4-bit on "
-                                                    "the GPU (torch's int4 kernels) instead of expanding them.")
+GpuInt4Opt = typer.Option(None, "--gpu-int4/--no-gpu-int4", help="On CUDA, keep a quantised model's Q4_0/Q4_1/Q4_K "
+                          "matrices 4-bit on the GPU (torch's int4 kernels) or expand them to --dtype. Default: as "
+                          "the plan chose; without a plan, 4-bit where the GPU runs the int4 kernels.")
 
 
 def _version(value: bool) -> None:
@@ -121,7 +121,7 @@ def run(
     dtype: Optional[str] = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     quantize: Optional[str] = QuantizeOpt,
-    gpu_int4: bool = GpuInt4Opt,
+    gpu_int4: Optional[bool] = GpuInt4Opt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streamed to the terminal, or chat interactively without --prompt."""
@@ -152,7 +152,7 @@ def run(
 
 
 def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtype, threads, stats: bool,
-          quantize: Optional[str] = None, gpu_int4: bool = False):
+          quantize: Optional[str] = None, gpu_int4: Optional[bool] = None):
     """The model per its plan (or dense), with the notes saying which printed to stderr."""
     import torch
 

@@ -34,8 +34,10 @@ def serve(
                                              help="Model id in /v1/models (default: the model file or folder name)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: "
                                                                     "q8_0, q4_0 or q4_k."),
-    gpu_int4: bool = typer.Option(False, "--gpu-int4", help="On CUDA, keep a quantised model's 4-bit matrices "
-                                                            "(the split FFNs' hot up/gate rows too) 4-bit on the GPU."),
+    gpu_int4: Optional[bool] = typer.Option(None, "--gpu-int4/--no-gpu-int4", help="On CUDA, keep a quantised "
+                                            "model's 4-bit matrices 4-bit on the GPU or expand them (default: as "
+                                            "the plan chose; without a plan, 4-bit where the GPU runs the int4 "
+                                            "kernels)."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn
@@ -71,7 +73,7 @@ def serve(
 
 
 def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None,
-          gpu_int4: bool = False):
+          gpu_int4: Optional[bool] = None):
     """The model per its plan (hybrid) or dense, saying which in the log."""
     from hotcold.executors.from_plan import open_for_run
 

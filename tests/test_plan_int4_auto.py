@@ -116,3 +116,26 @@ def test_cuda_int4_available_is_torchs_answer():
 
     expected = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 0)
     assert cuda_int4_available() == expected
+
+
+def test_a_run_without_a_plan_keeps_4bit_matrices_int4_where_the_gpu_runs_the_kernels(tmp_path, monkeypatch):
+    """`run`/`serve` without a plan (dense) on CUDA: a model with Q4_0/Q4_1/Q4_K matrices stays 4-bit
+    by default (0.31x bfloat16's VRAM) where the GPU runs torch's int4 kernels; not on the CPU, not
+    for Q8_0, not for a float HF folder unless --quantize q4_0|q4_k."""
+    import torch
+
+    import hotcold.sparse_ops.gpu_quant as gq
+    from hotcold.executors.from_plan import dense_int4_default
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    folder = make_model_folder(tmp_path, "tiny", dict(TINY["llama_relu"], num_hidden_layers=2, intermediate_size=96))
+    q8 = _tiny_gguf(tmp_path, QT.Q8_0)
+    monkeypatch.setattr(gq, "cuda_int4_available", lambda device="cuda": True)
+    assert dense_int4_default(smollm2_gguf(), None, cuda)  # Q4_1
+    assert dense_int4_default(_tiny_gguf(tmp_path, QT.Q4_0), None, cuda)
+    assert not dense_int4_default(q8, None, cuda)
+    assert not dense_int4_default(smollm2_gguf(), None, cpu)
+    assert dense_int4_default(folder, "q4_k", cuda) and not dense_int4_default(folder, "q8_0", cuda)
+    assert not dense_int4_default(folder, None, cuda)
+    monkeypatch.setattr(gq, "cuda_int4_available", lambda device="cuda": False)
+    assert not dense_int4_default(smollm2_gguf(), None, cuda)
