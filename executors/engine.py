@@ -1,8 +1,9 @@
 """Build the hybrid engine from a loaded model and a plan: `make_hybrid(...) -> HybridEngine`.
 
 Every dense/gated block's FFN becomes a HybridFFN (hot neurons on `device`, cold ones in host
-memory for the CPU worker), or, all its neurons hot under int4, stays whole with int4 matrices; every MoE block's FFN a HybridMoE (router, shared expert and the plan's
-GPU experts on `device`, the other experts in host memory for the CPU worker); everything else
+memory for the CPU worker), or, all its neurons hot under int4, stays whole with int4 matrices;
+every MoE block's FFN a HybridMoE (router, shared expert and the plan's GPU experts on `device`,
+the other experts in host memory for the CPU worker); everything else
 (attention, norms, embeddings, lm_head) moves to `device`. The original FFN parameters are dropped
 layer by layer as they are split, so host memory holds each weight once. `engine.lm` is the same
 LoadedModel, now on `device`: pass it to `hotcold.models.generate.Generator`.
