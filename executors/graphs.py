@@ -118,10 +118,7 @@ class GraphedBlock(nn.Module):
         decided at the first step: the FFN does not change once the blocks are wrapped)."""
         if self._device_ffn is None:
             ffn = self.block.ffn
-            self._device_ffn = (self.ffn_in_graph and isinstance(ffn, (DenseFFN, GatedFFN))
-                                and all(t.is_cuda for t in (*ffn.parameters(), *ffn.buffers()))
-                                and all(getattr(m, "qweight", None) is None or m.qweight.device.type == "cuda"
-                                        for m in ffn.modules()))
+            self._device_ffn = self.ffn_in_graph and isinstance(ffn, (DenseFFN, GatedFFN)) and _on_cuda(ffn)
         return self._device_ffn
 
     def _attention_half(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +151,14 @@ class GraphedBlock(nn.Module):
         with torch.cuda.graph(graph, pool=self.pool):
             res, f_in, pre, h = self._body(sx, sp, cache_kv, split)
         return _Captured(key, graph, sx, sp, res, f_in, pre, h)
+
+
+def _on_cuda(module: nn.Module) -> bool:
+    """Every weight of module on a CUDA device: parameters, buffers and int4 matrices (`qweight`; a
+    host QuantMatrix has no device)."""
+    quant = [m.qweight for m in module.modules() if hasattr(m, "qweight")]
+    return (all(t.is_cuda for t in (*module.parameters(), *module.buffers()))
+            and all(getattr(getattr(q, "device", None), "type", None) == "cuda" for q in quant))
 
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}

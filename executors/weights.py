@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hotcold.models.layers import DenseFFN, GatedFFN
-from hotcold.models.quantized import QuantExperts, QuantLinear, dequantized_rows
+from hotcold.models.quantized import QuantExperts, QuantLinear, dequantize_module, dequantized_rows, drop_module_pages
 from hotcold.sparse_ops.cpu import HostMatrix, quantize_i8
 from hotcold.sparse_ops.gpu_quant import (INT4_DOWN_DEFAULT, Int4Matrix, int4_layout_reason, int4_padded,
                                           int4_unsupported_reason)
@@ -284,8 +284,6 @@ def whole_int4(ffn, device, dtype) -> None:
     from their own blocks (W_down's blocks run along the neuron axis, whole here, so nothing is
     requantised: exact up to the bf16 rounding of scale and zero, as the hot up/gate rows), in place;
     their file pages are dropped. Check `whole_int4_reason` first."""
-    from hotcold.models.quantized import dequantize_module, drop_module_pages
-
     for name in ("up", "gate", "down"):
         lin = getattr(ffn, name, None)
         if lin is not None:

@@ -9,6 +9,7 @@ profile.json: {"fingerprint", "predictors": {"layers": [{"layer", "params", "pre
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,14 @@ def _is_hot_row_matrix(name: str) -> bool:
     return len(parts) >= 4 and parts[2] == "ffn" and parts[3] in ("up", "gate")
 
 
+@functools.lru_cache(maxsize=4)
+def _tensor_storage(path: str, mtime_ns: int, size: int) -> tuple:
+    """GGUFFile(path).tensor_storage(), once per file version (`plan` weighs a model both ways)."""
+    from hotcold.models.gguf_loader import GGUFFile
+
+    return tuple(GGUFFile(Path(path)).tensor_storage())
+
+
 def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> WeightFormat:
     """The weight format a GGUF runs with: `base` when its FFN matrices are float (expanded at load),
     else quantised (models/quantized.py): host bytes per weight from the file's own tensor sizes
@@ -78,7 +87,6 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     dense/gated FFNs' up/gate matrices (the hot rows), that the GPU keeps int4 (Q4_0 / Q4_1 / Q4_K),
     the layers whose whole FFN it keeps int4 when every neuron is hot (all three matrices 4-bit), and
     whether the LM head is 4-bit."""
-    from hotcold.models.gguf_loader import GGUFFile
     from hotcold.sparse_ops.gpu_quant import INT4_QTYPES
     from hotcold.sparse_ops.quant import QTYPES
 
@@ -87,7 +95,8 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     kinds: dict[str, float] = {}
     ffn4: dict[int, bool] = {}  # dense/gated layer -> all its FFN matrices of a 4-bit type (kept int4 whole)
     head4 = False  # an (untied) LM head of a 4-bit type
-    for name, qtype, n, nbytes, kept in GGUFFile(path).tensor_storage():
+    st = Path(path).stat()
+    for name, qtype, n, nbytes, kept in _tensor_storage(str(Path(path).resolve()), st.st_mtime_ns, st.st_size):
         host = nbytes if kept else n * base.bytes_per_weight
         head4 = head4 or (name == "lm_head.weight" and bool(kept) and qtype in INT4_QTYPES)
         if name == "embed.weight":
