@@ -16,6 +16,7 @@ from torch import nn
 
 from hotcold.models.config import ModelConfig, MoEConfig
 from hotcold.sparse_ops.attention import decode_attention
+from hotcold.sparse_ops.quant import qgemv
 from hotcold.sparse_ops.norm import rms_norm
 
 # ----------------------------------------------------------------------------- norms
@@ -199,9 +200,16 @@ class Attention(nn.Module):
     def _decode_cpu(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple, start: int | None) -> torch.Tensor:
         """forward for one token on the CPU with a float32 or float16 cache: rotary, cache write and
         attention in one numba call (sparse_ops.attention) instead of ~30 torch ops. x: [1, 1, D] -> [1, 1, D]."""
-        q = project(self.q, x).detach().reshape(self.n_heads, self.head_dim)
-        k = project(self.k, x).detach().reshape(self.n_kv, self.head_dim)
-        v = project(self.v, x).detach().reshape(self.n_kv, self.head_dim)
+        qkv = getattr(self, "qkv", None)  # q, k, v rows in one block matrix (models/quantized.py fuse_qkv)
+        if qkv is not None:
+            y = torch.from_numpy(qgemv(qkv, np.ascontiguousarray(x.reshape(-1).float().numpy()))).to(x.dtype)
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = y[:nq].reshape(self.n_heads, self.head_dim), y[nq:nq + nk].reshape(self.n_kv, self.head_dim), \
+                y[nq + nk:].reshape(self.n_kv, self.head_dim)
+        else:
+            q = project(self.q, x).detach().reshape(self.n_heads, self.head_dim)
+            k = project(self.k, x).detach().reshape(self.n_kv, self.head_dim)
+            v = project(self.v, x).detach().reshape(self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):  # an RMSNorm's decode-step form takes the heads' rows in one call
             q, k = (getattr(n, "rows", n)(t) for n, t in ((self.q_norm, q), (self.k_norm, k)))
         pos = int(positions[0]) if start is None else start

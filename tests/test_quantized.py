@@ -317,3 +317,30 @@ def test_perplexity_within_one_percent_of_llama_cpp(model):
     ref = _llama_cpp_ppl(path, windows)
     print(f"perplexity {model}: hotcold {ours:.4f} vs llama.cpp {ref:.4f} ({ours / ref - 1:+.2%})")
     assert abs(ours / ref - 1) < 0.01, f"hotcold {ours:.4f} vs llama.cpp {ref:.4f}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fused_qkv_is_one_copy_and_gives_the_same_decode_steps(tmp_path, family):
+    """pack_for_decode gives each attention one matrix of its interleaved q, k and v rows (attn.qkv)
+    that q, k and v then view (one copy in RAM); one-token steps over a KV cache (the path that
+    multiplies it in one GEMV) give the same logits, bit for bit, as three separate GEMVs."""
+    from hotcold.models.generate import Generator
+
+    lm = load_model(make_tiny(family, tmp_path), "cpu", "float32", quantize="q4_0")
+    pack_for_decode(lm.model)
+    attns = [b.attn for b in lm.model.layers]
+    for a in attns:
+        lins = (a.q, a.k, a.v)
+        assert a.qkv.rows == sum(lin.qweight.rows for lin in lins) and a.qkv.interleaved
+        assert all(np.shares_memory(lin.qweight.data, a.qkv.data) for lin in lins)
+    ids = [1, 5, 9, 33, 7, 100, 2, 64]
+
+    def steps() -> torch.Tensor:
+        gen = Generator(lm)
+        gen._ensure_cache(len(ids))
+        return torch.stack([gen.forward([t], i) for i, t in enumerate(ids)])  # [T, 1, V]
+
+    fused = steps()
+    for a in attns:
+        a.qkv = None  # the three QuantLinears, over the same rows
+    assert torch.equal(fused, steps())
