@@ -65,13 +65,17 @@ class HostAttention(nn.Module):
         for m in self.attn.modules():
             if isinstance(m, Rotary):  # its tables are recomputed on the host
                 m.reset("cpu")
-        self.worker, self.book = worker, book
+        self.worker, self.book, self.threads = worker, book, threads
+
+    def _host(self, *args) -> torch.Tensor:
+        set_threads(self.threads)  # numba's count is per calling thread (a fused q/k/v GEMV: attn.qkv)
+        return self.attn(*args)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D] on the fast tier -> [B, T, D] there; cache_kv: host buffers
         t0 = now()
         args = (x.to("cpu", self.dtype), positions.to("cpu"), cache_kv, start)
-        y = self.worker.call(self.attn, *args) if self.worker is not None else self.attn(*args)
+        y = self.worker.call(self._host, *args) if self.worker is not None else self._host(*args)
         y = y.to(x.device, x.dtype)
         if self.book is not None and self.book.enabled:
             self.book.add("decode" if x.shape[0] * x.shape[1] == 1 else "prefill", host_s=now() - t0)
