@@ -209,6 +209,14 @@ def test_llama_cpu_moe_layers_keeps_the_first_layers_experts_on_the_cpu():
     assert bench.llama_cpu_moe_layers(dense, n_ctx, 100) is None
 
 
+def test_plan_ctx_note_when_the_plan_kept_a_longer_kv_cache():
+    """A plan made for 4096 positions, benched with 200 (llama.cpp's n_ctx), is not at an equal budget:
+    the note says so and names the --ctx to plan with; a plan near the bench's context gets none."""
+    note = bench.plan_ctx_note(4096, 200)
+    assert note is not None and "4096-token KV cache" in note and "--ctx 200" in note
+    assert bench.plan_ctx_note(256, 200) is None and bench.plan_ctx_note(None, 200) is None
+
+
 def test_llama_offload_rules_and_notes():
     layout, n_ctx, reserve = _moe_layout(), 2, 1000
     o = bench.llama_offload(layout, n_ctx, 1080, reserve)  # 80 bytes left: experts of layers 0 and 1 on the CPU

@@ -505,6 +505,16 @@ def _torch_vram(torch, device) -> int | None:
     return None
 
 
+def plan_ctx_note(plan_ctx: int | None, ctx: int) -> str | None:
+    """A note when hotcold's plan kept GPU memory for a much longer KV cache than the bench uses (llama.cpp
+    gets n_ctx = ctx): the two then do not compare at equal budgets (a 13B shape's 4096 positions are 1.3
+    GiB of a 4 GiB budget)."""
+    if plan_ctx and plan_ctx > 2 * ctx:
+        return (f"hotcold's plan keeps GPU memory for a {plan_ctx}-token KV cache, this bench uses {ctx} "
+                f"(llama.cpp's n_ctx): plan with --ctx {ctx} to compare at equal budgets")
+    return None
+
+
 def run_hotcold(spec: dict) -> dict:
     torch = _torch_setup(spec)
     from hotcold.executors.from_plan import open_for_run
@@ -527,6 +537,8 @@ def run_hotcold(spec: dict) -> dict:
         notes.append(f"no plan: hotcold ran dense on {lm.device}, not within --vram")
     greedy = SamplingParams(temperature=0)
     ctx = len(ids) + n + 8
+    if setup.plan is not None and spec.get("vram_bytes"):
+        notes += filter(None, [plan_ctx_note(setup.plan.meta["budget"].get("ctx"), ctx)])
     t = time.perf_counter()
     if spec["warmup"]:
         warm = Generator(lm, max_context=ctx)
