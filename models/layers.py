@@ -203,9 +203,8 @@ class Attention(nn.Module):
         qkv = getattr(self, "qkv", None)  # q, k, v rows in one block matrix (models/quantized.py fuse_qkv)
         if qkv is not None:
             y = torch.from_numpy(qgemv(qkv, np.ascontiguousarray(x.reshape(-1).float().numpy()))).to(x.dtype)
-            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = y[:nq].reshape(self.n_heads, self.head_dim), y[nq:nq + nk].reshape(self.n_kv, self.head_dim), \
-                y[nq + nk:].reshape(self.n_kv, self.head_dim)
+            q, k, v = y.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim])
+            q, k, v = q.reshape(self.n_heads, self.head_dim), k.reshape(self.n_kv, -1), v.reshape(self.n_kv, -1)
         else:
             q = project(self.q, x).detach().reshape(self.n_heads, self.head_dim)
             k = project(self.k, x).detach().reshape(self.n_kv, self.head_dim)

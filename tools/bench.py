@@ -537,8 +537,9 @@ def run_hotcold(spec: dict) -> dict:
         notes.append(f"no plan: hotcold ran dense on {lm.device}, not within --vram")
     greedy = SamplingParams(temperature=0)
     ctx = len(ids) + n + 8
-    if setup.plan is not None and spec.get("vram_bytes"):
-        notes += filter(None, [plan_ctx_note(setup.plan.meta["budget"].get("ctx"), ctx)])
+    ctx_note = plan_ctx_note(setup.plan.meta["budget"].get("ctx"), ctx) if setup.plan is not None else None
+    if ctx_note and spec.get("vram_bytes"):
+        notes.append(ctx_note)
     t = time.perf_counter()
     if spec["warmup"]:
         warm = Generator(lm, max_context=ctx)
