@@ -166,8 +166,10 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     int4_hot: whether the split FFNs' hot rows are kept int4 (executors/weights.py `_hot_int4`;
       a layer whose rows cannot be says why in HotFFN.int4_skipped); None: gpu_int4 on a CUDA tier.
       A layer whose neurons are all hot and whose up/gate/down are all 4-bit is then not split: its
-      FFN stays whole with Int4Linear matrices on the fast tier (`whole_int4`; engine.whole).
-      True on a CPU tier runs torch's CPU twin kernels (for tests). int4_down: W_down's hot columns
+      FFN stays whole with Int4Linear matrices on the fast tier (`whole_int4`; engine.whole). A MoE
+      layer's fast-tier experts keep their 4-bit gate/up and down as Q4Stack (executors/moe.py
+      `split_moe`; the Triton expert kernels read them). True on a CPU tier runs torch's CPU twin
+      kernels (for tests; its experts are dequantised per call). int4_down: W_down's hot columns
       requantised to int4 as well (default INT4_DOWN_DEFAULT, sparse_ops/gpu_quant.py: kept in dtype).
     embed_cpu / head_cpu: keep the token embedding / the LM head in host memory and compute them on
       the CPU (HostEmbedding, HostHead; a tied head follows the embedding), as a plan counts them.
@@ -245,7 +247,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     moe_parts = {}
     for l in moe_layers:
         moe_ffn = model.layers[l].ffn
-        moe_parts[l] = split_moe(moe_ffn, gpu_experts.get(l, ()), act, device, dtype, cpu_dtype)
+        moe_parts[l] = split_moe(moe_ffn, gpu_experts.get(l, ()), act, device, dtype, cpu_dtype, int4=int4_hot)
         drop_module_pages(moe_ffn)
         model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
         del moe_ffn

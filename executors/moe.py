@@ -39,7 +39,8 @@ from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts
 from hotcold.models.layers import FFN, MoEFFN, activation_fn, route
 from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_model, dequantize_module, quant_bytes
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
-from hotcold.sparse_ops.moe_gpu import routed_experts
+from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
+from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts
 from hotcold.sparse_ops.quant import qdequantize
 
 # ---------------------------------------------------------------------------------------------
@@ -48,23 +49,36 @@ from hotcold.sparse_ops.quant import qdequantize
 
 @dataclass
 class FastExperts:
-    """The plan's GPU experts, stacked on the fast tier: gate, up [G, I, D]; down [G, D, I]."""
+    """The plan's GPU experts, stacked on the fast tier: gate, up [G, I, D]; down [G, D, I], each a
+    tensor in the compute dtype or (int4, see split_moe) a Q4Stack of the file's 4-bit codes."""
 
     ids: list[int]  # expert ids, plan order (slot g holds expert ids[g])
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: torch.Tensor | Q4Stack
+    up: torch.Tensor | Q4Stack
+    down: torch.Tensor | Q4Stack
     act: object  # torch activation function
     act_name: str = "silu"
     slot_of: torch.Tensor | None = None  # int32 [E] on the fast tier: each expert's slot, -1 elsewhere
 
+    def weight(self, which: str, g: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slot g's gate | up [I, D] or down [D, I] (a Q4Stack's dequantised to dtype)."""
+        w = getattr(self, which)
+        return w.dequantize(g, dtype) if isinstance(w, Q4Stack) else w[g]
+
     def expert(self, g: int, x: torch.Tensor) -> torch.Tensor:
         """Slot g's expert, computed as Experts.expert does. x: [n, D] -> [n, D]."""
-        return (self.act(x @ self.gate[g].T) * (x @ self.up[g].T)) @ self.down[g].T
+        gate, up, down = (self.weight(w, g, x.dtype) for w in ("gate", "up", "down"))
+        return (self.act(x @ gate.T) * (x @ up.T)) @ down.T
+
+    @property
+    def int4(self) -> tuple[str, ...]:
+        """The stacks held as Q4Stack ("gate", "up", "down")."""
+        return tuple(w for w in ("gate", "up", "down") if isinstance(getattr(self, w), Q4Stack))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+        return sum(t.nbytes if isinstance(t, Q4Stack) else t.numel() * t.element_size()
+                   for t in (self.gate, self.up, self.down))
 
 
 def check_experts(ids, n: int) -> list[int]:
@@ -77,10 +91,27 @@ def check_experts(ids, n: int) -> list[int]:
     return out
 
 
-def _stack(ex, which: str, ids: list[int], device, dtype) -> torch.Tensor:
+def int4_experts_reason(ex, which: str) -> str | None:
+    """Why experts' `which` (gate_up | down) cannot stay 4-bit on the fast tier as a Q4Stack; None if they can."""
+    if not isinstance(ex, QuantExperts):
+        return "its experts are not quantised"
+    mats = (ex.qgate, ex.qup) if which == "gate_up" else (ex.qdown,)
+    bad = sorted({m.qtype for m in mats} - set(INT4_QTYPES))
+    if bad:
+        return f"{which} experts are {'/'.join(bad)}, not a 4-bit type ({', '.join(INT4_QTYPES)})"
+    k = ex.dim if which == "gate_up" else ex.hidden
+    if k % GROUP_SIZE:
+        return f"{which} experts' rows of {k} are not whole groups of {GROUP_SIZE}"
+    return None
+
+
+def _stack(ex, which: str, ids: list[int], device, dtype, int4: bool = False) -> torch.Tensor | Q4Stack:
     """Experts ids' `which` (gate | up: [I, D]; down: [D, I]) stacked on device in dtype, one expert
-    at a time (QuantExperts: each expert's blocks decoded). -> [G, I, D] or [G, D, I]."""
+    at a time (QuantExperts: each expert's blocks decoded; with int4 their 4-bit codes kept as a
+    Q4Stack). -> [G, I, D] or [G, D, I]."""
     quant = isinstance(ex, QuantExperts)
+    if int4:
+        return Q4Stack.from_quant((ex.matrix(which, e) for e in ids), device)
     if quant:
         shape = (ex.dim, ex.hidden) if which == "down" else (ex.hidden, ex.dim)
     else:
@@ -132,12 +163,14 @@ class MoEParts:
 
 
 @torch.no_grad()
-def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str = "bf16") -> MoEParts:
+def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str = "bf16",
+              int4: bool = False) -> MoEParts:
     """Split a MoEFFN: router, shared expert and the GPU experts to device (dtype), the other experts
     to host memory in cpu_kind. Quantised experts (QuantExperts) stay quantised on the host
-    (`host_quant_experts`; cpu_kind does not apply) and are dequantised for the fast tier. The
-    caller drops `moe` afterwards; the parts share no memory with its experts (router and shared
-    expert are the same modules, moved, or their dequantised copies off the CPU)."""
+    (`host_quant_experts`; cpu_kind does not apply) and are dequantised for the fast tier, or with
+    int4 kept 4-bit there (Q4Stack) where `int4_experts_reason` allows: gate and up together, down on
+    its own. The caller drops `moe` afterwards; the parts share no memory with its experts (router
+    and shared expert are the same modules, moved, or their dequantised copies off the CPU)."""
     ex = moe.experts
     quant = isinstance(ex, QuantExperts)
     n_exp, hidden = (ex.n, ex.hidden) if quant else ex.gate.shape[:2]  # gate: [E, I, D]
@@ -151,7 +184,9 @@ def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str =
     pos[cold_ids] = np.arange(len(cold_ids))
     slot_of = torch.full((n_exp,), -1, dtype=torch.int32)
     slot_of[on_gpu] = torch.arange(len(on_gpu), dtype=torch.int32)
-    fast = FastExperts(on_gpu, *(_stack(ex, w, on_gpu, device, dtype) for w in ("gate", "up", "down")),
+    q4 = {w: int4 and int4_experts_reason(ex, "down" if w == "down" else "gate_up") is None
+          for w in ("gate", "up", "down")}
+    fast = FastExperts(on_gpu, *(_stack(ex, w, on_gpu, device, dtype, q4[w]) for w in ("gate", "up", "down")),
                        act=activation_fn(act), act_name=act, slot_of=slot_of.to(device))
     router, shared, shared_gate = (_to_tier(getattr(moe, k, None), device, dtype)
                                    for k in ("router", "shared", "shared_gate"))

@@ -124,6 +124,11 @@ class WeightFormat:
     # blocks (W_down too: its blocks run along the neuron axis, which is whole then): `whole_int4`.
     gpu_whole_int4: bool | frozenset = False
     gpu_head_int4: bool = False  # `--gpu-int4`: an untied LM head of a 4-bit type kept int4 on the GPU
+    # `--gpu-int4`: the MoE layers whose gate and up experts (gpu_experts_int4) and whose down experts
+    # (gpu_experts_down_int4) are of a 4-bit type: the GPU's experts keep them 4-bit (a Q4Stack read by
+    # the Triton expert kernels, sparse_ops/moe_gpu.py). True: every layer.
+    gpu_experts_int4: bool | frozenset = False
+    gpu_experts_down_int4: bool | frozenset = False
 
     # bytes per weight of each part: its own figure where set, else the dtype's (embedding: the host's)
     gpu_attn_w = property(lambda self: _or(self.gpu_attn_bytes_per_weight, self.bytes_per_weight))
@@ -137,7 +142,13 @@ class WeightFormat:
     def gpu_int4(self) -> bool:
         """Whether any GPU part is counted int4 (`--gpu-int4` found 4-bit matrices to keep)."""
         return (self.gpu_attn_bytes_per_weight is not None or self.gpu_ffn_bytes_per_weight is not None
-                or self.gpu_head_int4 or bool(self.gpu_whole_int4))
+                or self.gpu_head_int4 or bool(self.gpu_whole_int4) or bool(self.gpu_experts_int4)
+                or bool(self.gpu_experts_down_int4))
+
+    def experts_int4(self, layer: int) -> tuple[bool, bool]:
+        """Whether layer's GPU experts keep (gate and up, down) 4-bit (see gpu_experts_int4)."""
+        return tuple(w is True or (isinstance(w, frozenset) and layer in w)
+                     for w in (self.gpu_experts_int4, self.gpu_experts_down_int4))
 
     def whole_int4(self, layer: int) -> bool:
         """Whether layer's FFN, when every neuron is on the GPU, is kept int4 whole (see gpu_whole_int4)."""
@@ -162,6 +173,8 @@ INT4_GPU_BYTES_PER_WEIGHT = 0.5 + 4 / 32
 # the int4 kernel's share of the bf16 GEMV's bandwidth (tools/bench_gpu_quant.py, H200, one token:
 # 0.9-1.3 TB/s of its own bytes against 1.8-3.1 TB/s; 1.35-1.6x faster per weight than bf16)
 INT4_GPU_SPEED = 0.45
+# the same for the Triton kernels of 4-bit GPU experts (Q4Stack) against their bf16 twins
+INT4_EXPERT_SPEED = 0.45
 
 
 def _int4_mix(bytes_per_weight: float, share: float) -> tuple[float, float]:
@@ -173,21 +186,24 @@ def _int4_mix(bytes_per_weight: float, share: float) -> tuple[float, float]:
 
 
 def gpu_int4_format(fmt: WeightFormat, int4_share: float, ffn_share: float = 0.0,
-                    whole: bool | frozenset = False, head: bool = False) -> WeightFormat:
+                    whole: bool | frozenset = False, head: bool = False, experts: bool | frozenset = False,
+                    experts_down: bool | frozenset = False) -> WeightFormat:
     """fmt with `--gpu-int4`: int4_share of the GPU's attention weights kept int4, and ffn_share of the
     hot FFN rows' up/gate weights (their W_down columns too where INT4_DOWN_DEFAULT requantises them);
     whole: the layers whose FFN is kept int4 whole when every neuron is hot (WeightFormat.gpu_whole_int4);
-    head: the LM head is of a 4-bit type (kept int4 when untied)."""
+    head: the LM head is of a 4-bit type (kept int4 when untied); experts, experts_down: the MoE layers
+    whose GPU experts keep gate/up, down 4-bit (WeightFormat.gpu_experts_int4)."""
     from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
-    if int4_share <= 0 and ffn_share <= 0 and not whole and not head:
+    if int4_share <= 0 and ffn_share <= 0 and not whole and not head and not experts and not experts_down:
         return fmt
     bpw = fmt.bytes_per_weight
     (aw, asp), (fw, fsp), (dw, dsp) = (_int4_mix(bpw, s) for s in (int4_share, ffn_share,
                                                                     ffn_share if INT4_DOWN_DEFAULT else 0.0))
     return dataclasses.replace(fmt, name=f"{fmt.name}+int4", gpu_attn_bytes_per_weight=aw, gpu_attn_speed=asp,
                                gpu_ffn_bytes_per_weight=fw, gpu_ffn_speed=fsp, gpu_down_bytes_per_weight=dw,
-                               gpu_down_speed=dsp, gpu_whole_int4=whole, gpu_head_int4=head)
+                               gpu_down_speed=dsp, gpu_whole_int4=whole, gpu_head_int4=head,
+                               gpu_experts_int4=experts, gpu_experts_down_int4=experts_down)
 
 
 def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> WeightFormat:
@@ -200,7 +216,8 @@ def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> We
     bpw = ts / bs
     fmt = quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
     share = 1.0 if gpu_int4 and kind.upper() in ("Q4_0", "Q4_K") else 0.0
-    return gpu_int4_format(fmt, share, share, whole=share > 0, head=share > 0)
+    return gpu_int4_format(fmt, share, share, whole=share > 0, head=share > 0, experts=share > 0,
+                           experts_down=share > 0)
 
 
 FORMATS = {
@@ -414,13 +431,17 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         if kind == "moe":
             n_items = cfg.num_experts
             inter = cfg.moe_intermediate_size
-            eb = 3 * h * inter * w + 3 * inter * fmt.row_overhead_bytes
+            gu4, dn4 = fmt.experts_int4(l)
+            gu_w, dn_w = (INT4_GPU_BYTES_PER_WEIGHT if q4 else w for q4 in (gu4, dn4))
+            eb = h * inter * (2 * gu_w + dn_w) + 3 * inter * fmt.row_overhead_bytes
+            eb_t = h * inter * sum(x / (INT4_EXPERT_SPEED if q4 else 1.0) for x, q4 in
+                                   ((2 * gu_w, gu4), (dn_w, dn4))) + 3 * inter * fmt.row_overhead_bytes
             eb_host = 3 * h * inter * wf + 3 * inter * fmt.row_overhead_bytes
             starts = np.arange(n_items + 1, dtype=np.int64)
             q = 1.0 - (1.0 - np.minimum(1.0, f_sorted)) ** B  # routed for at least one token of the batch
             unit_bytes = np.full(n_items, eb)
             unit_host_bytes = np.full(n_items, eb_host)
-            unit_gpu_s = q * (eb / gbw + c.expert_gpu_kernels * launch)
+            unit_gpu_s = q * (eb_t / gbw + c.expert_gpu_kernels * launch)
             unit_cpu_s = q * (eb_host / ffn_bps + c.expert_cpu_calls * call)
             unit_freq = f_sorted.copy()
             pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0

@@ -85,8 +85,8 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     lookup, apart from the attention and LM head that are read whole), the CPU kernel kind of its
     largest share of gate/up bytes; gpu_int4: the shares of its attention matrices, and of its
     dense/gated FFNs' up/gate matrices (the hot rows), that the GPU keeps int4 (Q4_0 / Q4_1 / Q4_K),
-    the layers whose whole FFN it keeps int4 when every neuron is hot (all three matrices 4-bit), and
-    whether the LM head is 4-bit."""
+    the layers whose whole FFN it keeps int4 when every neuron is hot (all three matrices 4-bit),
+    whether the LM head is 4-bit, and the MoE layers whose experts' gate/up and down are 4-bit."""
     from hotcold.sparse_ops.gpu_quant import INT4_QTYPES
     from hotcold.sparse_ops.quant import QTYPES
 
@@ -95,6 +95,7 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
     kinds: dict[str, float] = {}
     ffn4: dict[int, bool] = {}  # dense/gated layer -> all its FFN matrices of a 4-bit type (kept int4 whole)
     head4 = False  # an (untied) LM head of a 4-bit type
+    exps4: dict[str, dict[int, bool]] = {"gate_up": {}, "down": {}}  # MoE layer -> its experts 4-bit
     st = Path(path).stat()
     for name, qtype, n, nbytes, kept in _tensor_storage(str(Path(path).resolve()), st.st_mtime_ns, st.st_size):
         host = nbytes if kept else n * base.bytes_per_weight
@@ -110,6 +111,10 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
             if name.endswith(".weight") and name.split(".")[3] in ("up", "gate", "down"):
                 l = int(name.split(".")[1])
                 ffn4[l] = ffn4.get(l, True) and bool(kept) and qtype in INT4_QTYPES
+            if ".experts." in name:
+                which = exps4["down" if name.endswith(".down") else "gate_up"]
+                l = int(name.split(".")[1])
+                which[l] = which.get(l, True) and bool(kept) and qtype in INT4_QTYPES
             if _is_hot_row_matrix(name):
                 rows_n += n
                 rows4_n += n if kept and qtype in INT4_QTYPES else 0
@@ -125,8 +130,10 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
                            embed_b / embed_n if embed_n else None)
     if not gpu_int4:
         return fmt
-    whole = frozenset(l for l, ok in ffn4.items() if ok)
-    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0), rows4_n / max(rows_n, 1.0), whole, head4)
+    whole, experts, experts_down = (frozenset(l for l, ok in d.items() if ok)
+                                    for d in (ffn4, exps4["gate_up"], exps4["down"]))
+    return gpu_int4_format(fmt, int4_n / max(attn_n, 1.0), rows4_n / max(rows_n, 1.0), whole, head4,
+                           experts, experts_down)
 
 
 def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False) -> WeightFormat:

@@ -209,7 +209,9 @@ def plan_json(result: PlanResult, req: PlanRequest, *, fingerprint: str, model: 
         entry = {"layer": l, "kind": lc.kind, "attention": "gpu" if p.attn_gpu[l] else "cpu",
                  "predictor": le.predictor}
         if lc.kind == "moe":
-            entry.update(experts=n_items, gpu_experts=[int(i) for i in ids])
+            gu4, dn4 = req.fmt.experts_int4(l)
+            entry.update(experts=n_items, gpu_experts=[int(i) for i in ids],
+                         experts_int4=[w for w, q4 in (("gate", gu4), ("up", gu4), ("down", dn4)) if q4])
         else:
             entry.update(neurons=n_items, gpu_neurons=int(len(ids)), gpu_fraction=round(len(ids) / max(1, n_items), 4),
                          int4_whole=bool(lc.whole_bytes is not None and len(ids) == n_items))

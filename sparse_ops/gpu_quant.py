@@ -59,8 +59,8 @@ from torch import nn
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, _qtype_name
 
 __all__ = ["Int4Matrix", "Int4Linear", "int4_supported", "int4_unsupported_reason", "int4_layout_reason",
-           "cuda_int4_available", "int4_padded", "decode_int4", "quantize_int4", "INT4_QTYPES", "GROUP_SIZE",
-           "INT4_DOWN_DEFAULT"]
+           "cuda_int4_available", "int4_padded", "decode_int4", "decode_int4_halves", "quantize_int4", "INT4_QTYPES",
+           "GROUP_SIZE", "INT4_DOWN_DEFAULT"]
 
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
 GROUP_SIZE = 32  # every type above has one (scale, zero) per 32 weights
@@ -205,6 +205,17 @@ _DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q4_K": _decode_q4_k}
 def decode_int4(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q's weights as tinygemm sees them: codes uint8 [N, K / 2] packed two a byte (element 2j in the
     high nibble), scale and zero float32 [N, K / 32], so that w = (code - 8) * scale + zero."""
+    return _decode(q, _pack)
+
+
+def decode_int4_halves(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """decode_int4 with the codes of each group of 32 packed as Q4_0 packs them: byte i of the group's 16
+    holds element i in its low nibble and element i + 16 in its high one (the Triton expert kernels'
+    layout, sparse_ops/moe_gpu.py)."""
+    return _decode(q, _pack_halves)
+
+
+def _decode(q: QuantMatrix, pack) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if q.qtype not in _DECODERS:
         raise ValueError(f"{q.qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
     if q.interleaved:  # (quant.pack_rows' layout) its rows in the GGUF layout, a copy
@@ -218,13 +229,19 @@ def decode_int4(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for a in range(0, n, step):
         b = q.data[a:a + step].reshape(-1, k // bs, ts)
         codes, scale[a:a + step], zero[a:a + step] = _DECODERS[q.qtype](b)
-        packed[a:a + step] = _pack(codes.reshape(b.shape[0], k))
+        packed[a:a + step] = pack(codes.reshape(b.shape[0], k))
     return packed, scale, zero
 
 
 def _pack(codes: np.ndarray) -> np.ndarray:
     # codes uint8 [N, K] in 0..15 -> [N, K / 2], element 2j in the high nibble of byte j
     return (codes[:, 0::2] << 4) | codes[:, 1::2]
+
+
+def _pack_halves(codes: np.ndarray) -> np.ndarray:
+    # codes uint8 [N, K] in 0..15 -> [N, K / 2]: per group of 32, byte i = element i | element i + 16 << 4
+    c = codes.reshape(codes.shape[0], -1, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1)
 
 
 def _pad_rows(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, n: int):

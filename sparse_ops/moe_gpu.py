@@ -11,10 +11,19 @@ not wait for it, and only the routed experts' weights are read. On CUDA with Tri
 kernels (gate and up with the activation and routing weight; then down, summed over the k experts
 in the kernel, so the result is deterministic); elsewhere a torch version gathers the k experts'
 weights first (three times their bytes; used on the CPU tier and as the reference in tests).
+
+Each of the two kernels also has a 4-bit twin that reads a `Q4Stack` in place of a bf16 stack (gate
+and up together, down on its own: a Q4_K_M file often has 4-bit gate/up experts and Q6_K down): the
+file's own Q4_0 / Q4_1 / Q4_K codes, 16 bytes per group of 32 weights as Q4_0 packs them, and one fp16
+(scale, zero) pair per group, dequantised in registers (5 bits a weight against bf16's 16, so about
+3x the experts fit in the same VRAM).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from hotcold.sparse_ops.gpu import activation
@@ -25,7 +34,7 @@ try:  # Triton comes with torch's CUDA builds on Linux; without it the torch ver
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["routed_experts", "routed_experts_torch", "triton_available"]
+__all__ = ["Q4Stack", "routed_experts", "routed_experts_torch", "triton_available"]
 
 _ACT_CODE = {"silu": 0, "gelu_tanh": 1, "relu": 2}
 
@@ -35,6 +44,68 @@ def triton_available(device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
+@dataclass
+class Q4Stack:
+    """G matrices [N, K] in 4 bits, groups of 32 along K: codes uint8 [G, N, K / 2] (per group, byte i
+    holds element i in its low nibble and element i + 16 in its high one), scale, zero fp16 [G, N, K / 32];
+    w = (code - 8) * scale + zero (gpu_quant.decode_int4_halves: exact for Q4_0 and Q4_1 up to the fp16
+    rounding of zero, for Q4_K up to that of scale and zero)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @classmethod
+    def from_quant(cls, mats, device) -> "Q4Stack":
+        """Stack QuantMatrix's of one 4-bit type (Q4_0 | Q4_1 | Q4_K) and one shape, one at a time, on device."""
+        from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, decode_int4_halves
+
+        mats = list(mats)
+        n, k = mats[0].shape if mats else (0, GROUP_SIZE)
+        if k % GROUP_SIZE:
+            raise ValueError(f"a Q4Stack needs K divisible by {GROUP_SIZE}, got {k}")
+        with torch.inference_mode(False):
+            out = cls(torch.empty((len(mats), n, k // 2), dtype=torch.uint8, device=device),
+                      *(torch.empty((len(mats), n, k // GROUP_SIZE), dtype=torch.float16, device=device)
+                        for _ in range(2)))
+        for g, m in enumerate(mats):
+            if m.shape != (n, k):
+                raise ValueError(f"Q4Stack matrices differ in shape: {m.shape} and {(n, k)}")
+            for dst, a in zip((out.codes, out.scale, out.zero), decode_int4_halves(m)):
+                dst[g] = torch.from_numpy(np.ascontiguousarray(a)).to(device, dst.dtype)
+        return out
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        G, N, half = self.codes.shape
+        return G, N, 2 * half
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def is_contiguous(self) -> bool:
+        return all(t.is_contiguous() for t in (self.codes, self.scale, self.zero))
+
+    def dequantize(self, s, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Matrices s (an int, or an index tensor [k]) as floats: [N, K] or [k, N, K]."""
+        c = self.codes[s]  # [..., N, K / 2]
+        lo, hi = (c & 15), (c >> 4)
+        q = torch.stack([lo.unflatten(-1, (-1, 16)), hi.unflatten(-1, (-1, 16))], dim=-2)  # [..., N, K/32, 2, 16]
+        q = q.flatten(-2).float() - 8  # [..., N, K / 32, 32]
+        w = q * self.scale[s].float()[..., None] + self.zero[s].float()[..., None]
+        return w.flatten(-2).to(dtype)  # [..., N, K]
+
+
+def _weights(stack, s, dtype) -> torch.Tensor:
+    # stack[s] as floats (a Q4Stack dequantised)
+    return stack.dequantize(s, dtype) if isinstance(stack, Q4Stack) else stack[s]
+
+
 def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
                          gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     """routed_experts by gathering the k experts' weights (torch only). Returns float32 [D]."""
@@ -42,18 +113,24 @@ def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     s = slot_of[ids].long()  # [k]
     w = torch.where(s >= 0, weights.float(), torch.zeros_like(weights, dtype=torch.float32))  # [k]
     s = s.clamp(min=0)
-    xk = x.reshape(1, -1, 1).to(gate.dtype)  # [1, D, 1]
-    h = f(torch.matmul(gate[s], xk).float()) * torch.matmul(up[s], xk).float()  # [k, I, 1]
-    h = (h * w[:, None, None]).to(down.dtype)
-    return torch.matmul(down[s], h).float().sum(0).reshape(-1)  # [D]
+    dt = x.dtype if isinstance(gate, Q4Stack) else gate.dtype
+    xk = x.reshape(1, -1, 1).to(dt)  # [1, D, 1]
+    h = f(torch.matmul(_weights(gate, s, dt), xk).float()) * torch.matmul(_weights(up, s, dt), xk).float()  # [k, I, 1]
+    wd = _weights(down, s, dt)  # [k, D, I]
+    h = (h * w[:, None, None]).to(wd.dtype)
+    return torch.matmul(wd, h).float().sum(0).reshape(-1)  # [D]
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
                    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     """One token's routed fast-tier experts (see the module docstring). x: [D]; ids: int [k];
-    weights: [k]; slot_of: int32 [E]; gate, up: [G, I, D]; down: [G, D, I] -> float32 [D]."""
+    weights: [k]; slot_of: int32 [E]; gate, up: [G, I, D] (both tensors, or both Q4Stack);
+    down: [G, D, I] (a tensor or a Q4Stack) -> float32 [D]."""
     if act not in _ACT_CODE:
         raise ValueError(f"act must be one of {tuple(_ACT_CODE)}, got {act!r}")
+    q4_gu = isinstance(gate, Q4Stack)
+    if q4_gu != isinstance(up, Q4Stack):
+        raise ValueError("gate and up must both be Q4Stack or both tensors")
     if not triton_available(x.device) or gate.shape[0] == 0 or not all(
             t.is_contiguous() for t in (gate, up, down, slot_of)):  # the kernels index contiguous stacks
         return routed_experts_torch(x, ids, weights, slot_of, gate, up, down, act)
@@ -64,10 +141,20 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sl
     weights = weights.reshape(-1).float().contiguous()
     h = torch.empty((k, I), dtype=torch.float32, device=x.device)
     y = torch.empty(D, dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(k, triton.cdiv(I, _GU_ROWS))](
-        x, ids, weights, slot_of, gate, up, h, I, D, ACT=_ACT_CODE[act], BLOCK_N=_GU_ROWS, BLOCK_K=_GU_COLS)
-    _down_kernel[(triton.cdiv(D, _DOWN_ROWS),)](
-        h, ids, slot_of, down, y, k, I, D, BLOCK_N=_DOWN_ROWS, BLOCK_K=_DOWN_COLS)
+    if q4_gu:
+        _gate_up_q4_kernel[(k, triton.cdiv(I, _Q4_GU_ROWS))](
+            x, ids, weights, slot_of, gate.codes, gate.scale, gate.zero, up.codes, up.scale, up.zero, h, I, D,
+            ACT=_ACT_CODE[act], BLOCK_N=_Q4_GU_ROWS, GROUPS=_Q4_GU_GROUPS)
+    else:
+        _gate_up_kernel[(k, triton.cdiv(I, _GU_ROWS))](
+            x, ids, weights, slot_of, gate, up, h, I, D, ACT=_ACT_CODE[act], BLOCK_N=_GU_ROWS, BLOCK_K=_GU_COLS)
+    if isinstance(down, Q4Stack):
+        _down_q4_kernel[(triton.cdiv(D, _Q4_DOWN_ROWS),)](
+            h, ids, slot_of, down.codes, down.scale, down.zero, y, k, I, D,
+            BLOCK_N=_Q4_DOWN_ROWS, GROUPS=_Q4_DOWN_GROUPS)
+    else:
+        _down_kernel[(triton.cdiv(D, _DOWN_ROWS),)](
+            h, ids, slot_of, down, y, k, I, D, BLOCK_N=_DOWN_ROWS, BLOCK_K=_DOWN_COLS)
     return y
 
 
@@ -76,6 +163,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sl
 # D/16 for down (128), each streaming 8-16 KB tiles.
 _GU_ROWS, _GU_COLS = 32, 128
 _DOWN_ROWS, _DOWN_COLS = 16, 256
+# The 4-bit twins: rows x groups of 32 weights per step (16 bytes of codes each).
+_Q4_GU_ROWS, _Q4_GU_GROUPS = 32, 8
+_Q4_DOWN_ROWS, _Q4_DOWN_GROUPS = 16, 8
 
 if triton is not None:
 
@@ -99,7 +189,7 @@ if triton is not None:
         valid = s >= 0
         base = tl.maximum(s, 0).to(tl.int64) * I * D
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        rmask = (rows < I) & valid
+        rmask = rows < tl.where(valid, I, 0)  # (one comparison: a bool mask in Triton's interpreter too)
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
@@ -120,17 +210,76 @@ if triton is not None:
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # program b: y[rows] = sum_j down[s_j, rows] @ h[j], rows the b-th BLOCK_N of D
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        rmask = rows < D
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in range(K):
             s = tl.load(slot_ptr + tl.load(ids_ptr + j))
-            valid = s >= 0
+            rmask = rows < tl.where(s >= 0, D, 0)
             base = tl.maximum(s, 0).to(tl.int64) * D * I
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < I
                 hv = tl.load(h_ptr + j * I + cols, mask=cmask, other=0.0)
-                m = (rmask[:, None] & cmask[None, :]) & valid
+                m = rmask[:, None] & cmask[None, :]
                 w = tl.load(down_ptr + base + rows[:, None].to(tl.int64) * I + cols[None, :], mask=m, other=0.0)
                 acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
-        tl.store(y_ptr + rows, acc, mask=rmask)
+        tl.store(y_ptr + rows, acc, mask=rows < D)
+
+    @triton.jit
+    def _q4_dot(q_ptr, s_ptr, z_ptr, base, rows, rmask, v_ptr, grp, gmask, K, GROUPS: tl.constexpr):
+        # sum over the GROUPS groups `grp` of K of w[rows, :] * v, w a Q4Stack matrix at element offset
+        # base (its codes at base / 2, scale and zero at base / 32): -> float32 [BLOCK_N]
+        ii = tl.arange(0, 16)
+        col = grp[:, None] * 32 + ii[None, :]  # [GROUPS, 16]: the low nibbles' elements
+        vmask = gmask[:, None]
+        vl = tl.load(v_ptr + col, mask=vmask, other=0.0).to(tl.float32)
+        vh = tl.load(v_ptr + col + 16, mask=vmask, other=0.0).to(tl.float32)
+        m3 = (rmask[:, None, None] & gmask[None, :, None]) & (ii < 16)[None, None, :]  # [BLOCK_N, GROUPS, 16]
+        qoff = base // 2 + rows[:, None, None].to(tl.int64) * (K // 2) + (grp[:, None] * 16 + ii[None, :])[None, :, :]
+        b = tl.load(q_ptr + qoff, mask=m3, other=0)  # uint8 [BLOCK_N, GROUPS, 16]
+        lo = (b & 15).to(tl.float32) - 8.0
+        hi = (b >> 4).to(tl.float32) - 8.0
+        dot = tl.sum(lo * vl[None, :, :] + hi * vh[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
+        vs = tl.sum(vl + vh, axis=1)  # [GROUPS]
+        m2 = rmask[:, None] & gmask[None, :]
+        soff = base // 32 + rows[:, None].to(tl.int64) * (K // 32) + grp[None, :]
+        sc = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32)
+        zr = tl.load(z_ptr + soff, mask=m2, other=0.0).to(tl.float32)
+        return tl.sum(sc * dot + zr * vs[None, :], axis=1)
+
+    @triton.jit
+    def _gate_up_q4_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, gq_ptr, gs_ptr, gz_ptr, uq_ptr, us_ptr, uz_ptr, h_ptr,
+                           I, D, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+        # _gate_up_kernel over Q4Stack gate and up (D % 32 == 0)
+        j = tl.program_id(0)
+        s = tl.load(slot_ptr + tl.load(ids_ptr + j))
+        valid = s >= 0
+        base = tl.maximum(s, 0).to(tl.int64) * I * D  # the expert's first element
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < tl.where(valid, I, 0)  # (one comparison: a bool mask in Triton's interpreter too)
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        n_groups = D // 32
+        for g0 in range(0, n_groups, GROUPS):
+            grp = g0 + tl.arange(0, GROUPS)
+            gmask = grp < n_groups
+            acc_g += _q4_dot(gq_ptr, gs_ptr, gz_ptr, base, rows, rmask, x_ptr, grp, gmask, D, GROUPS)
+            acc_u += _q4_dot(uq_ptr, us_ptr, uz_ptr, base, rows, rmask, x_ptr, grp, gmask, D, GROUPS)
+        w = tl.where(valid, tl.load(w_ptr + j), 0.0)
+        tl.store(h_ptr + j * I + rows, _act(acc_g, ACT) * acc_u * w, mask=rows < I)
+
+    @triton.jit
+    def _down_q4_kernel(h_ptr, ids_ptr, slot_ptr, dq_ptr, ds_ptr, dz_ptr, y_ptr, K, I, D,
+                        BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+        # _down_kernel over a Q4Stack down (I % 32 == 0)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        n_groups = I // 32
+        for j in range(K):
+            s = tl.load(slot_ptr + tl.load(ids_ptr + j))
+            rmask = rows < tl.where(s >= 0, D, 0)
+            base = tl.maximum(s, 0).to(tl.int64) * D * I
+            for g0 in range(0, n_groups, GROUPS):
+                grp = g0 + tl.arange(0, GROUPS)
+                acc += _q4_dot(dq_ptr, ds_ptr, dz_ptr, base, rows, rmask, h_ptr + j * I, grp, grp < n_groups, I,
+                               GROUPS)
+        tl.store(y_ptr + rows, acc, mask=rows < D)

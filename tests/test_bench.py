@@ -230,6 +230,8 @@ def test_llama_offload_rules_and_notes():
     o = bench.llama_offload(layout, n_ctx, 1080, reserve, "layers")
     assert (o.n_gpu_layers, o.n_cpu_moe) == (2, None)
     assert "(MoE, --llama-moe-offload layers: whole layers) n_gpu_layers=2" in o.note
+    o = bench.llama_offload(layout, n_ctx, 1080, reserve, "all")  # --cpu-moe: every layer's experts on the CPU
+    assert (o.n_gpu_layers, o.n_cpu_moe) == (4, 3) and "(--cpu-moe; --llama-moe-offload all)" in o.note
     o = bench.llama_offload(layout, n_ctx, None, 0)  # no budget: everything on the GPU, experts included
     assert (o.n_gpu_layers, o.n_cpu_moe) == (4, 0) and o.note == "llama.cpp n_gpu_layers=4 of 3 (+1 = output layer)"
     dense = bench.GgufLayout(n_layer=3, layer_bytes=[30] * 3, output_bytes=5, kv_bytes_per_token=[1] * 3)

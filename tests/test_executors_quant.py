@@ -358,6 +358,48 @@ def test_int4_hot_rows_match_their_weights_and_the_expanded_engine(folder, famil
     assert rel_err(got[True], got[False]) < TOL[kind]
 
 
+@pytest.mark.parametrize("family, kind", [("qwen3_moe", "q4_0"), ("qwen3_moe", "q4_k"), ("qwen2_moe", "q4_0"),
+                                          ("qwen3_moe", "q8_0")])
+def test_int4_gpu_experts_keep_their_4_bit_blocks(folder, family, kind):
+    """int4_hot: a MoE layer's fast-tier experts keep the file's 4-bit gate, up and down as Q4Stack
+    (0.625 bytes a weight), each slot dequantising to its expert's own blocks; decode and prefill
+    equal the quantised reference within its tolerance and the expanded engine's as closely (the
+    CPU tier runs routed_experts' torch version; the Triton kernels are the CUDA tests'). Q8_0
+    experts are expanded as before."""
+    from hotcold.sparse_ops.moe_gpu import Q4Stack
+
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=1)  # (seeds 13 and 17 route a step of the tiny qwen3_moe q4_0 through a near-tie: 10-17%, both ways)
+    want = decode_logits(ref, toks)
+    got = {}
+    for int4 in (False, True):
+        lm = fresh(folder, family, kind)
+        gpu = random_experts(lm, 0.5, seed=4)
+        with make_hybrid(lm, random_hot(lm, 0.5, seed=4), "oracle", threads=2, int4_hot=int4, gpu_experts=gpu) as eng:
+            got[int4] = decode_logits(lm, toks)
+            with torch.inference_mode():
+                prefill = lm.model(toks)
+            assert eng.moe
+            for l, m in eng.moe.items():
+                f, ex = m.fast, ref.model.layers[l].ffn.experts
+                if not int4 or kind == "q8_0":
+                    assert f.int4 == () and not isinstance(f.gate, Q4Stack)
+                    continue
+                assert f.int4 == ("gate", "up", "down")
+                for which in f.int4:
+                    st = getattr(f, which)
+                    assert st.nbytes == len(f.ids) * ex.hidden * ex.dim * (0.5 + 4 / 32)
+                    for g, e in enumerate(f.ids):
+                        w = torch.from_numpy(qdequantize(ex.matrix(which, e)))
+                        assert (st.dequantize(g) - w).abs().max() <= 2e-3 * w.abs().max()
+    with torch.inference_mode():
+        want_prefill = ref.model(toks)
+    for i in range(T):
+        assert rel_err(got[True][:, i], want[:, i]) < TOL[kind], f"decode step {i}"
+    assert rel_err(prefill, want_prefill) < TOL[kind]
+    assert rel_err(got[True], got[False]) < TOL[kind]
+
+
 @pytest.mark.parametrize("kind", ["q4_0", "q4_k"])
 def test_int4_down_requantised(folder, kind):
     """int4_down: W_down's hot columns requantised to int4 (zero-padded to a multiple of 32 neurons):
@@ -532,8 +574,9 @@ def test_cuda_dequantizes_the_fast_tier(folder, family, kind):
 @CUDA
 @pytest.mark.parametrize("family, kind", [("llama", "q4_0"), ("llama", "q4_k"), ("qwen2_moe", "q4_0")])
 def test_cuda_gpu_int4_keeps_4bit_matrices_4bit(folder, family, kind):
-    """gpu_int4: the attention (and other non-FFN 4-bit) matrices go to the GPU as Int4Linear and the
-    split FFNs' hot up/gate rows as Int4Matrix (padded to a multiple of 8 neurons), not expanded; the
+    """gpu_int4: the attention (and other non-FFN 4-bit) matrices go to the GPU as Int4Linear, the
+    split FFNs' hot up/gate rows as Int4Matrix (padded to a multiple of 8 neurons) and the MoE layers'
+    GPU experts as Q4Stack, not expanded; the
     hot FFNs equal their int4 weights' product; logits stay within the quantised tolerance (the int4
     kernel multiplies in bf16), with the one-token steps replayed as CUDA graphs (the hot FFN inside
     them) or eager, and close to the engine whose hot rows alone are expanded (int4_hot=False)."""
@@ -556,6 +599,8 @@ def test_cuda_gpu_int4_keeps_4bit_matrices_4bit(folder, family, kind):
                 check_int4_hot(eng, "cuda", int4_down=False, ref=ref)
             else:
                 assert not any(f.gpu.hot.int4 for f in eng.layers.values())
+            # the MoE layers' GPU experts: 4-bit stacks read by the Triton kernels (in the graphs too)
+            assert all(m.fast.int4 == (("gate", "up", "down") if int4 else ()) for m in eng.moe.values())
             got[int4, graphs] = decode_logits(lm, toks.cuda()).cpu()
             blocks = [b for b in lm.model.layers if isinstance(b, GraphedBlock)]
             assert len(blocks) == (lm.config.num_layers if graphs else 0)

@@ -774,6 +774,78 @@ def test_gpu_int4_whole_layers_cost_their_int4_bytes_when_every_neuron_is_hot():
     assert g.gpu_total <= vram and sum(g.gpu_bytes.values()) == g.gpu_total
 
 
+def test_gpu_int4_experts_cost_their_int4_bytes():
+    """--gpu-int4 on a model whose experts are 4-bit: a GPU expert counts 0.625 bytes a weight (gate, up
+    and down; or gate and up alone where down is not 4-bit) at the expert kernels' int4 speed; the host
+    side is unchanged; a budget holds about 3.2x the experts it holds in bf16."""
+    import dataclasses
+
+    from hotcold.planner.costs import INT4_EXPERT_SPEED, INT4_GPU_BYTES_PER_WEIGHT, quantize_format
+
+    rng = np.random.default_rng(11)
+    cfg = tiny_cfg("qwen2_moe", num_hidden_layers=3, intermediate_size=16, num_experts=16)
+    stats = power_law_stats(cfg, rng)
+    hw = toy_hw()
+    hw.cpu_ffn_Bps["q4_0"] = hw.cpu_dense_Bps["q4_0"] = 2e9
+    q4 = quantize_format(weight_format("bf16"), "q4_0", gpu_int4=True)
+    plain = quantize_format(weight_format("bf16"), "q4_0")
+    gate_up = dataclasses.replace(q4, gpu_experts_down_int4=frozenset())
+    assert q4.experts_int4(0) == (True, True) and plain.experts_int4(0) == (False, False)
+    assert gate_up.experts_int4(2) == (True, False) and gate_up.gpu_int4
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    costs = {k: build_costs(cfg, stats, hw, f, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+             for k, f in (("q4", q4), ("plain", plain), ("gate_up", gate_up))}
+    b4 = INT4_GPU_BYTES_PER_WEIGHT
+    for l in range(cfg.num_layers):
+        lq, lp, lg = (costs[k].layers[l] for k in ("q4", "plain", "gate_up"))
+        if lq.kind != "moe":
+            continue
+        np.testing.assert_allclose(lp.unit_bytes, 3 * h * inter * 2.0)
+        np.testing.assert_allclose(lq.unit_bytes, 3 * h * inter * b4)
+        np.testing.assert_allclose(lg.unit_bytes, h * inter * (2 * b4 + 2.0))
+        np.testing.assert_allclose(lq.unit_host_bytes, lp.unit_host_bytes)
+        # time: the int4 bytes at the kernels' share of the GEMV rate (+ launches, the same in both)
+        extra = lq.unit_gpu_s - lp.unit_gpu_s
+        q = lp.unit_gpu_s / (3 * h * inter * 2.0 / hw.gpu_gemv_Bps + TOY_CONSTANTS.expert_gpu_kernels * hw.launch_s)
+        np.testing.assert_allclose(extra, q * 3 * h * inter * (b4 / INT4_EXPERT_SPEED - 2.0) / hw.gpu_gemv_Bps,
+                                   rtol=1e-9, atol=1e-15)
+    fixed = costs["q4"].gpu_fixed_bytes + costs["q4"].head_bytes + sum(l.attn_bytes + l.kv_bytes + l.pred_bytes
+                                                                       for l in costs["q4"].layers)
+    n_moe = sum(l.kind == "moe" for l in costs["q4"].layers)
+    vram = fixed + n_moe * 2 * 3 * h * inter * 2.0 + 8192  # two bf16 experts a MoE layer, or 6 int4 ones
+    held = {}
+    for k in ("plain", "q4"):
+        p = solve(costs[k], vram, 1e12, solver="cbc", gap=0.0, time_limit=20).placement
+        held[k] = sum(len(p.gpu_items(costs[k], l)) for l in range(cfg.num_layers) if costs[k].layers[l].kind == "moe")
+    assert held["plain"] <= 2 * n_moe and held["q4"] >= 3 * held["plain"]
+
+
+def test_gguf_format_counts_4_bit_experts(tmp_path):
+    """A MoE GGUF whose expert stacks are Q4_0: `--gpu-int4` keeps every layer's GPU experts int4 (gate/up
+    and down), and plan.json says so per layer; without it they are expanded."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import argparse
+
+    import make_model as mm
+
+    from hotcold.planner.inputs import model_format
+
+    spec = mm.build_spec("tiny-qwen3-moe", argparse.Namespace(**{k: None for k in mm.OVERRIDES}))
+    mm.generate(spec, tmp_path / "m", dtype="q4_0", progress=False, force=True, preset="tiny-qwen3-moe",
+                calib_tokens=64, formats=("gguf",))
+    path = tmp_path / "m" / "model.gguf"
+    f4, f = (model_format(path, weight_format("bf16"), gpu_int4=g) for g in (True, False))
+    assert f4.gpu_experts_int4 == f4.gpu_experts_down_int4 == frozenset(range(spec.layers))
+    assert f.experts_int4(0) == (False, False)
+    r = _cli("plan", path, "--uniform", "--vram", "1GiB", "--hardware", "h200", "--gpu-int4", "--out", tmp_path / "p",
+             "--json")
+    assert r.exit_code == 0, r.output
+    layers = json.loads(r.output)["layers"]
+    assert [x["experts_int4"] for x in layers] == [["gate", "up", "down"]] * spec.layers
+
+
 def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     """SmolLM2 Q4_1: FFN host bytes = two Q4_1 matrices + W_down as Q8_0 per three weights; `plan`
     says so in plan.json and counts them; --quantize is refused for a GGUF and for an unknown type."""

@@ -224,7 +224,8 @@ def llama_offload(layout: GgufLayout, n_ctx: int, vram_bytes: int | None, reserv
                   moe_offload: str = "experts") -> LlamaOffload:
     """llama.cpp's placement on a GPU under --vram: for an MoE model (moe_offload "experts") all layers with
     the routed experts of the first N layers on the CPU, like llama.cpp users run it (`-ngl 99 --n-cpu-moe N`);
-    otherwise, or when even every layer's experts on the CPU leave too much, the most whole layers that fit."""
+    ("all") every layer's routed experts on the CPU (`--cpu-moe`, whatever the budget); otherwise, or when
+    even every layer's experts on the CPU leave too much, the most whole layers that fit."""
     all_layers = layout.n_layer + 1
     if not vram_bytes:
         return LlamaOffload(all_layers, 0 if layout.moe else None,
@@ -233,6 +234,10 @@ def llama_offload(layout: GgufLayout, n_ctx: int, vram_bytes: int | None, reserv
     room = (f"{fmt_bytes(vram_bytes)} less {fmt_bytes(reserve)} for its CUDA context and compute buffers "
             "(hotcold's planner keeps the same out of the budget)")
     prefix = ""
+    if layout.moe and moe_offload == "all":
+        return LlamaOffload(all_layers, layout.n_layer, (
+            f"llama.cpp n_gpu_layers={all_layers} of {layout.n_layer} (+1 = output layer) with every layer's routed "
+            f"experts on the CPU (--cpu-moe; --llama-moe-offload all)"))
     if layout.moe and moe_offload == "experts":
         n = llama_cpu_moe_layers(layout, n_ctx, budget)
         if n is not None:
@@ -1300,9 +1305,10 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="default: cuda with --vram or --e2e, else cpu")
     ap.add_argument("--vram", help="GPU budget for every engine, e.g. 8GiB (needs --device cuda)")
-    ap.add_argument("--llama-moe-offload", choices=["experts", "layers"], default="experts",
+    ap.add_argument("--llama-moe-offload", choices=["experts", "all", "layers"], default="experts",
                     help="llama.cpp on an MoE GGUF under --vram: 'experts' (default) puts every layer on the GPU "
                          "but the routed experts of the first N layers (--n-cpu-moe N, N the fewest that fit); "
+                         "'all' every layer's routed experts on the CPU (--cpu-moe, KTransformers' split); "
                          "'layers' offloads the most whole layers that fit, as for dense models")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="hotcold's and transformers' compute dtype (default: float32 on CPU, bfloat16 on GPU)")
