@@ -8,6 +8,8 @@ top host-side ops and the kernel launches per token (where eager decoding spends
 
     python tools/make_model.py qwen3-30b-a3b --layers 4 --calib-tokens 64 --format hf --out /tmp/q3
     python tools/bench_moe_decode.py /tmp/q3/hf [--fractions 1,0.25] [--cache 2GiB] [--inline no,yes] [--profile]
+    python tools/make_model.py qwen3-30b-a3b --layers 6 --calib-tokens 64 --format gguf --dtype q4_0 --out /tmp/q4
+    python tools/bench_moe_decode.py /tmp/q4/model.gguf --fractions 0.35 --graphs yes --int4 no,yes
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from hotcold.models.sampling import SamplingParams
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
-def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, args) -> str:
+def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, int4: bool, args) -> str:
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
                       expert_cache_bytes=cache, stats=False, threads=args.threads, cuda_graphs=graphs,
-                      cpu_inline=inline)
+                      cpu_inline=inline, gpu_int4=int4)
     try:
         gen = Generator(eng.lm, 512)
         prompt, greedy = list(range(100, 164)), SamplingParams(temperature=0.0)
@@ -41,7 +43,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
         tps = gen.stats.decode_tok_per_s
         g = graphs if isinstance(graphs, str) else "yes" if graphs else "no"
         line = (f"{fraction:>9.2f} {cache / 2**30:>9.1f} {g:>9} {'auto' if inline is None else 'yes' if inline else 'no':>7}"
-                f" {tps:>9.1f} {1e3 / tps:>9.2f}")
+                f" {'yes' if int4 else 'no':>5} {tps:>9.1f} {1e3 / tps:>9.2f}")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -72,16 +74,19 @@ def main() -> None:
     ap.add_argument("--inline", default="auto", help="CPU experts in the main thread rather than a worker: no / yes / "
                     "auto (the engine's default: yes with graphs) / no,yes")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--int4", default="no", help="a quantised model's 4-bit matrices (GPU experts too) kept 4-bit on "
+                    "the GPU: no / yes / no,yes")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0
     print(f"model {args.model}, device {args.device}, {args.dtype}, greedy {args.tokens} tokens after 64")
-    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'tok/s':>9} {'ms/token':>9}"
+    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'tok/s':>9} {'ms/token':>9}"
           + (f" {'launches':>9}" if args.profile else ""))
     for frac in (float(f) for f in args.fractions.split(",")):
         for graphs in ({"yes": True, "no": False}.get(g.strip(), g.strip()) for g in args.graphs.split(",")):
             for inline in ({"yes": True, "no": False}.get(i.strip()) for i in args.inline.split(",")):
-                print(measure(args.model, frac, cache, graphs, inline, args), flush=True)
+                for int4 in (i.strip() == "yes" for i in args.int4.split(",")):
+                    print(measure(args.model, frac, cache, graphs, inline, int4, args), flush=True)
 
 
 if __name__ == "__main__":
