@@ -174,9 +174,9 @@ INT4_GPU_BYTES_PER_WEIGHT = 0.5 + 4 / 32
 # 0.9-1.3 TB/s of its own bytes against 1.8-3.1 TB/s; 1.35-1.6x faster per weight than bf16)
 INT4_GPU_SPEED = 0.45
 # the same for the Triton kernels of 4-bit GPU experts (Q4Stack) against their bf16 twins
-# (tools/bench_moe_int4.py, H200, 8 routed Qwen3-30B-A3B experts, L2 flushed: 68 us at 346 GB/s of
-# their 4-bit bytes against 80 us at 940 GB/s in bf16)
-INT4_EXPERT_SPEED = 0.37
+# (tools/bench_moe_int4.py, H200, 8 routed Qwen3-30B-A3B experts, L2 flushed, both kernels' tiles
+# swept: 36 us at 655 GB/s of their 4-bit bytes against 37.7 us at 2.0 TB/s in bf16)
+INT4_EXPERT_SPEED = 0.33
 
 
 def _int4_mix(bytes_per_weight: float, share: float) -> tuple[float, float]:
