@@ -109,9 +109,9 @@ def _stack(ex, which: str, ids: list[int], device, dtype, int4: bool = False) ->
     """Experts ids' `which` (gate | up: [I, D]; down: [D, I]) stacked on device in dtype, one expert
     at a time (QuantExperts: each expert's blocks decoded; with int4 their 4-bit codes kept as a
     Q4Stack). -> [G, I, D] or [G, D, I]."""
-    quant = isinstance(ex, QuantExperts)
     if int4:
         return Q4Stack.from_quant((ex.matrix(which, e) for e in ids), device)
+    quant = isinstance(ex, QuantExperts)
     if quant:
         shape = (ex.dim, ex.hidden) if which == "down" else (ex.hidden, ex.dim)
     else:

@@ -6,8 +6,8 @@ weights) — `hotcold.sparse_ops.moe_gpu.routed_experts`, two Triton kernels eit
 Per case: the kernel time of one call (median, CUDA events, L2 flushed before each call so the
 experts come from HBM), the bytes of the k routed experts' weights it reads and their rate, the VRAM
 one expert holds, the speed-up of 4 bits over bf16, and the relative difference of the two outputs
-(a sanity check: the same weights up to bf16 rounding). `--down bf16` keeps W_down in bf16 beside
-4-bit gate/up (a Q4_K_M file's Q6_K down experts are expanded so).
+(a sanity check: the same weights up to bf16 rounding). A third row keeps W_down in bf16 beside
+4-bit gate/up (as a Q4_K_M file's Q6_K down experts are expanded).
 
     python tools/bench_moe_int4.py [--experts 128] [--gpu 40] [--hidden 2048] [--inter 768] [--k 8]
         [--qtype Q4_K] [--iters 200]
@@ -18,30 +18,13 @@ The default shape is Qwen3-30B-A3B's (hidden 2048, 128 experts of 768, top-8). C
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
+from bench_gpu_quant import FLUSH_BYTES, time_cuda  # tools/: the same L2-flushed CUDA-event timing
 
 from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts, triton_available
 from hotcold.sparse_ops.quant import qdequantize, random_matrix
-
-FLUSH_BYTES = 256 << 20
-
-
-def time_cuda(fn, warmup: int, iters: int, flush: torch.Tensor) -> float:
-    """Median seconds of fn() between CUDA events, the L2 flushed (and work queued) before each call."""
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        flush.add_(1)
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
 
 
 def main(argv=None) -> int:
