@@ -105,6 +105,9 @@ class ExpertCache:
                 tier.copy.wait_event(self.free[slot])  # the slot's previous expert is no longer read
             for j, name in enumerate(MATS):
                 m = getattr(cold, name)
+                if name == "down_t" and cold.down is not None:  # quantised whole experts: W_down [D, I] per expert
+                    self.store[name][slot].copy_(self._down_t(cold, a, b), non_blocking=True)
+                    continue
                 self.store[name][slot].copy_(self._host_rows(m, a, b), non_blocking=True)
                 if getattr(m, "scale", None) is not None:
                     self.scale[slot, j].copy_(torch.from_numpy(m.scale[a:b]), non_blocking=True)
@@ -113,17 +116,25 @@ class ExpertCache:
         self.copied += 1
         return True
 
+    def _down_t(self, cold: ColdFFN, a: int, b: int) -> torch.Tensor:
+        """The W_down of the expert whose neurons are rows [a, b) of cold, from cold.down's blocks,
+        transposed: [I, D] in the slots' storage (a fresh pageable tensor, as _host_rows)."""
+        d, p = cold.up.cols, a // (b - a)
+        w = torch.from_numpy(qdequantize(cold.down, np.arange(p * d, (p + 1) * d, dtype=np.int64))).T  # [I, D]
+        return self._stored(w.contiguous())
+
+    def _stored(self, w: torch.Tensor) -> torch.Tensor:
+        # float32 [I, D] decoded from blocks -> the slots' storage
+        if self.kind == "i8":
+            raise ValueError("quantised host experts need a float cache kind (see slot_kind)")
+        return w.to(_BITS_DTYPE[self.kind]).view(torch.int16) if self.kind in _BITS_DTYPE else w
+
     def _host_rows(self, m, a: int, b: int) -> torch.Tensor:
         """Rows [a, b) of a host matrix in the slots' storage, on the host: a HostMatrix's own memory,
         or a QuantMatrix's rows decoded (a fresh pageable tensor: a copy from pageable memory has
         read its source when it returns)."""
         if isinstance(m, QuantMatrix):
-            if self.kind == "i8":
-                raise ValueError("quantised host experts need a float cache kind (see slot_kind)")
-            w = torch.from_numpy(qdequantize(m, np.arange(a, b, dtype=np.int64)))  # [I, D] float32
-            if self.kind in _BITS_DTYPE:
-                return w.to(_BITS_DTYPE[self.kind]).view(torch.int16)
-            return w
+            return self._stored(torch.from_numpy(qdequantize(m, np.arange(a, b, dtype=np.int64))))  # [I, D]
         data = m.data.view(np.int16) if m.data.dtype == np.uint16 else m.data
         return torch.from_numpy(data[a:b])
 

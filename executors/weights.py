@@ -9,7 +9,8 @@ expert on the CPU is a ColdFFN of all its neurons (`host_expert`).
 Quantised models (models/quantized.py: QuantLinear, QuantExperts) stay quantised on the CPU: the
 cold up/gate rows are a copy of their GGUF blocks (`QuantMatrix`, whatever `cpu_kind` says) and
 W_down transposed is requantised to `DOWN_T_DEFAULT` (Q8_0, see `transpose_quantized`), so host
-memory is about the file's size. The hot part on the fast tier is dequantised into the tier dtype,
+memory is about the file's size; CPU experts, always computed whole, keep W_down in its own blocks
+(`host_quant_experts`), so theirs is the file's size. The hot part on the fast tier is dequantised into the tier dtype,
 BLOCK_ROWS rows (or, for W_down's columns, `_COL_CHUNK_BYTES` of float32) at a time; or, asked for
 int4 (`--gpu-int4`), its 4-bit up/gate rows stay 4-bit (see `_hot_int4`); an FFN whose neurons are
 all hot and whose matrices are all 4-bit is not split but kept int4 whole (`whole_int4`).
@@ -31,7 +32,7 @@ from hotcold.models.quantized import QuantExperts, QuantLinear, dequantize_modul
 from hotcold.sparse_ops.cpu import HostMatrix, quantize_i8
 from hotcold.sparse_ops.gpu_quant import (INT4_DOWN_DEFAULT, Int4Matrix, int4_layout_reason, int4_padded,
                                           int4_unsupported_reason)
-from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, qdequantize, quantize_rows
+from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, pack_rows, qdequantize, quantize_rows
 
 CPU_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i8": None}
 BLOCK_ROWS = 2048
@@ -71,15 +72,18 @@ class HotFFN:
 @dataclass
 class ColdFFN:
     """Cold neurons in host memory. up/gate/down_t: [C, D], all HostMatrix or all QuantMatrix (a
-    quantised model: up/gate in the file's block type, down_t Q8_0); up_bias: float32 [C]."""
+    quantised model: up/gate in the file's block type, down_t Q8_0); up_bias: float32 [C].
+    Quantised MoE experts (`host_quant_experts`) hold `down` instead of down_t: each expert's W_down
+    [D, I] in the file's blocks, stacked [E_cpu * D, I] (expert p's rows [p*D, (p+1)*D))."""
 
     idx: np.ndarray  # int64 [C] neuron indices, ascending
     up: HostMatrix | QuantMatrix
     gate: HostMatrix | QuantMatrix | None
-    down_t: HostMatrix | QuantMatrix
+    down_t: HostMatrix | QuantMatrix | None
     up_bias: np.ndarray | None
     act: str
     pinned: bool = False  # page-locked for streaming / prefetch copies (prefill.pin_host)
+    down: QuantMatrix | None = None  # whole quantised experts: W_down per expert, not transposed
 
     @property
     def quantized(self) -> bool:
@@ -92,7 +96,7 @@ class ColdFFN:
 
     @property
     def mats(self) -> list[HostMatrix | QuantMatrix]:
-        return [m for m in (self.up, self.gate, self.down_t) if m is not None]
+        return [m for m in (self.up, self.gate, self.down_t, self.down) if m is not None]
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +105,8 @@ class ColdFFN:
     @property
     def neuron_bytes(self) -> int:
         """Weight bytes read per computed neuron."""
-        return sum(m.row_bytes() for m in self.mats)
+        rows = sum(m.row_bytes() for m in (self.up, self.gate, self.down_t) if m is not None)
+        return rows + (self.down.nbytes // max(self.n, 1) if self.down is not None else 0)
 
 
 def _host_rows(w: torch.Tensor, rows: torch.Tensor, kind: str) -> HostMatrix:
@@ -418,14 +423,14 @@ def host_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ids: 
 
 @torch.no_grad()
 def host_quant_experts(ex: QuantExperts, ids: list[int], act: str) -> ColdFFN:
-    """`host_experts` for quantised experts: the experts' gate/up rows copied in their blocks (gate
-    requantised to up's type if it differs), W_down transposed per expert as DOWN_T_DEFAULT."""
-    I = ex.hidden
+    """`host_experts` for quantised experts, kept in the file's blocks: gate/up rows copied (gate
+    requantised to up's type if it differs) and W_down as GGUF stores it (`ColdFFN.down`, no
+    transposed copy: a CPU expert is computed whole, see sparse_ops.quant.qexperts), each matrix
+    row-interleaved where `pack_rows` applies. Host bytes: the experts' share of the file."""
+    I, D = ex.hidden, ex.dim
     rows = np.concatenate([np.arange(e * I, (e + 1) * I, dtype=np.int64) for e in ids])
-    qtype = ex.qup.qtype
-    down_t = _quant_empty(len(ids) * I, ex.dim, DOWN_T_DEFAULT)
-    for p, e in enumerate(ids):
-        down_t[p * I:(p + 1) * I] = quant_cols_t(ex.matrix("down", e)).data  # [I, D]
-    return ColdFFN(idx=np.arange(len(rows), dtype=np.int64), up=_quant_rows(ex.qup, rows),
-                   gate=_quant_rows(ex.qgate, rows, qtype),
-                   down_t=QuantMatrix(down_t, DOWN_T_DEFAULT, (len(rows), ex.dim)), up_bias=None, act=act)
+    down_rows = np.concatenate([np.arange(e * D, (e + 1) * D, dtype=np.int64) for e in ids])
+    up = pack_rows(_quant_rows(ex.qup, rows))
+    gate = pack_rows(_quant_rows(ex.qgate, rows, ex.qup.qtype))
+    return ColdFFN(idx=np.arange(len(rows), dtype=np.int64), up=up, gate=gate, down_t=None, up_bias=None, act=act,
+                   down=pack_rows(_quant_rows(ex.qdown, down_rows)))

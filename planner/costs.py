@@ -96,7 +96,7 @@ class WeightFormat:
 
     A quantised model (GGUF blocks, models/quantized.py) is dequantised on the GPU but stays in blocks
     in host memory: host_bytes_per_weight (attention, LM head, embedding) and host_ffn_bytes_per_weight
-    (FFN rows / experts: gate and up in the file's type, W_down transposed as Q8_0) are then its host
+    (FFN rows: gate and up in the file's type, W_down transposed as Q8_0; experts: all in the file's) are then its host
     bytes, and cpu_kind names the block type whose kernel rates the probe measured (q4_k ...).
     None: as on the GPU."""
 
@@ -208,15 +208,16 @@ def gpu_int4_format(fmt: WeightFormat, int4_share: float, ffn_share: float = 0.0
                                gpu_experts_int4=experts, gpu_experts_down_int4=experts_down)
 
 
-def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False) -> WeightFormat:
+def quantize_format(base: WeightFormat, kind: str, gpu_int4: bool = False, moe: bool = False) -> WeightFormat:
     """The format an HF checkpoint gets from `--quantize kind` (q8_0 | q4_0 | q4_k): every matrix in
-    blocks of kind, W_down's host copy Q8_0; gpu_int4: 4-bit kinds kept int4 on the GPU."""
+    blocks of kind, a dense FFN's W_down host copy Q8_0 (moe: the FFN weights are experts', whose
+    W_down stays in kind); gpu_int4: 4-bit kinds kept int4 on the GPU."""
     from hotcold.sparse_ops.quant import QTYPES
 
     _, bs, ts = QTYPES[kind.upper()]
     _, bs8, ts8 = QTYPES["Q8_0"]
     bpw = ts / bs
-    fmt = quantized_format(base, kind, bpw, (2 * bpw + ts8 / bs8) / 3)
+    fmt = quantized_format(base, kind, bpw, bpw if moe else (2 * bpw + ts8 / bs8) / 3)
     share = 1.0 if gpu_int4 and kind.upper() in ("Q4_0", "Q4_K") else 0.0
     return gpu_int4_format(fmt, share, share, whole=share > 0, head=share > 0, experts=share > 0,
                            experts_down=share > 0)

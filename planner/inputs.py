@@ -81,7 +81,8 @@ def _tensor_storage(path: str, mtime_ns: int, size: int) -> tuple:
 def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> WeightFormat:
     """The weight format a GGUF runs with: `base` when its FFN matrices are float (expanded at load),
     else quantised (models/quantized.py): host bytes per weight from the file's own tensor sizes
-    (W_down's host copy is Q8_0, as executors/weights.py builds it; the token embedding, a row
+    (a dense FFN's W_down host copy is Q8_0, as executors/weights.py builds it, MoE experts keep the
+    file's W_down; the token embedding, a row
     lookup, apart from the attention and LM head that are read whole), the CPU kernel kind of its
     largest share of gate/up bytes; gpu_int4: the shares of its attention matrices, and of its
     dense/gated FFNs' up/gate matrices (the hot rows), that the GPU keeps int4 (Q4_0 / Q4_1 / Q4_K),
@@ -103,8 +104,8 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
         if name == "embed.weight":
             embed_b, embed_n = embed_b + host, embed_n + n
         elif _is_ffn_matrix(name):
-            if kept and (".down" in name):
-                host = n * ts8 / bs8  # transposed and requantised as Q8_0
+            if kept and ".down" in name and ".experts." not in name:
+                host = n * ts8 / bs8  # a dense FFN's W_down: transposed and requantised as Q8_0 (experts keep theirs)
             elif kept:
                 kinds[qtype] = kinds.get(qtype, 0.0) + nbytes
             ffn_b, ffn_n = ffn_b + host, ffn_n + n
@@ -136,11 +137,22 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
                            experts, experts_down)
 
 
+def _is_moe_folder(path: Path) -> bool:
+    """Whether the HF folder's config.json names routed experts."""
+    import json
+
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(d.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False) -> WeightFormat:
     """The weight format `hotcold run` will use for the model at path: a GGUF's own quantisation
     (see gguf_format), `--quantize` for an HF folder, else base; gpu_int4: `--gpu-int4`."""
     if quantize:
-        return quantize_format(base, quantize, gpu_int4)
+        return quantize_format(base, quantize, gpu_int4, moe=_is_moe_folder(path))
     if Path(path).is_file():
         return gguf_format(Path(path), base, gpu_int4)
     return base

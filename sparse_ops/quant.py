@@ -55,10 +55,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hotcold.sparse_ops.cpu import ACTS, _keep_active, _rows_in_range, get_threads
+from hotcold.sparse_ops.cpu import ACTS, _act, _keep_active, _rows_in_range, get_threads
 
 __all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize",
-           "gemm_operands", "gemm_scratch", "GEMM_BF16", "transpose_quantized",
+           "qexperts", "qexpert_batch", "gemm_operands", "gemm_scratch", "GEMM_BF16", "transpose_quantized",
            "quantize_rows", "dequantize_rows", "random_matrix", "pack_rows", "QTYPES", "DOWN_T_DEFAULT",
            "XQ_DEFAULT", "PACK_DEFAULT"]
 
@@ -1260,6 +1260,83 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, 
         out[d] += acc
 
 
+@njit(**_INLINE)
+def _x8_dot_any(qt, w, g, xq, xd, out):
+    # out[8g:8g+8] = the 8 rows of group g of the interleaved matrix w (type qt) . x (Q8: xq, xd)
+    if qt == Q4_K:
+        _q4_k_x8_dot_xq(w, g, xq, xd, out)
+    elif qt == Q8_0:
+        _q8_0_x8_dot_xq(w, g, xq, xd, out)
+    elif qt == Q4_1:
+        _q4_1_x8_dot_xq(w, g, xq, xd, out)
+    else:
+        _q4_0_x8_dot_xq(w, g, xq, xd, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _expert_gemv(qt, w, x8, first, k, m, lo, hi, x, xs, xq, xd, use_xq, out):
+    # out[k m + j] = row (first[k] m + j) of w . x for j in [lo, hi): rows of expert first[k], m per
+    # expert; x8 (w interleaved, lo and hi multiples of 8): whole groups; else GGUF rows
+    if x8:
+        wk = w[first[k] * (m // X8):(first[k] + 1) * (m // X8)]
+        ok = out[k * m:(k + 1) * m]
+        for c in range(lo // X8, hi // X8):
+            _x8_dot_any(qt, wk, c, xq, xd, ok)
+    else:
+        rows = np.arange(first[k] * m + lo, first[k] * m + hi)
+        _qgemv_any(qt, w, rows, 0, hi - lo, x, xs, xq, xd, use_xq, out[k * m + lo:k * m + hi])
+
+
+@njit(**_JIT)
+def _qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I, act, xq_up, xq_down, out):
+    # One token through n whole experts (MoE decode). Expert k's gate / up rows are [first[k] I,
+    # (first[k] + 1) I) of gate / up (type qu); its W_down, as GGUF stores it (blocks along the neuron
+    # axis), rows [first[k] D, (first[k] + 1) D) of down (type qd). gu_x8 / d_x8: the matrices are
+    # interleaved (pack_rows; Q8 activations). (1) g, u over the experts' rows; (2) h = act(g) u
+    # coef[k]; (3) part[k D + d] = W_down_k[d] . h_k, a GEMV per expert over its own blocks (h_k
+    # quantised to Q8 per 32 when xq_down); (4) out += the experts' sum.
+    n, D = first.shape[0], x.shape[0]
+    K = n * I
+    xs = _sums16(x)
+    if xq_up:
+        xq, xd = _quantize_x(x)
+    else:
+        xq, xd = np.empty(0, np.int8), np.empty(0, np.float32)
+    g = np.empty(K, np.float32)
+    u = np.empty(K, np.float32)
+    step = 4 * _BLOCK  # rows per task (a multiple of X8)
+    ni = (I + step - 1) // step
+    for t in prange(n * ni):
+        k, c = t // ni, t % ni
+        lo, hi = c * step, min(I, (c + 1) * step)
+        _expert_gemv(qu, gate, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, g)
+        _expert_gemv(qu, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, u)
+    h = np.empty(K, np.float32)
+    for j in range(K):
+        h[j] = _act(g[j], act) * u[j] * coef[j // I]
+    hs = _sums16(h)  # I is a multiple of 32: no block straddles two experts
+    if xq_down:
+        hq, hd = _quantize_x(h)
+    else:
+        hq, hd = np.empty(0, np.int8), np.empty(0, np.float32)
+    part = np.empty(n * D, np.float32)
+    nd = (D + step - 1) // step
+    for t in prange(n * nd):
+        k, c = t // nd, t % nd
+        a, b16 = k * I, k * I // 16
+        lo, hi = c * step, min(D, (c + 1) * step)
+        if xq_down:
+            _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h, hs, hq[a:a + I], hd[b16:b16 + I // 16], True, part)
+        else:
+            _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h[a:a + I], hs[b16:b16 + I // 16], hq, hd, False,
+                         part)
+    for d in prange(D):
+        acc = np.float32(0.0)
+        for k in range(n):
+            acc += part[k * D + d]
+        out[d] += acc
+
+
 @njit(**_JIT)
 def _qdequant_kernel(qt, w, rows, out):
     # out[j] = w[rows[j]] as float32 (out zeroed by the caller); one row at a time through the axpy code
@@ -1496,6 +1573,74 @@ def qffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: Qu
             h = h * torch.from_numpy(np.asarray(row_scale, np.float32)[r])
         y += (h.to(x.dtype) @ gemm_operands(down_t, r, buf)).float()  # [T, D]
     return out
+
+
+def _expert_shapes(gate: QuantMatrix, up: QuantMatrix, down: QuantMatrix) -> tuple[int, int, int]:
+    # (experts E, hidden I, dim D) of stacked experts: gate, up [E*I, D] of one type, down [E*D, I]
+    for name, m in (("gate", gate), ("up", up), ("down", down)):
+        _check_m(m, name, whole=True)  # (an expert is read whole: interleaved groups are fine)
+    if gate.shape != up.shape or gate.qtype != up.qtype or gate.interleaved != up.interleaved:
+        raise ValueError(f"gate and up must match: {gate.qtype} {gate.shape} vs {up.qtype} {up.shape}")
+    d, i = gate.cols, down.cols
+    e = down.rows // d if d else 0
+    if e <= 0 or down.rows != e * d or gate.rows != e * i:
+        raise ValueError(f"down {down.shape} is not {gate.rows // max(i, 1)} experts' [D={d}, I={i}] W_down "
+                         f"beside gate {gate.shape}")
+    if i % 32 or (down.interleaved and d % X8):
+        raise ValueError(f"expert hidden size {i} must be a multiple of 32 (and dim {d} of 8 when interleaved)")
+    return e, i, d
+
+
+def qexperts(x: np.ndarray, experts: np.ndarray, coef: np.ndarray, gate: QuantMatrix, up: QuantMatrix,
+             down: QuantMatrix, act: str, out: np.ndarray | None = None) -> np.ndarray:
+    """One token through whole experts in the file's own blocks (MoE decode): out += sum_k coef[k] *
+    down_e (act(gate_e x) * (up_e x)) for e = experts[k]. Returns out float32 [D] (+=).
+
+    x float32 [D]; experts int [n] (positions in the stacks, distinct); coef float32 [n] (routing
+    weights); gate, up [E*I, D] of one type (expert e's rows [e*I, (e+1)*I)); down [E*D, I], each
+    expert's W_down as GGUF stores it (blocks along I; rows [e*D, (e+1)*D)): read in place, no
+    transposed copy. Q8 activations where the type is in `XQ_DEFAULT` (x for gate/up, each expert's h
+    for down). One call, four parallel phases: gate/up rows, act, the n down GEMVs, their sum."""
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    e, i, d = _expert_shapes(gate, up, down)
+    x = _as_f32(x, (d,), "x")
+    experts = _as_rows(experts, e)
+    if len(np.unique(experts)) != len(experts):
+        raise ValueError("experts must be distinct")
+    coef = _as_f32(coef, experts.shape, "coef")
+    out = np.zeros(d, np.float32) if out is None else _check_out(out, (d,))
+    if experts.shape[0]:
+        _qexperts_one_kernel(x, experts, coef, up._id, gate.data, up.data, up.interleaved, down._id, down.data,
+                             down.interleaved, i, ACTS[act], up.interleaved or up.qtype in XQ_DEFAULT,
+                             down.interleaved or down.qtype in XQ_DEFAULT, out)
+    return out
+
+
+def qexpert_batch(X: np.ndarray, expert: int, gate: QuantMatrix, up: QuantMatrix, down: QuantMatrix, act: str,
+                  coef: np.ndarray | None = None) -> np.ndarray:
+    """T tokens through one whole expert (prefill), as `qexperts` lays them out: X float32 [T, D] ->
+    float32 [T, D] = coef[:, None] * down_e (act(gate_e X) * (up_e X)) (coef float32 [T] or None).
+    The expert's blocks are decoded once (bfloat16 where `GEMM_BF16`) for torch GEMMs."""
+    import torch
+
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    e, i, d = _expert_shapes(gate, up, down)
+    if not 0 <= expert < e:
+        raise IndexError(f"expert {expert} out of range [0, {e})")
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != d:
+        raise ValueError(f"X must be [T, {d}], got {X.shape}")
+    fn = {"relu": torch.relu, "silu": torch.nn.functional.silu,
+          "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[act]
+    x = torch.from_numpy(X).to(torch.bfloat16 if GEMM_BF16 else torch.float32)  # [T, D]
+    rows = np.arange(expert * i, (expert + 1) * i, dtype=np.int64)
+    h = fn((x @ gemm_operands(gate, rows).T).float()) * (x @ gemm_operands(up, rows).T).float()  # [T, I]
+    if coef is not None:
+        h = h * torch.from_numpy(_as_f32(coef, (X.shape[0],), "coef"))[:, None]
+    w_down = gemm_operands(down, np.arange(expert * d, (expert + 1) * d, dtype=np.int64))  # [D, I]
+    return (h.to(x.dtype) @ w_down.T).float().numpy()
 
 
 def qdequantize(m: QuantMatrix, rows: np.ndarray | None = None, out: np.ndarray | None = None,

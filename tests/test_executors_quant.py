@@ -29,6 +29,7 @@ from hotcold.models.generate import Generator
 from hotcold.models.loader import LoadedModel, load_model
 from hotcold.models.quantized import QUANTIZE_TYPES, QuantLinear, quantize_model
 from hotcold.models.sampling import SamplingParams
+from hotcold.models.transformer import KVCache
 from hotcold.sparse_ops.gpu import hot_ffn
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT, Int4Matrix, int4_padded
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, random_matrix
@@ -97,6 +98,36 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
+ROUTING_TIE = 2e-3  # router probabilities of a layer's k-th and (k+1)-th expert closer than this: a near tie
+
+
+def near_ties(lm: LoadedModel, toks: torch.Tensor) -> set[int]:
+    """The decode steps at which some MoE layer of lm routes with a near tie between its k-th and
+    (k+1)-th expert: there the quantised kernels' rounding (Q8 activations, another summation order)
+    may pick the other expert, a different but not a wrong result (seen: qwen2_moe q4_0, step 8,
+    layer 2: probabilities 0.00024 apart)."""
+    from hotcold.models.layers import MoEFFN
+
+    ties, step, hooks = set(), [0], []
+    for b in lm.model.layers:
+        if isinstance(b.ffn, MoEFFN):
+            def hook(mod, inp, out, k=b.ffn.top_k):
+                p = torch.softmax(out.float(), -1)[-1].sort(descending=True).values
+                if p[k - 1] - p[k] < ROUTING_TIE:
+                    ties.add(step[0])
+            hooks.append(b.ffn.router.register_forward_hook(hook))
+    try:
+        cache = KVCache(lm.config, toks.shape[1] + 1, device=lm.device, dtype=lm.dtype, layer_devices=lm.layer_devices)
+        with torch.inference_mode():
+            for i in range(toks.shape[1]):
+                step[0] = i
+                lm.model(toks[:, i:i + 1], i, cache)
+    finally:
+        for h in hooks:
+            h.remove()
+    return ties
+
+
 def row_bytes(qtype: str, cols: int) -> int:
     _, bs, ts = QTYPES[qtype]
     return cols // bs * ts
@@ -107,15 +138,23 @@ def colds(eng) -> list[ColdFFN]:
 
 
 def check_cold_quantized(eng, kind: str, dim: int) -> None:
-    """Every cold part is GGUF blocks (up/gate in kind's type, W_down transposed Q8_0) and the host
-    holds exactly their bytes: about a quarter (Q8_0) or less of float32."""
+    """Every cold part is GGUF blocks (up/gate in kind's type; a dense FFN's W_down transposed Q8_0,
+    CPU experts' W_down in kind's own blocks, untransposed) and the host holds exactly their bytes:
+    about a quarter (Q8_0) or less of float32."""
     qtype = QUANTIZE_TYPES[kind]
     want = 0
     for c in colds(eng):
         assert c.quantized and all(isinstance(m, QuantMatrix) for m in c.mats)
-        assert c.up.qtype == qtype and (c.gate is None or c.gate.qtype == qtype) and c.down_t.qtype == "Q8_0"
-        assert c.up.shape == c.down_t.shape == (c.n, dim)
-        want += c.n * (row_bytes(qtype, dim) * (2 if c.gate is not None else 1) + row_bytes("Q8_0", dim))
+        assert c.up.qtype == qtype and (c.gate is None or c.gate.qtype == qtype)
+        assert c.up.shape == (c.n, dim)
+        if c.down is not None:  # whole experts: [E_cpu * D, I] as the file stores W_down
+            assert c.down_t is None and c.down.qtype == qtype
+            n_exp = c.down.rows // dim
+            assert c.down.shape == (n_exp * dim, c.n // n_exp)
+            want += c.n * (row_bytes(qtype, dim) * 2 + row_bytes(qtype, dim))  # down: D rows of I = I rows of D
+        else:
+            assert c.down_t.qtype == "Q8_0" and c.down_t.shape == (c.n, dim)
+            want += c.n * (row_bytes(qtype, dim) * (2 if c.gate is not None else 1) + row_bytes("Q8_0", dim))
         want += 0 if c.up_bias is None else c.up_bias.nbytes
         float_bytes = 4 * c.n * dim * len(c.mats)
         assert sum(m.nbytes for m in c.mats) < 0.3 * float_bytes
@@ -148,8 +187,11 @@ def test_oracle_matches_quantized_reference(folder, family, kind):
         st = eng.stats()
     tol = TOL[kind]
     assert rel_err(got, want) < tol
-    for i in range(T):  # every decode step on its own
-        assert rel_err(got_dec[:, i], want_dec[:, i]) < tol, f"decode step {i}"
+    ties = near_ties(ref, toks)
+    assert len(ties) <= 2, ties  # (a test that skipped most steps would test nothing)
+    for i in range(T):  # every decode step on its own, but for a top-k near tie that rounding may flip
+        if i not in ties:
+            assert rel_err(got_dec[:, i], want_dec[:, i]) < tol, f"decode step {i}"
     assert st["prefill"]["regimes"].get("stream", 0) == 0
     d = st["decode"]
     assert d["rows_cpu"] + d["experts_cpu"] > 0 and d["rows_gpu"] + d["experts_gpu"] > 0
@@ -207,6 +249,32 @@ def test_cpu_attention_uses_the_blocks(folder):
     assert rel_err(got, want) < TOL["q4_0"]
     with torch.inference_mode():
         assert rel_err(prefill, ref.model(toks)) < TOL["q4_0"]
+
+
+def test_prefill_decodes_busy_cpu_experts_once(folder, monkeypatch):
+    """In a prompt chunk, a CPU expert routed by many tokens is decoded once for all of them
+    (qexpert_batch), the others run token by token over their blocks (qexperts); the logits equal
+    the quantised reference either way."""
+    import hotcold.executors.moe as M
+
+    calls = {"batch": 0, "one": 0}
+    for name, key in (("qexpert_batch", "batch"), ("qexperts", "one")):
+        def counted(*a, _f=getattr(M, name), _k=key, **kw):
+            calls[_k] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(M, name, counted)
+    monkeypatch.setattr(M, "EXPERT_BATCH_TOKENS", 6)
+    ref = reference(folder, "qwen3_moe", "q4_0")
+    toks = tokens(seed=9)
+    with torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, "qwen3_moe", "q4_0")
+    with make_hybrid(lm, {}, None, threads=2, gpu_experts=random_experts(lm, 0.25, seed=2)) as eng:
+        with torch.inference_mode():
+            got = lm.model(toks)
+        assert eng.stats()["prefill"]["experts_cpu"] > 0
+    assert rel_err(got, want) < TOL["q4_0"]
+    assert calls["batch"] > 0 and calls["one"] > 0, calls
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])

@@ -14,7 +14,7 @@ import pytest
 from hotcold.artifacts import ArtifactError
 from hotcold.errors import HotcoldError
 from hotcold.models.config import config_from_hf
-from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate, weight_format
+from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate, quantize_format, weight_format
 from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import solve
 from hotcold.planner.make import BudgetError, PlanRequest, make_plan, plan_json, plan_tensors
@@ -839,6 +839,9 @@ def test_gguf_format_counts_4_bit_experts(tmp_path):
     f4, f = (model_format(path, weight_format("bf16"), gpu_int4=g) for g in (True, False))
     assert f4.gpu_experts_int4 == f4.gpu_experts_down_int4 == frozenset(range(spec.layers))
     assert f.experts_int4(0) == (False, False)
+    # CPU experts keep the file's W_down (no Q8_0 transposed copy): host bytes are the file's Q4_0
+    assert f.host_ffn_w == pytest.approx(18 / 32)
+    assert quantize_format(weight_format("bf16"), "q4_0", moe=True).host_ffn_w == pytest.approx(18 / 32)
     r = _cli("plan", path, "--uniform", "--vram", "1GiB", "--hardware", "h200", "--gpu-int4", "--out", tmp_path / "p",
              "--json")
     assert r.exit_code == 0, r.output

@@ -412,6 +412,100 @@ def test_qffn_rows_down_of_another_type(qtype, down_type):
 
 
 # --------------------------------------------------------------------------------------------
+# Whole experts (MoE): gate / up rows and W_down in their own blocks, untransposed
+
+EXPERT_TYPES = [("Q4_0", "Q4_0"), ("Q4_K", "Q6_K"), ("Q4_1", "Q8_0"), ("Q5_0", "Q5_1"), ("Q8_0", "Q4_K"),
+                ("Q5_K", "Q4_1")]  # (gate / up, down): a Q4_K_M file's experts are Q4_K / Q6_K
+
+
+def expert_stacks(gtype: str, dtype: str, n: int = 5, i: int = 256, d: int = 256, seed: int = 30):
+    """n experts: gate, up [n*I, D] of gtype, down [n*D, I] of dtype (each expert's W_down as GGUF
+    stores it)."""
+    return (random_q(gtype, (n * i, d), seed, "floats"), random_q(gtype, (n * i, d), seed + 1, "floats"),
+            random_q(dtype, (n * d, i), seed + 2, "floats"))
+
+
+def ref_experts(X, experts, coef, gate, up, down, act) -> np.ndarray:
+    """Float64 reference: X [T, D] -> sum_k coef[.., k] * down_e act(gate_e x) (up_e x), e = experts[k]."""
+    G, U, W = deq(gate), deq(up), deq(down)
+    d = gate.cols
+    i = gate.rows // (down.rows // d)
+    X = torch.from_numpy(np.atleast_2d(X).astype(np.float64))
+    coef = np.broadcast_to(np.asarray(coef, np.float64), (X.shape[0], len(experts)))
+    out = torch.zeros(X.shape, dtype=torch.float64)
+    for k, e in enumerate(experts):
+        h = TORCH_ACT[act](X @ torch.from_numpy(G[e * i:(e + 1) * i]).T) * (X @ torch.from_numpy(U[e * i:(e + 1) * i]).T)
+        out += torch.from_numpy(coef[:, k:k + 1].copy()) * (h @ torch.from_numpy(W[e * d:(e + 1) * d]).T)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("gtype,dtype", EXPERT_TYPES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_qexperts_one_token(gtype, dtype, packed):
+    """One token through several whole experts equals gguf's weights within the Q8 activations'
+    rounding, and the same products composed from qgemv (same rounding) tightly; the row-interleaved
+    layout gives the same result; out accumulates."""
+    plain = expert_stacks(gtype, dtype)
+    gate, up, down = (quant.pack_rows(m) for m in plain) if packed else plain
+    assert gate.interleaved == (packed and gtype in quant.PACK_DEFAULT and gtype in quant.XQ_DEFAULT)
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal(gate.cols).astype(np.float32)
+    experts, coef = np.array([3, 0, 4]), np.array([0.5, 0.3, 0.2], np.float32)
+    out0 = rng.standard_normal(gate.cols).astype(np.float32)
+    out = out0.copy()
+    assert quant.qexperts(x, experts, coef, gate, up, down, "silu", out=out) is out
+    want = ref_experts(x, experts, coef, *plain, "silu")[0]
+    xq = gtype in quant.XQ_DEFAULT or dtype in quant.XQ_DEFAULT
+    assert_within(out - out0, want, (0.03 if xq else 1e-4) * np.abs(want).max())
+    # the same rounding, composed: each matrix of each expert through qgemv (its default activations)
+    composed = np.zeros_like(x)
+    d, i = gate.cols, gate.rows // 5
+    for e, c in zip(experts, coef):
+        z, u = (quant.qgemv(quant.QuantMatrix(m.row_data(np.arange(e * i, (e + 1) * i)), m.qtype, (i, d)), x,
+                            xq=m.interleaved or None) for m in (gate, up))
+        h = (z / (1 + np.exp(-z)) * u * c).astype(np.float32)
+        w_e = quant.QuantMatrix(down.row_data(np.arange(e * d, (e + 1) * d)), down.qtype, (d, i))
+        composed += quant.qgemv(w_e, h, xq=down.interleaved or None)
+    assert_within(out - out0, composed, 1e-4 * np.abs(composed).max())
+    empty = out0.copy()
+    quant.qexperts(x, np.zeros(0, np.int64), np.zeros(0, np.float32), gate, up, down, "silu", out=empty)
+    assert np.array_equal(empty, out0)
+
+
+@pytest.mark.parametrize("gtype,dtype", EXPERT_TYPES[:3])
+def test_qexpert_batch(gtype, dtype, monkeypatch):
+    """Several tokens through one expert, its blocks decoded once (float32 GEMMs here), equal the
+    float64 reference; the routing weights scale each token; interleaved stacks decode the same."""
+    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    gate, up, down = expert_stacks(gtype, dtype, seed=40)
+    X = np.random.default_rng(41).standard_normal((6, gate.cols)).astype(np.float32)
+    coef = np.linspace(0.1, 1, 6).astype(np.float32)
+    for g, u, w in ((gate, up, down), tuple(quant.pack_rows(m) for m in (gate, up, down))):
+        got = quant.qexpert_batch(X, 2, g, u, w, "gelu_tanh", coef)
+        want = ref_experts(X, [2], coef[:, None], gate, up, down, "gelu_tanh")
+        assert_within(got, want, 1e-4 * np.abs(want).max())
+        plain = quant.qexpert_batch(X, 4, g, u, w, "relu")
+        assert_within(plain, ref_experts(X, [4], 1.0, gate, up, down, "relu"), 1e-4 * np.abs(plain).max())
+
+
+def test_qexperts_bad_arguments():
+    gate, up, down = expert_stacks("Q4_0", "Q4_0", n=3, i=64, d=64)
+    x, one = np.zeros(64, np.float32), np.ones(1, np.float32)
+    with pytest.raises(ValueError, match="distinct"):
+        quant.qexperts(x, np.array([1, 1]), np.ones(2, np.float32), gate, up, down, "silu")
+    with pytest.raises(IndexError):
+        quant.qexperts(x, np.array([3]), one, gate, up, down, "silu")
+    with pytest.raises(ValueError, match="experts"):
+        quant.qexperts(x, np.array([0]), one, gate, up, random_q("Q4_0", (3 * 64, 96), 1), "silu")
+    with pytest.raises(ValueError, match="gate and up"):
+        quant.qexperts(x, np.array([0]), one, gate, random_q("Q8_0", (3 * 64, 64), 1), down, "silu")
+    with pytest.raises(ValueError, match="act"):
+        quant.qexperts(x, np.array([0]), one, gate, up, down, "tanh")
+    with pytest.raises(IndexError):
+        quant.qexpert_batch(np.zeros((2, 64), np.float32), 3, gate, up, down, "silu")
+
+
+# --------------------------------------------------------------------------------------------
 # quantising and the transposed W_down
 
 # RMS error of our quantisers relative to the RMS of the weights; measured on Gaussian 256 x 4096:
