@@ -427,10 +427,24 @@ def host_quant_experts(ex: QuantExperts, ids: list[int], act: str) -> ColdFFN:
     requantised to up's type if it differs) and W_down as GGUF stores it (`ColdFFN.down`, no
     transposed copy: a CPU expert is computed whole, see sparse_ops.quant.qexperts), each matrix
     row-interleaved where `pack_rows` applies. Host bytes: the experts' share of the file."""
-    I, D = ex.hidden, ex.dim
-    rows = np.concatenate([np.arange(e * I, (e + 1) * I, dtype=np.int64) for e in ids])
-    down_rows = np.concatenate([np.arange(e * D, (e + 1) * D, dtype=np.int64) for e in ids])
-    up = pack_rows(_quant_rows(ex.qup, rows))
-    gate = pack_rows(_quant_rows(ex.qgate, rows, ex.qup.qtype))
-    return ColdFFN(idx=np.arange(len(rows), dtype=np.int64), up=up, gate=gate, down_t=None, up_bias=None, act=act,
-                   down=pack_rows(_quant_rows(ex.qdown, down_rows)))
+    qtype, every = ex.qup.qtype, np.arange(ex.hidden, dtype=np.int64)
+
+    def gate(e: int) -> QuantMatrix:
+        m = ex.matrix("gate", e)
+        return m if m.qtype == qtype else _quant_rows(m, every, qtype)
+
+    return ColdFFN(idx=np.arange(len(ids) * ex.hidden, dtype=np.int64), up=_stacked(lambda e: ex.matrix("up", e), ids),
+                   gate=_stacked(gate, ids), down_t=None, up_bias=None, act=act,
+                   down=_stacked(lambda e: ex.matrix("down", e), ids))
+
+
+def _stacked(get, ids: list[int]) -> QuantMatrix:
+    """get(e) (QuantMatrices of one type and shape, e.g. file views) for e in ids, stacked by rows,
+    each interleaved by `pack_rows` where it applies as it is copied in: one expert's copy beside
+    the stack, never a second stack."""
+    first = pack_rows(get(ids[0]))
+    g = first.data.shape[0]
+    data = np.empty((len(ids) * g, first.data.shape[1]), np.uint8)
+    for p, e in enumerate(ids):
+        data[p * g:(p + 1) * g] = (first if p == 0 else pack_rows(get(e))).data
+    return QuantMatrix(data, first.qtype, (len(ids) * first.rows, first.cols), interleaved=first.interleaved)
