@@ -116,7 +116,8 @@ def plan(
             raise HotcoldError(f"--quantize applies to HF checkpoints; {info.path.name} is a GGUF file and runs in "
                                "its own quantisation")
     # a quantised model: its host side in blocks; int4: its 4-bit matrices also kept int4 on the GPU
-    fmt, int4 = [model_format(info.path, fmt, quantize, gpu_int4=g) for g in (False, True)]
+    fmt, int4 = [model_format(info.path, fmt, quantize, gpu_int4=g, moe=getattr(cfg, "num_experts", 0) > 0)
+                 for g in (False, True)]
     if uniform:
         stats, source, sparsity = uniform_stats(cfg, assume_sparsity), "uniform", assume_sparsity
     else:

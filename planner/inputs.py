@@ -137,22 +137,13 @@ def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> Weigh
                            experts, experts_down)
 
 
-def _is_moe_folder(path: Path) -> bool:
-    """Whether the HF folder's config.json names routed experts."""
-    import json
-
-    try:
-        d = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return any(d.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-
-
-def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False) -> WeightFormat:
+def model_format(path: Path, base: WeightFormat, quantize: str | None = None, gpu_int4: bool = False,
+                 moe: bool = False) -> WeightFormat:
     """The weight format `hotcold run` will use for the model at path: a GGUF's own quantisation
-    (see gguf_format), `--quantize` for an HF folder, else base; gpu_int4: `--gpu-int4`."""
+    (see gguf_format), `--quantize` for an HF folder, else base; gpu_int4: `--gpu-int4`; moe: the
+    model's FFNs are routed experts (quantize_format)."""
     if quantize:
-        return quantize_format(base, quantize, gpu_int4, moe=_is_moe_folder(path))
+        return quantize_format(base, quantize, gpu_int4, moe=moe)
     if Path(path).is_file():
         return gguf_format(Path(path), base, gpu_int4)
     return base

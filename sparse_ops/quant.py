@@ -897,22 +897,25 @@ _q4_0_x8_dot_xq, _q4_1_x8_dot_xq, _q4_k_x8_dot_xq, _q8_0_x8_dot_xq = (_make_x8_d
                                                                       for qt in (Q4_0, Q4_1, Q4_K, Q8_0))
 
 
+@njit(**_INLINE)
+def _x8_dot_any(qt, w, g, xq, xd, out):
+    # out[8g:8g+8] = the 8 rows of group g of the interleaved matrix w (type qt) . x (Q8: xq, xd)
+    if qt == Q4_K:
+        _q4_k_x8_dot_xq(w, g, xq, xd, out)
+    elif qt == Q8_0:
+        _q8_0_x8_dot_xq(w, g, xq, xd, out)
+    elif qt == Q4_1:
+        _q4_1_x8_dot_xq(w, g, xq, xd, out)
+    else:
+        _q4_0_x8_dot_xq(w, g, xq, xd, out)
+
+
 @njit(**_JIT)
 def _qgemv_x8_kernel(qt, w, x, out):
     # out = W x over all rows of an interleaved matrix w: uint8 [R / 8, ...] of type qt; out [R]
     xq, xd = _quantize_x(x)
-    if qt == Q4_K:
-        for g in prange(w.shape[0]):
-            _q4_k_x8_dot_xq(w, g, xq, xd, out)
-    elif qt == Q8_0:
-        for g in prange(w.shape[0]):
-            _q8_0_x8_dot_xq(w, g, xq, xd, out)
-    elif qt == Q4_1:
-        for g in prange(w.shape[0]):
-            _q4_1_x8_dot_xq(w, g, xq, xd, out)
-    else:
-        for g in prange(w.shape[0]):
-            _q4_0_x8_dot_xq(w, g, xq, xd, out)
+    for g in prange(w.shape[0]):
+        _x8_dot_any(qt, w, g, xq, xd, out)
 
 
 def _x8_table(qt) -> np.ndarray:
@@ -1260,19 +1263,6 @@ def _qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, 
         out[d] += acc
 
 
-@njit(**_INLINE)
-def _x8_dot_any(qt, w, g, xq, xd, out):
-    # out[8g:8g+8] = the 8 rows of group g of the interleaved matrix w (type qt) . x (Q8: xq, xd)
-    if qt == Q4_K:
-        _q4_k_x8_dot_xq(w, g, xq, xd, out)
-    elif qt == Q8_0:
-        _q8_0_x8_dot_xq(w, g, xq, xd, out)
-    elif qt == Q4_1:
-        _q4_1_x8_dot_xq(w, g, xq, xd, out)
-    else:
-        _q4_0_x8_dot_xq(w, g, xq, xd, out)
-
-
 @njit(nogil=True, fastmath=True, cache=True)
 def _expert_gemv(qt, w, x8, first, k, m, lo, hi, x, xs, xq, xd, use_xq, out):
     # out[k m + j] = row (first[k] m + j) of w . x for j in [lo, hi): rows of expert first[k], m per
@@ -1536,6 +1526,14 @@ def _gemm_bf16_supported() -> bool:
 GEMM_BF16 = _gemm_bf16_supported()
 
 
+def _torch_act(act: str):
+    """The torch function of an activation name (one of ACTS), for the GEMM paths."""
+    import torch
+
+    return {"relu": torch.relu, "silu": torch.nn.functional.silu,
+            "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[act]
+
+
 def qffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: QuantMatrix, act: str,
                     gate: QuantMatrix | None = None, up_bias: np.ndarray | None = None,
                     out: np.ndarray | None = None, row_scale: np.ndarray | None = None) -> np.ndarray:
@@ -1556,8 +1554,7 @@ def qffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: Qu
     out = np.zeros((X.shape[0], d), np.float32) if out is None else _check_out(out, (X.shape[0], d))
     if rows.shape[0] == 0 or X.shape[0] == 0:
         return out
-    fn = {"relu": torch.relu, "silu": torch.nn.functional.silu,
-          "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[act]
+    fn = _torch_act(act)
     y = torch.from_numpy(out)
     x = torch.from_numpy(X).to(torch.bfloat16 if GEMM_BF16 else torch.float32)  # [T, D]
     step = max(1, BATCH_CHUNK_BYTES // (4 * d))
@@ -1632,8 +1629,7 @@ def qexpert_batch(X: np.ndarray, expert: int, gate: QuantMatrix, up: QuantMatrix
     X = np.ascontiguousarray(X, dtype=np.float32)
     if X.ndim != 2 or X.shape[1] != d:
         raise ValueError(f"X must be [T, {d}], got {X.shape}")
-    fn = {"relu": torch.relu, "silu": torch.nn.functional.silu,
-          "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[act]
+    fn = _torch_act(act)
     x = torch.from_numpy(X).to(torch.bfloat16 if GEMM_BF16 else torch.float32)  # [T, D]
     rows = np.arange(expert * i, (expert + 1) * i, dtype=np.int64)
     h = fn((x @ gemm_operands(gate, rows).T).float()) * (x @ gemm_operands(up, rows).T).float()  # [T, I]
