@@ -9,16 +9,23 @@ Block and, for one-token steps on CUDA, replays a captured graph of
     res ─ ffn_norm = f_in
 
 so the layer costs one graph launch and two small copies before its FFN. A hybrid FFN or MoE layer
-that offers a split one-token step (`graph_ready()`, `graph_pre`, `graph_post`: HybridFFN,
-HybridMoE) has its device half captured in the same graph (predictor or router, the fast tier's
-neurons or experts, the input packed for the host); after the replay its host half runs eagerly
-(one copy to the host, the CPU's share, one copy back and a sum), since a graph cannot wait for the
-CPU. A dense or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole) is
-captured whole with the attention half (then the whole layer is one graph); other FFNs run eagerly
-after the replay. Prefill (several tokens),
-CPU tiers, blocks whose attention runs on the host (HostAttention) and post-norm blocks (OPT) run
-the block as before. A graph belongs to one KV cache (its buffers' addresses are baked in): a new
-cache re-captures it, dropping the old one.
+that offers a split one-token step (`graph_ready()` and four calls, HybridFFN and HybridMoE) has its
+device half captured too, in two graphs, so that the CPU's share starts as soon as its input exists
+and runs beside the fast tier's:
+
+    graph 1   attention half ─ graph_pre(f_in) = pre (predictor or router; what the host needs)
+    eager     graph_send(pre) = ready: pre's host part queued down on the copy stream, its event
+    graph 2   graph_fast(f_in, pre) = y (the fast tier's neurons or experts)
+    eager     graph_post(f_in, y, pre, ready): waits `ready`, the CPU's share, one copy up, + y
+
+(a graph cannot wait for the CPU, so the host half runs eagerly between and after the replays;
+`split_step` runs the same four calls without graphs, for tests). A dense or gated FFN wholly on
+the device (a dense run on the GPU, a layer kept int4 whole) is captured whole with the attention
+half (then the whole layer is one graph); other FFNs run eagerly after the replay. Prefill (several
+tokens), CPU tiers, blocks whose attention runs on the host (HostAttention) and post-norm blocks
+(OPT) run the block as before. A graph belongs to one KV cache (its buffers' addresses are baked
+in): a new cache re-captures it, dropping the old one. The graphs of all layers share one memory
+pool, replayed in the order they were captured.
 
 Forward pre-hooks on `ffn_norm` (the expert look-ahead's residual hook) fire while capturing and then
 hold the graph's static `res`, which every replay refreshes in place.
@@ -45,6 +52,8 @@ class _Captured:
     f_in: torch.Tensor
     pre: tuple | None = None  # static outputs of the FFN's graph_pre (None: the FFN runs eagerly)
     h: torch.Tensor | None = None  # static output of a device FFN captured whole
+    fast: torch.cuda.CUDAGraph | None = None  # the second graph of a split FFN: graph_fast
+    y: torch.Tensor | None = None  # its static output
 
 
 class GraphedBlock(nn.Module):
@@ -83,10 +92,12 @@ class GraphedBlock(nn.Module):
             c.graph.replay()
             h = b.ffn(c.f_in)
         else:
-            tier = b.ffn.tier
-            g0 = tier.mark()
+            ffn = b.ffn
+            g0 = ffn.tier.mark()
             c.graph.replay()
-            h = b.ffn.graph_post(c.f_in, *c.pre, marks=(g0, tier.mark()))
+            ready = ffn.graph_send(c.pre)
+            c.fast.replay()
+            h = ffn.graph_post(c.f_in, c.y, c.pre, ready, marks=(g0, ffn.tier.mark()))
         self.replays += 1
         if b.sandwich:
             h = b.post_ffn_norm(h)
@@ -131,8 +142,8 @@ class GraphedBlock(nn.Module):
         return res, b.ffn_norm(res)
 
     def _body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool | str):
-        # what the graph holds: the attention half, then the FFN's device half when split, or the
-        # whole FFN ("whole")
+        # what the (first) graph holds: the attention half, then the FFN's graph_pre when split, or
+        # the whole FFN ("whole")
         res, f_in = self._attention_half(x, positions, cache_kv)
         if split == "whole":
             return res, f_in, None, self.block.ffn(f_in)
@@ -144,13 +155,29 @@ class GraphedBlock(nn.Module):
         # the capture); it writes this step's key/value at its position, as the replay will again
         side = _side_stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
+        ffn = self.block.ffn
         with torch.cuda.stream(side):
-            self._body(sx, sp, cache_kv, split)
+            _, f_in, pre, _ = self._body(sx, sp, cache_kv, split)
+            if pre is not None:
+                ffn.graph_fast(f_in, pre)
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             res, f_in, pre, h = self._body(sx, sp, cache_kv, split)
-        return _Captured(key, graph, sx, sp, res, f_in, pre, h)
+        c = _Captured(key, graph, sx, sp, res, f_in, pre, h)
+        if pre is not None:  # the fast tier's share, in a graph of its own (see the module docstring)
+            c.fast = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(c.fast, pool=self.pool):
+                c.y = ffn.graph_fast(f_in, pre)
+        return c
+
+
+def split_step(ffn: nn.Module, f_in: torch.Tensor) -> torch.Tensor:
+    """A split FFN's one-token step as GraphedBlock runs it (graph_pre, graph_send, graph_fast,
+    graph_post), without graphs: it must equal ffn(f_in). f_in: [1, 1, D] -> [1, 1, D]."""
+    pre = ffn.graph_pre(f_in)
+    ready = ffn.graph_send(pre)
+    return ffn.graph_post(f_in, ffn.graph_fast(f_in, pre), pre, ready)
 
 
 def _on_cuda(module: nn.Module) -> bool:
@@ -187,4 +214,4 @@ def graph_blocks(model: nn.Module, ffn: bool = True) -> list[int]:
     return done
 
 
-__all__ = ["GraphedBlock", "graph_blocks"]
+__all__ = ["GraphedBlock", "graph_blocks", "split_step"]

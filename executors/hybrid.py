@@ -6,7 +6,8 @@ Decode (one token), per layer:
   CPU worker                                                   └ rows ─ ffn_rows ─ out ─ H2D ┘
 The D2H copies are queued before the hot FFN so they run beside it; the worker waits only for its
 copy event; the main thread blocks only when it needs the CPU result, then queues its H2D copy and
-the sum on the compute stream. Prefill (N > 1 tokens) uses the union of the tokens' masks on both
+the sum on the compute stream. With CUDA graphs (graphs.py) the order is the same: the predictor is
+replayed in one graph, the copies queued, the hot FFN replayed in a second. Prefill (N > 1 tokens) uses the union of the tokens' masks on both
 sides (see prefill.py) so the result does not depend on which neurons are hot.
 """
 
@@ -98,32 +99,47 @@ class HybridFFN(FFN):
     # ------------------------------------------------------------------ one token, its device half in a CUDA graph
 
     def graph_ready(self) -> bool:
-        """Whether a one-token step may run as graph_pre inside the block's CUDA graph, then
-        graph_post (executors/graphs.py): on CUDA, with the predictor on the fast tier."""
+        """Whether a one-token step may run split around CUDA graphs (graph_pre ... graph_post,
+        executors/graphs.py): on CUDA, with the predictor on the fast tier."""
         m = self.gpu.mask_fn
         return self.tier.cuda and getattr(m, "worker", None) is None
 
-    def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The device half of one token: predictor, hot neurons, and the CPU's inputs. Device ops
-        only (a graph captures them once). f_in: [1, 1, D] -> (y [1, D], x float32 [1, D], the
-        predicted mask bool [1, I] hot-first or None)."""
+    def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The predictor and the CPU's inputs (graphs.py: captured with the attention half). Device
+        ops only. f_in: [1, 1, D] -> (x float32 [1, D], the predicted mask bool [1, I] hot-first or None)."""
         x2 = f_in.reshape(1, -1)
-        mask = self.gpu.predict(x2)  # bool [1, I] hot-first, or None
-        y = self.gpu.compute(x2, None if mask is None else mask[:, : self.gpu.n_hot])
-        return y, x2.float(), mask
+        return x2.float(), self.gpu.predict(x2)
 
-    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, xf: torch.Tensor, mask: torch.Tensor | None,
-                   marks=(None, None)) -> torch.Tensor:
-        """The host half after graph_pre's replay: x and the cold mask cross to the host, the
-        predicted cold rows run on the CPU, their sum comes back and is added to y in place.
-        marks: timing marks around the replay. -> [1, 1, D]."""
-        book, tier = self.book, self.tier
+    def graph_send(self, pre: tuple) -> object:
+        """Queue the D2H copies of x and the cold mask on the copy stream (eager, between the two
+        graphs); returns their event (None: no cold rows, or the CPU tier)."""
+        xf, mask = pre
+        if not self.cold.n:
+            return None
+        tier = self.tier
+        with tier.on_copy_stream():
+            t0 = tier.mark(tier.copy)
+            self.decode_io.x.copy_(xf, non_blocking=True)
+            if mask is not None:
+                self.mask_host.copy_(mask[0, self.gpu.n_hot:], non_blocking=True)
+            self.book.span("decode", "transfer_s", t0, tier.mark(tier.copy))
+            return tier.event(tier.copy)
+
+    def graph_fast(self, f_in: torch.Tensor, pre: tuple) -> torch.Tensor:
+        """The hot neurons the mask selects (graphs.py: the second graph). -> y [1, D]."""
+        _, mask = pre
+        return self.gpu.compute(f_in.reshape(1, -1), None if mask is None else mask[:, : self.gpu.n_hot])
+
+    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, pre: tuple, ready, marks=(None, None)) -> torch.Tensor:
+        """The host half, once graph_send queued the copies: the predicted cold rows run on the CPU
+        (after `ready`), their sum comes back and is added to y in place. marks: timing marks around
+        the replays. -> [1, 1, D]."""
+        book, H = self.book, self.gpu.n_hot
+        _, mask = pre
         if self.first:
             book.resolve()
             book.add("decode", tokens=1, forwards=1)
         book.span("decode", "gpu_s", *marks)
-        H = self.gpu.n_hot
-        cold_mask = None if mask is None else mask[0, H:]  # [C]
         if book.enabled:
             book.add("decode", layer_calls=1, hot_rows=H, cold_rows=self.cold.n)
             if mask is not None and H:
@@ -134,13 +150,8 @@ class HybridFFN(FFN):
                 regimes = book.phases["decode"].regimes
                 regimes["cpu"] = regimes.get("cpu", 0) + 1
         if self.cold.n:
-            t0 = tier.mark()
-            self.decode_io.x.copy_(xf, non_blocking=True)
-            if cold_mask is not None:
-                self.mask_host.copy_(cold_mask, non_blocking=True)
-            book.span("decode", "transfer_s", t0, tier.mark())
-            job = ColdJob(self.cold, self.decode_io.x_np, None if cold_mask is None else self.mask_np,
-                          self.decode_io.out_np, ready=tier.event(), keep=(xf, cold_mask), io=self.decode_io)
+            job = ColdJob(self.cold, self.decode_io.x_np, None if mask is None else self.mask_np,
+                          self.decode_io.out_np, ready=ready, io=self.decode_io)
             y = self._receive(self.cpu.submit(job), y, "decode")
         return y.reshape(f_in.shape)
 

@@ -16,9 +16,10 @@ only the routed GPU experts, so the fast tier never synchronises on data-depende
 main thread blocks twice: on the routing copy (while the shared expert runs) and on the CPU result.
 x is copied for every token (choosing the CPU-routed ones on the device would need a sync first).
 One token on CUDA finds its fast-tier experts on the device (sparse_ops/moe_gpu.py), without the
-routing sync; with CUDA graphs the whole device half (router to the packed host input) is replayed
-inside the block's graph (`graph_pre`) and `graph_post` does the host half after the replay. For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the
-host first and `moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the
+routing sync; with CUDA graphs the router and the packed host input are replayed with the block's
+attention (`graph_pre`), the packed input goes down (`graph_send`), the shared and fast-tier experts
+are replayed in a second graph (`graph_fast`) while the CPU experts run (`graph_post`).
+For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the host first and `moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the
 fast tier from their rows streamed through the two slots (a long prompt routes tokens to nearly
 every expert, and the worker would re-read each one per token tile).
 """
@@ -289,6 +290,15 @@ class MoEJob:
         an expert routed by at least EXPERT_BATCH_TOKENS of the tokens is decoded once for all of
         them instead (`qexpert_batch`)."""
         c, few = self.cold, {}  # token -> [(position, routing weight)]
+        if len(self.x) == 1:  # decode: the routed host experts straight from the routing, one call
+            p = self.pos[self.ids[0]]  # [k] positions, -1 on the fast tier
+            here = p >= 0
+            if self.skip:
+                here &= ~np.isin(self.ids[0], list(self.skip))
+            if here.any():
+                qexperts(self.x[0], p[here], self.weights[0][here], c.gate, c.up, c.down, c.act, out=self.out[0])
+            self.pairs = int(here.sum())
+            return
         for e, tok, slot in routed(self.ids, lambda e: self.pos[e] >= 0 and int(e) not in self.skip):
             p = int(self.pos[e])
             if len(tok) >= EXPERT_BATCH_TOKENS:
@@ -486,52 +496,71 @@ class HybridMoE(FFN):
     # ------------------------------------------------------------------ one token, its device half in a CUDA graph
 
     def graph_ready(self) -> bool:
-        """Whether a one-token step may run as graph_pre inside the block's CUDA graph, then
-        graph_post (executors/graphs.py): on CUDA."""
+        """Whether a one-token step may run split around CUDA graphs (graph_pre ... graph_post,
+        executors/graphs.py): on CUDA."""
         return self.tier.cuda
 
     def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The device half of one token: router, shared expert, routed fast-tier experts, and the
-        input packed for the host (with the expert cache, also the look-ahead's guess for the next
-        MoE layer). Device ops only (a graph captures them once; the look-ahead reads the static
-        residual its hook captured). f_in: [1, 1, D] -> (y [1, D] in the tier's dtype, packed int32
-        [D + 2k (+ m)]: see self.packed, routing weights float32 [1, k])."""
+        """The router and the host's input packed in one tensor (graphs.py: captured with the
+        attention half; with the expert cache, also the look-ahead's guess for the next MoE layer,
+        from the static residual its hook captured). Device ops only. f_in: [1, 1, D] -> (packed
+        int32 [D + 2k (+ m)]: see self.packed, routing weights float32 [1, k], ids int64 [1, k])."""
         x2 = f_in.reshape(1, -1)  # [1, D]
         weights, ids = route(self.router(x2), self.top_k, self.renormalise)  # [1, k] fp32, int64
-        y = self._shared(x2)
-        if self.fast.ids:
-            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
         parts = [x2[0].float().view(torch.int32), weights[0].view(torch.int32), ids[0].to(torch.int32)]
         guess = self.ahead.guess(self.residual) if self.cache is not None and self.ahead is not None else None
         if guess is not None:
             parts.append(guess.to(torch.int32))  # [m]
-        return y, torch.cat(parts), weights
+        return torch.cat(parts), weights, ids
 
-    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, weights: torch.Tensor,
-                   marks=(None, None)) -> torch.Tensor:
-        """The host half after graph_pre's replay: the packed input crosses to the host (one copy),
-        the routed host experts run on the CPU (or, found in the expert cache, on the fast tier),
-        their sum comes back (one copy) and is added to y in place. marks: timing marks around the
-        replay. -> [1, 1, D]."""
-        book, tier, cache = self.book, self.tier, self.cache
+    def _host_half(self) -> bool:
+        """Whether a one-token step has host work after the replays: CPU experts, the expert cache's
+        step (it also prefetches for the next layer), or statistics."""
+        return bool(self.cache is not None or self.n_cold or self.book.enabled)
+
+    def graph_send(self, pre: tuple) -> object:
+        """Queue the packed input's D2H copy on the copy stream (eager, between the two graphs);
+        returns its event (None: no host half, or the CPU tier)."""
+        packed = pre[0]
+        if not self._host_half():
+            return None
+        if self.packed.numel() != packed.numel():  # the look-ahead's guess rides along
+            self._packed_buffers(packed.numel())
+        tier = self.tier
+        with tier.on_copy_stream():
+            t0 = tier.mark(tier.copy)
+            self.packed.copy_(packed, non_blocking=True)
+            self.book.span("decode", "transfer_s", t0, tier.mark(tier.copy))
+            return tier.event(tier.copy)
+
+    def graph_fast(self, f_in: torch.Tensor, pre: tuple) -> torch.Tensor:
+        """The shared expert and the routed fast-tier experts (graphs.py: the second graph).
+        -> y [1, D] in the tier's dtype."""
+        _, weights, ids = pre
+        x2 = f_in.reshape(1, -1)
+        y = self._shared(x2)
+        if self.fast.ids:
+            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
+        return y
+
+    def graph_post(self, f_in: torch.Tensor, y: torch.Tensor, pre: tuple, ready, marks=(None, None)) -> torch.Tensor:
+        """The host half, once graph_send queued the packed input's copy: the routed host experts run
+        on the CPU (or, found in the expert cache, on the fast tier), their sum comes back (one copy)
+        and is added to y in place. marks: timing marks around the replays. -> [1, 1, D]."""
+        book, cache = self.book, self.cache
+        _, weights, _ = pre
         if self.first:
             book.resolve()
             book.add("decode", tokens=1, forwards=1)
         book.span("decode", "gpu_s", *marks)
         if cache is None:
             book.add("decode", layer_calls=1)
-        if cache is None and not (self.n_cold or book.enabled):  # (the cache's step also prefetches for the next layer)
+        if not self._host_half():
             return y.reshape(f_in.shape)
-        if self.packed.numel() != packed.numel():  # the look-ahead's guess rides along
-            self._packed_buffers(packed.numel())
-        t0 = tier.mark()
-        self.packed.copy_(packed, non_blocking=True)
-        book.span("decode", "transfer_s", t0, tier.mark())
-        ready = tier.event()
         job = None
         if self.n_cold:
             job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, self.packed_x, self.packed_ids,
-                         self.packed_w, self.decode_io.out_np[:1], ready=ready, keep=(packed,), io=self.decode_io)
+                         self.packed_w, self.decode_io.out_np[:1], ready=ready, io=self.decode_io)
         if cache is not None:
             w0 = now()
             if ready is not None:

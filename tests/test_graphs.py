@@ -3,8 +3,8 @@
 The graphed engine must give the eager engine's logits (and the dense reference's) token by token,
 across families with rotary scaling, sliding windows, QK-norm and sandwich norms, for a dense and a
 MoE FFN; a new KV cache re-captures. CUDA only (run on the GPU machine); on the CPU the wrapper is
-not installed, which one test checks, and the hybrid FFNs' split one-token step (graph_pre, then
-graph_post: what a graph replays, run eagerly) must equal their forward.
+not installed, which one test checks, and the hybrid FFNs' split one-token step (graph_pre,
+graph_send, graph_fast, graph_post: what the graphs replay, run eagerly) must equal their forward.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from hotcold.executors import make_hybrid
 from hotcold.executors.engine import random_hot
-from hotcold.executors.graphs import GraphedBlock
+from hotcold.executors.graphs import GraphedBlock, split_step
 from hotcold.executors.moe import random_experts
 from hotcold.models.transformer import KVCache
 from test_executors import assert_close, folder, fresh, random_predictors, reference, tokens  # noqa: F401 (fixture)
@@ -58,8 +58,7 @@ def test_split_step_matches_forward(folder, family, frac, learned):
                 with torch.inference_mode():
                     want = ffn(x)
                     eng.reset_stats()
-                    pre = ffn.graph_pre(x)
-                    got = ffn.graph_post(x, *pre)
+                    got = split_step(ffn, x)
                     split_stats = eng.stats()["decode"]
                     eng.reset_stats()
                     ffn(x)
@@ -90,7 +89,7 @@ def test_split_step_with_the_expert_cache_matches_forward(folder):
                     want = ref.model.layers[l].ffn(x)  # the dense MoE layer
                     eager = ffn(x)
                     eng.reset_stats()
-                    got = ffn.graph_post(x, *ffn.graph_pre(x))
+                    got = split_step(ffn, x)
                     st = eng.stats()["decode"]
                 assert_close(eager, want, tol=1e-5)
                 assert_close(got, want, tol=1e-5)
@@ -152,5 +151,5 @@ def test_split_step_prefetches_for_the_next_layer_without_host_experts(folder):
         x = torch.randn(1, 1, lm.config.hidden_size)
         first.cache.take_copied()
         with torch.inference_mode():
-            first.graph_post(x, *first.graph_pre(x))
+            split_step(first, x)
         assert first.cache.take_copied() > 0
