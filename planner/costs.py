@@ -26,7 +26,8 @@ Python thread hand-off; it is paid once per CPU segment of a layer, only when th
     over-selection (profile.json `predicted_active_fraction` / mean f) when predictor stats exist.
     CPU experts are computed densely when routed.
   * Bytes are read at the measured rate of the kernel the runtime uses: `ffn_rows` for CPU FFN rows
-    and experts, `gemv` (dense) for CPU attention, predictors and lm_head, GPU GEMV for the GPU.
+    (and float experts), `qexperts` for quantised experts (the probe's cpu_expert_Bps), `gemv`
+    (dense) for CPU attention, predictors and lm_head, GPU GEMV for the GPU.
   * The predictor of a layer is needed only when its FFN has CPU work (an all-GPU layer computes its
     hot slice densely); it sits beside the attention (GPU if the attention is on the GPU).
   * KV cache: 2 x kv_heads x head_dim x ctx (or the sliding window) x B values per layer, stored
@@ -396,6 +397,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     rt = (hw.roundtrip_s or 0.0) if has_gpu else 0.0
     pcie = hw.pcie_Bps() if has_gpu else math.inf
     ffn_bps = hw.cpu_ffn(fmt.cpu_kind)
+    expert_bps = hw.cpu_expert(fmt.cpu_kind)  # whole experts (quantised: qexperts; float: the FFN kernel)
     dense_bps = hw.cpu_dense(fmt.cpu_kind)
     pred_bps = hw.cpu_dense("q8_0")  # a CPU predictor's Q8_0 blocks (profiles without q8_0 rates: their float one)
     call = hw.cpu_call_s
@@ -445,7 +447,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             unit_bytes = np.full(n_items, eb)
             unit_host_bytes = np.full(n_items, eb_host)
             unit_gpu_s = q * (eb_t / gbw + c.expert_gpu_kernels * launch)
-            unit_cpu_s = q * (eb_host / ffn_bps + c.expert_cpu_calls * call)
+            unit_cpu_s = q * (eb_host / expert_bps + c.expert_cpu_calls * call)
             unit_freq = f_sorted.copy()
             pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = 0.0

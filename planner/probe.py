@@ -5,7 +5,10 @@
         `gemv_rows` (1/8 of the rows selected), neurons per second by the fused gated `ffn_rows`
         (1/8 selected, 3 rows per neuron) and the dense `gemv` read rate, each per storage kind
         (f32, bf16, f16, i8), and the same for GGUF blocks (`sparse_ops.quant`: q8_0 ... q6_k, the fused
-        FFN with W_down as Q8_0, bytes counted as stored); the cost of one kernel call; a Python thread hand-off round trip
+        FFN with W_down as Q8_0, bytes counted as stored), plus whole MoE experts of each block type
+        (`qexperts`, EXPERTS_PER_CALL experts a call, as decoding computes a token's CPU experts; this
+        also compiles that kernel into numba's cache, ~20 s once, so the first run does not pay
+        it); the cost of one kernel call; a Python thread hand-off round trip
         (main thread -> CPU worker -> main thread, what every hybrid layer pays).
   GPU   (CUDA only) name, total and free memory, device copy bandwidth (read + write bytes),
         GEMV weight-stream bandwidth (bf16), host<->device copies pinned and pageable, a small
@@ -34,9 +37,11 @@ from pathlib import Path
 
 from hotcold.errors import HotcoldError
 
-FORMAT = "4"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices;
-# 4: dense rates of Q4_0 / Q4_K over their interleaved layout, as run time reads them (pack_rows)
+FORMAT = "5"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices;
+# 4: dense rates of Q4_0 / Q4_K over their interleaved layout, as run time reads them (pack_rows);
+# 5: whole MoE experts' rates (cpu_expert_Bps)
 KINDS = ("f32", "bf16", "f16", "i8")
+EXPERTS_PER_CALL = 4  # CPU experts per qexperts call in the probe: a token's top-8 with about half on the GPU
 # GGUF block types the CPU kernels compute on (sparse_ops/quant.py), measured as the runtime uses them:
 # gate/up rows of the type, W_down transposed as Q8_0 (executors/weights.py); rates in quantised bytes.
 QKINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
@@ -62,6 +67,7 @@ class HardwareProfile:
     cpu_ffn_neurons_per_s: dict[str, float] = field(default_factory=dict)  # fused gated ffn_rows, by kind
     cpu_ffn_Bps: dict[str, float] = field(default_factory=dict)  # the same as weight bytes read per s
     cpu_dense_Bps: dict[str, float] = field(default_factory=dict)  # gemv over all rows, by kind
+    cpu_expert_Bps: dict[str, float] = field(default_factory=dict)  # whole MoE experts (qexperts), by block kind
     cpu_call_s: float = 5e-6  # one small kernel call from Python
     thread_handoff_s: float = 30e-6  # main -> worker thread -> main round trip
     # --- GPU (None without CUDA)
@@ -93,6 +99,11 @@ class HardwareProfile:
     def cpu_ffn(self, kind: str) -> float:
         """Bytes/s of weights the CPU FFN kernel reads (sparse rows)."""
         return self._by_kind(self.cpu_ffn_Bps or self.cpu_gather_Bps, kind)
+
+    def cpu_expert(self, kind: str) -> float:
+        """Bytes/s of weights the CPU reads computing whole MoE experts (a token's, one call); the
+        FFN rate where the kind was not measured (float experts run the FFN kernel)."""
+        return self.cpu_expert_Bps.get(kind) or self.cpu_ffn(kind)
 
     def cpu_dense(self, kind: str) -> float:
         """Bytes/s of weights a dense CPU matrix-vector product reads."""
@@ -128,7 +139,8 @@ class HardwareProfile:
             if k in self.cpu_gather_Bps:
                 rows.append((f"CPU {k}: gather / ffn / dense",
                              f"{bw(self.cpu_gather_Bps[k])} ({self.cpu_gather_rows_per_s.get(k, 0) / 1e6:.2f} M rows/s)"
-                             f" / {bw(self.cpu_ffn_Bps.get(k))} / {bw(self.cpu_dense_Bps.get(k))}"))
+                             f" / {bw(self.cpu_ffn_Bps.get(k))} / {bw(self.cpu_dense_Bps.get(k))}"
+                             + (f"; experts {bw(self.cpu_expert_Bps[k])}" if k in self.cpu_expert_Bps else "")))
         rows += [("CPU call / thread hand-off", f"{us(self.cpu_call_s)} / {us(self.thread_handoff_s)}")]
         if not self.cuda:
             rows.append(("GPU", "none (CUDA not available): plans are all-CPU"))
@@ -330,7 +342,8 @@ def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, m
     scales): gather = qgemv_rows, ffn = qffn_rows (gate/up of the kind, down_t Q8_0, as executors
     store a quantised model's cold rows), dense = qgemv over all rows, interleaved where run time
     interleaves a matrix read whole (`pack_rows`; equal blocks interleave to the same bytes, so the
-    pool's views serve as they are). Bytes as stored."""
+    pool's views serve as they are); experts = qexperts over stacks of the kind (`_expert_pool`).
+    Bytes as stored."""
     import numpy as np
 
     from hotcold.sparse_ops import quant
@@ -352,6 +365,46 @@ def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, m
                       ffn=lambda: quant.qffn_rows(x, (p := next(picks))[2], p[0], next(dn), "silu", gate=p[1],
                                                   out=out_ffn),
                       dense=lambda: quant.qgemv(next(pool), x, out_all))
+        _measure_experts(hw, quant, raw, kind.upper(), d, x, min_time, log)
+
+
+def _measure_experts(hw: HardwareProfile, quant, raw, qtype: str, d: int, x, min_time: float, log) -> None:
+    """cpu_expert_Bps[kind]: `qexperts` computing EXPERTS_PER_CALL whole experts ([d/4, d] gate and
+    up, [d, d/4] down, all of qtype and interleaved where run time interleaves them), each call
+    other experts of a stack larger than the last-level cache where `raw` allows."""
+    import numpy as np
+
+    n = EXPERTS_PER_CALL
+    gate, up, down = _expert_pool(quant, raw, qtype, d, d // 4)
+    e = gate.rows // (d // 4)
+    calls = itertools.cycle([np.arange(n * j, n * j + n, dtype=np.int64) % e for j in range(max(1, e // n))])
+    coef = np.full(n, 1.0 / n, np.float32)
+    out = np.zeros(d, np.float32)
+    t = _rate(lambda: quant.qexperts(x, next(calls), coef, gate, up, down, "silu", out=out), min_time)
+    expert_bytes = (gate.nbytes + up.nbytes + down.nbytes) / e
+    hw.cpu_expert_Bps[qtype.lower()] = n * expert_bytes / t
+    if log:
+        log(f"CPU {qtype.lower()} experts: {hw.cpu_expert_Bps[qtype.lower()] / 1e9:.1f} GB/s")
+
+
+def _expert_pool(quant, raw, qtype: str, d: int, inter: int) -> tuple:
+    """(gate, up [E*inter, d], down [E*d, inter]) QuantMatrix views of qtype over three thirds of the
+    byte buffer `raw` (at least EXPERTS_PER_CALL experts), interleaved where pack_rows would
+    interleave such a matrix (its blocks are equal, so the bytes serve as they are)."""
+    _, bs, ts = quant.QTYPES[qtype]
+    expert = inter * d // bs * ts  # bytes of one expert's gate (= up = down)
+    e = max(EXPERTS_PER_CALL, len(raw) // (3 * expert))
+    if 3 * e * expert > len(raw):
+        raise HotcoldError(f"probe buffer of {len(raw)} bytes too small for {qtype} experts")
+
+    def view(i: int, rows: int, cols: int):
+        rb = cols // bs * ts
+        buf = raw[i * e * expert:(i + 1) * e * expert]
+        x8 = quant.pack_rows(quant.QuantMatrix(buf[:8 * rb].reshape(8, rb), qtype, (8, cols))).interleaved
+        return quant.QuantMatrix(buf.reshape((rows // 8, 8 * rb) if x8 else (rows, rb)), qtype, (rows, cols),
+                                 interleaved=x8)
+
+    return view(0, e * inter, d), view(1, e * inter, d), view(2, e * d, inter)
 
 
 def _measure_kind(hw: HardwareProfile, kind: str, n_sel: int, rows_n: int, row_bytes: int, neuron_bytes: int,

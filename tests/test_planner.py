@@ -19,7 +19,7 @@ from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import solve
 from hotcold.planner.make import BudgetError, PlanRequest, make_plan, plan_json, plan_tensors
 from hotcold.planner.plan import load_plan, write_plan
-from hotcold.planner.probe import HardwareProfile, load_hardware, preset, probe, read_hardware
+from hotcold.planner.probe import QKINDS, HardwareProfile, load_hardware, preset, probe, read_hardware
 from hotcold.planner.sizes import GiB, KiB, MiB, parse_size
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -464,6 +464,7 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
     for kind in ("f32", "bf16", "f16", "i8"):
         assert hw.cpu_gather_Bps[kind] > 0 and hw.cpu_ffn_Bps[kind] > 0 and hw.cpu_dense_Bps[kind] > 0
         assert hw.cpu_gather_rows_per_s[kind] > 0
+    assert set(hw.cpu_expert_Bps) == set(QKINDS) and min(hw.cpu_expert_Bps.values()) > 0
     import torch
 
     assert hw.cuda == torch.cuda.is_available()
@@ -818,6 +819,30 @@ def test_gpu_int4_experts_cost_their_int4_bytes():
         p = solve(costs[k], vram, 1e12, solver="cbc", gap=0.0, time_limit=20).placement
         held[k] = sum(len(p.gpu_items(costs[k], l)) for l in range(cfg.num_layers) if costs[k].layers[l].kind == "moe")
     assert held["plain"] <= 2 * n_moe and held["q4"] >= 3 * held["plain"]
+
+
+def test_cpu_experts_cost_the_probes_expert_rate():
+    """Quantised CPU experts are read at the probe's whole-expert rate (qexperts) where it has one,
+    at its FFN rate where not; float experts (the FFN kernel) always at the FFN rate."""
+    from hotcold.planner.costs import quantize_format
+
+    rng = np.random.default_rng(12)
+    cfg = tiny_cfg("qwen2_moe", num_hidden_layers=2, intermediate_size=16, num_experts=8)
+    stats = power_law_stats(cfg, rng)
+    q4 = quantize_format(weight_format("bf16"), "q4_0", moe=True)
+    hw = toy_hw(call=0.0)
+    hw.cpu_ffn_Bps["q4_0"] = hw.cpu_dense_Bps["q4_0"] = 2e9
+
+    def cpu_s(hw, fmt):
+        c = build_costs(cfg, stats, hw, fmt, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+        return np.concatenate([l.unit_cpu_s for l in c.layers if l.kind == "moe"])
+
+    by_ffn = cpu_s(hw, q4)
+    hw.cpu_expert_Bps["q4_0"] = 8e9
+    assert hw.cpu_expert("q4_0") == 8e9 and hw.cpu_expert("bf16") == hw.cpu_ffn("bf16")
+    np.testing.assert_allclose(cpu_s(hw, q4), by_ffn / 4, rtol=1e-12)
+    bf = weight_format("bf16")  # float experts: the FFN rate, whatever the q4_0 experts measured
+    np.testing.assert_allclose(cpu_s(hw, bf), cpu_s(toy_hw(call=0.0), bf), rtol=1e-12)
 
 
 def test_gguf_format_counts_4_bit_experts(tmp_path):
