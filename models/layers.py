@@ -17,6 +17,7 @@ from torch import nn
 from hotcold.models.config import ModelConfig, MoEConfig
 from hotcold.sparse_ops.attention import decode_attention
 from hotcold.sparse_ops.quant import qgemv
+from hotcold.sparse_ops.fused_gpu import fused_ready, rms_norm_cuda, rope_cuda
 from hotcold.sparse_ops.norm import rms_norm
 
 # ----------------------------------------------------------------------------- norms
@@ -32,6 +33,8 @@ class RMSNorm(nn.Module):
         self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ready(x) and self.weight.dtype == x.dtype:
+            return rms_norm_cuda(x, self.weight, self.eps, self.plus_one)  # one Triton kernel, rows independent
         if x.numel() == x.shape[-1]:  # one token: a decode step
             return self.rows(x)
         return self._torch(x)
@@ -228,7 +231,9 @@ class Attention(nn.Module):
         v = project(self.v, x).view(B, T, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
+        if self.rotary is not None and fused_ready(q) and positions.is_cuda:  # one Triton kernel each
+            q, k = (rope_cuda(t, positions, self.rotary.inv_freq) for t in (q, k))
+        elif self.rotary is not None:
             cos, sin = self.rotary(positions, start)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -70,3 +70,56 @@ def test_rms_norm_matches_torch(plus_one, rows):
     with torch.inference_mode():  # a decode step's rows (the kernel) and the module's forward (one row: the kernel)
         np.testing.assert_allclose(norm.rows(x).numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(norm(x).numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+
+ULP = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}  # a unit in the last place, relative
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("plus_one", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (1, 1, 16, 128), (3, 37, 96), (0, 64)])
+def test_rms_norm_cuda_matches_torch(dtype, plus_one, shape):
+    """The Triton RMSNorm (sparse_ops/fused_gpu.py, what RMSNorm runs on CUDA) against RMSNorm's torch
+    ops: float32 within rounding, 16-bit dtypes within a unit of their last place (the sum's order
+    differs); a row alone gives the bits it gives among others."""
+    from hotcold.sparse_ops.fused_gpu import fused_ready, rms_norm_cuda
+
+    gen = torch.Generator().manual_seed(len(shape))
+    D = shape[-1]
+    x = (torch.randn(shape, generator=gen) * 3).to("cuda", dtype)
+    norm = RMSNorm(D, 1e-6, plus_one)
+    norm.weight.data = torch.randn(D, generator=gen) * 0.5
+    norm = norm.to("cuda", dtype)
+    with torch.inference_mode():
+        assert fused_ready(x)
+        got, want = norm(x), norm._torch(x)
+        one_row = rms_norm_cuda(x.reshape(-1, D)[:1], norm.weight, 1e-6, plus_one)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=ULP[dtype], atol=2 * ULP[dtype])
+    if x.numel():
+        assert torch.equal(one_row[0], got.reshape(-1, D)[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,H,Dh,scaling", [(1, 1, 16, 128, None), (2, 9, 4, 64, None),
+                                              (1, 5, 2, 32, {"rope_type": "linear", "factor": 4.0})])
+def test_rope_cuda_matches_torch(dtype, B, T, H, Dh, scaling):
+    """The Triton rotary embedding against apply_rope with Rotary's tables, at positions far into a
+    context (large angles) as well as near its start."""
+    from hotcold.sparse_ops.fused_gpu import rope_cuda
+
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(B, T, H, Dh, generator=gen).to("cuda", dtype)
+    rot = Rotary(Dh, 10000.0, scaling).to("cuda")
+    for start in (0, 3000):
+        pos = torch.arange(start, start + T, device="cuda")
+        with torch.inference_mode():
+            got = rope_cuda(x, pos, rot.inv_freq)
+            want = apply_rope(x, *rot(pos))
+        assert got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=4 * ULP[dtype], atol=1e-4 + 4 * ULP[dtype])
