@@ -5,19 +5,26 @@ For each share of experts on the fast tier (random placement, --fractions), with
 graphs (--graphs), and optionally with an expert cache (--cache), greedy-decodes --tokens tokens
 after a 64-token prompt and prints tok/s; --profile adds, per configuration, torch.profiler's
 top host-side ops and the kernel launches per token (where eager decoding spends its time).
+--fused no,yes compares torch's ops for RMSNorm and the rotary embedding with the Triton kernels the
+engine uses on CUDA (sparse_ops/fused_gpu.py); with graphs, the last column is the GPU time of layer
+0's first graph (attention half and router: one replay, then a synchronise, median of 30).
 
     python tools/make_model.py qwen3-30b-a3b --layers 4 --calib-tokens 64 --format hf --out /tmp/q3
     python tools/bench_moe_decode.py /tmp/q3/hf [--fractions 1,0.25] [--cache 2GiB] [--inline no,yes] [--profile]
     python tools/make_model.py qwen3-30b-a3b --layers 6 --calib-tokens 64 --format gguf --dtype q4_0 --out /tmp/q4
     python tools/bench_moe_decode.py /tmp/q4/model.gguf --fractions 0.35 --graphs yes --int4 no,yes
+    python tools/bench_moe_decode.py /tmp/q4/model.gguf --fractions 0.2 --graphs yes --int4 yes --fused no,yes
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
+import hotcold.models.layers as layers
 from hotcold.executors import make_hybrid
 from hotcold.executors.moe import random_experts
 from hotcold.models.generate import Generator
@@ -28,7 +35,27 @@ from hotcold.models.sampling import SamplingParams
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
-def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, int4: bool, args) -> str:
+FUSED_READY = layers.fused_ready
+
+
+def graph_us(lm) -> float:
+    """GPU time of layer 0's first graph (replay + synchronise, median of 30) in µs; nan if none."""
+    c = getattr(lm.model.layers[0], "captured", None)
+    if c is None:
+        return float("nan")
+    times = []
+    for _ in range(30):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        c.graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, int4: bool, fused: bool,
+            args) -> str:
+    layers.fused_ready = FUSED_READY if fused else (lambda x: False)  # read at each norm and rotation
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
                       expert_cache_bytes=cache, stats=False, threads=args.threads, cuda_graphs=graphs,
@@ -43,7 +70,8 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
         tps = gen.stats.decode_tok_per_s
         g = graphs if isinstance(graphs, str) else "yes" if graphs else "no"
         line = (f"{fraction:>9.2f} {cache / 2**30:>9.1f} {g:>9} {'auto' if inline is None else 'yes' if inline else 'no':>7}"
-                f" {'yes' if int4 else 'no':>5} {tps:>9.1f} {1e3 / tps:>9.2f}")
+                f" {'yes' if int4 else 'no':>5} {'yes' if fused else 'no':>5} {tps:>9.1f} {1e3 / tps:>9.2f}"
+                f" {graph_us(lm) if graphs is True else float('nan'):>9.0f}")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -59,6 +87,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
         return line
     finally:
         eng.close()
+        layers.fused_ready = FUSED_READY
 
 
 def main() -> None:
@@ -76,17 +105,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--int4", default="no", help="a quantised model's 4-bit matrices (GPU experts too) kept 4-bit on "
                     "the GPU: no / yes / no,yes")
+    ap.add_argument("--fused", default="yes", help="Triton RMSNorm and rotary on CUDA (the engine's): no / yes / no,yes")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0
     print(f"model {args.model}, device {args.device}, {args.dtype}, greedy {args.tokens} tokens after 64")
-    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'tok/s':>9} {'ms/token':>9}"
+    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9}"
           + (f" {'launches':>9}" if args.profile else ""))
     for frac in (float(f) for f in args.fractions.split(",")):
         for graphs in ({"yes": True, "no": False}.get(g.strip(), g.strip()) for g in args.graphs.split(",")):
             for inline in ({"yes": True, "no": False}.get(i.strip()) for i in args.inline.split(",")):
                 for int4 in (i.strip() == "yes" for i in args.int4.split(",")):
-                    print(measure(args.model, frac, cache, graphs, inline, int4, args), flush=True)
+                    for fused in (f.strip() == "yes" for f in args.fused.split(",")):
+                        print(measure(args.model, frac, cache, graphs, inline, int4, fused, args), flush=True)
 
 
 if __name__ == "__main__":
