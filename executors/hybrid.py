@@ -7,8 +7,9 @@ Decode (one token), per layer:
 The D2H copies are queued before the hot FFN so they run beside it; the worker waits only for its
 copy event; the main thread blocks only when it needs the CPU result, then queues its H2D copy and
 the sum on the compute stream. With CUDA graphs (graphs.py) the order is the same: the predictor is
-replayed in one graph, the copies queued, the hot FFN replayed in a second. Prefill (N > 1 tokens) uses the union of the tokens' masks on both
-sides (see prefill.py) so the result does not depend on which neurons are hot.
+replayed in one graph, the copies queued, the hot FFN replayed in a second. Prefill (N > 1 tokens)
+uses the union of the tokens' masks on both sides (see prefill.py) so the result does not depend on
+which neurons are hot.
 """
 
 from __future__ import annotations

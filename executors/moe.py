@@ -19,9 +19,10 @@ One token on CUDA finds its fast-tier experts on the device (sparse_ops/moe_gpu.
 routing sync; with CUDA graphs the router and the packed host input are replayed with the block's
 attention (`graph_pre`), the packed input goes down (`graph_send`), the shared and fast-tier experts
 are replayed in a second graph (`graph_fast`) while the CPU experts run (`graph_post`).
-For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the host first and `moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the
-fast tier from their rows streamed through the two slots (a long prompt routes tokens to nearly
-every expert, and the worker would re-read each one per token tile).
+For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the host first and
+`moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the fast tier from
+their rows streamed through the two slots (a long prompt routes tokens to nearly every expert, and
+the worker would re-read each one per token tile).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from torch import nn
 
 from hotcold.models.config import ModelConfig, MoEConfig
 from hotcold.sparse_ops.attention import decode_attention
-from hotcold.sparse_ops.quant import qgemv
 from hotcold.sparse_ops.fused_gpu import fused_ready, rms_norm_cuda, rope_cuda
 from hotcold.sparse_ops.norm import rms_norm
+from hotcold.sparse_ops.quant import qgemv
 
 # ----------------------------------------------------------------------------- norms
 
