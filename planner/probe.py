@@ -396,15 +396,10 @@ def _expert_pool(quant, raw, qtype: str, d: int, inter: int) -> tuple:
     e = max(EXPERTS_PER_CALL, len(raw) // (3 * expert))
     if 3 * e * expert > len(raw):
         raise HotcoldError(f"probe buffer of {len(raw)} bytes too small for {qtype} experts")
-
-    def view(i: int, rows: int, cols: int):
-        rb = cols // bs * ts
-        buf = raw[i * e * expert:(i + 1) * e * expert]
-        x8 = quant.pack_rows(quant.QuantMatrix(buf[:8 * rb].reshape(8, rb), qtype, (8, cols))).interleaved
-        return quant.QuantMatrix(buf.reshape((rows // 8, 8 * rb) if x8 else (rows, rb)), qtype, (rows, cols),
-                                 interleaved=x8)
-
-    return view(0, e * inter, d), view(1, e * inter, d), view(2, e * d, inter)
+    thirds = [raw[i * e * expert:(i + 1) * e * expert] for i in range(3)]
+    return (_quant_view(quant, thirds[0], qtype, e * inter, d, True),
+            _quant_view(quant, thirds[1], qtype, e * inter, d, True),
+            _quant_view(quant, thirds[2], qtype, e * d, inter, True))
 
 
 def _measure_kind(hw: HardwareProfile, kind: str, n_sel: int, rows_n: int, row_bytes: int, neuron_bytes: int,
@@ -428,12 +423,19 @@ def _quant_pool(quant, raw, qtype: str, rows_n: int, d: int, dense: bool = False
     """QuantMatrix views [rows_n, d] of qtype over consecutive slices of the byte buffer `raw`;
     dense: interleaved where pack_rows would interleave a matrix of qtype."""
     _, bs, ts = quant.QTYPES[qtype]
-    rb = d // bs * ts
-    size = rows_n * rb
-    x8 = dense and quant.pack_rows(quant.QuantMatrix(raw[:8 * rb].reshape(8, rb), qtype, (8, d))).interleaved
-    shape = (rows_n // 8, 8 * rb) if x8 else (rows_n, rb)
-    return [quant.QuantMatrix(raw[i * size:(i + 1) * size].reshape(shape), qtype, (rows_n, d), interleaved=x8)
+    size = rows_n * (d // bs * ts)
+    return [_quant_view(quant, raw[i * size:(i + 1) * size], qtype, rows_n, d, dense)
             for i in range(max(1, len(raw) // size))]
+
+
+def _quant_view(quant, buf, qtype: str, rows: int, cols: int, dense: bool):
+    """A QuantMatrix [rows, cols] of qtype over the bytes buf; dense: interleaved where pack_rows
+    would interleave such a matrix (the pool's blocks are equal, so its bytes serve as they are)."""
+    _, bs, ts = quant.QTYPES[qtype]
+    rb = cols // bs * ts
+    x8 = dense and quant.pack_rows(quant.QuantMatrix(buf[:8 * rb].reshape(8, rb), qtype, (8, cols))).interleaved
+    return quant.QuantMatrix(buf.reshape((rows // 8, 8 * rb) if x8 else (rows, rb)), qtype, (rows, cols),
+                             interleaved=x8)
 
 
 def _matrix_pool(cpu, raw, kind: str, rows_n: int, d: int) -> list:

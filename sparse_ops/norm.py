@@ -32,4 +32,3 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, plus_one: bool = False) -
     out = np.empty_like(x)
     _rms_norm(x, w, np.float32(eps), plus_one, out)
     return out
-
