@@ -43,6 +43,7 @@ from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts
 from hotcold.models.layers import FFN, MoEFFN, activation_fn, route
 from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_model, dequantize_module, quant_bytes
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
+from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
 from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts
 from hotcold.sparse_ops.quant import qdequantize, qexpert_batch, qexperts
@@ -507,9 +508,16 @@ class HybridMoE(FFN):
         from the static residual its hook captured). Device ops only. f_in: [1, 1, D] -> (packed
         int32 [D + 2k (+ m)]: see self.packed, routing weights float32 [1, k], ids int64 [1, k])."""
         x2 = f_in.reshape(1, -1)  # [1, D]
-        weights, ids = route(self.router(x2), self.top_k, self.renormalise)  # [1, k] fp32, int64
-        parts = [x2[0].float().view(torch.int32), weights[0].view(torch.int32), ids[0].to(torch.int32)]
+        logits = self.router(x2)  # [1, E]
         guess = self.ahead.guess(self.residual) if self.cache is not None and self.ahead is not None else None
+        if fused_ready(logits) and logits.shape[-1] <= MAX_EXPERTS:  # one kernel instead of ~10
+            packed, weights, ids = route_pack_cuda(logits, x2, self.top_k, self.renormalise,
+                                                   0 if guess is None else guess.numel())
+            if guess is not None:
+                packed[self.dim + 2 * self.top_k:] = guess.to(torch.int32)  # [m]
+            return packed, weights, ids
+        weights, ids = route(logits, self.top_k, self.renormalise)  # [1, k] fp32, int64
+        parts = [x2[0].float().view(torch.int32), weights[0].view(torch.int32), ids[0].to(torch.int32)]
         if guess is not None:
             parts.append(guess.to(torch.int32))  # [m]
         return torch.cat(parts), weights, ids

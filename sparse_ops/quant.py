@@ -1090,12 +1090,9 @@ def _axpy_rows_ir(axpy, w, rows, lo, hi, a, p):
 # b, so that block b of x ~ xq * dx_b.
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _quantize_x(x):
-    # x: [C] float32 -> (xq int8 [C], xd float32 [C/16]) as described above
-    nb = x.shape[0] // 32
-    xq = np.empty(x.shape[0], np.int8)
-    xd = np.empty(2 * nb, np.float32)
-    for b in range(nb):
+def _quantize_span(x, lo, hi, xq, xd):
+    # blocks [lo / 32, hi / 32) of x (lo, hi multiples of 32) into xq int8 [C], xd float32 [C / 16]
+    for b in range(lo // 32, hi // 32):
         amax = np.float32(0.0)
         for l in range(32):
             amax = max(amax, abs(x[32 * b + l]))
@@ -1108,18 +1105,32 @@ def _quantize_x(x):
             s += q
         xd[2 * b] = d
         xd[2 * b + 1] = d * np.float32(s)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _quantize_x(x):
+    # x: [C] float32 -> (xq int8 [C], xd float32 [C/16]) as described above
+    xq = np.empty(x.shape[0], np.int8)
+    xd = np.empty(2 * (x.shape[0] // 32), np.float32)
+    _quantize_span(x, 0, x.shape[0], xq, xd)
     return xq, xd
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _sums16_span(x, lo, hi, xs):
+    # xs[i] = sum of x[16 i : 16 i + 16] for i in [lo / 16, hi / 16) (lo, hi multiples of 16)
+    for i in range(lo // 16, hi // 16):
+        s = np.float32(0.0)
+        for l in range(16):
+            s += x[16 * i + l]
+        xs[i] = s
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _sums16(x):
     # x: [C] -> float32 [C / 16] sums of 16 consecutive elements
     xs = np.empty(x.shape[0] // 16, np.float32)
-    for i in range(xs.shape[0]):
-        s = np.float32(0.0)
-        for l in range(16):
-            s += x[16 * i + l]
-        xs[i] = s
+    _sums16_span(x, 0, x.shape[0], xs)
     return xs
 
 
@@ -1282,9 +1293,10 @@ def _qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I,
     # One token through n whole experts (MoE decode). Expert k's gate / up rows are [first[k] I,
     # (first[k] + 1) I) of gate / up (type qu); its W_down, as GGUF stores it (blocks along the neuron
     # axis), rows [first[k] D, (first[k] + 1) D) of down (type qd). gu_x8 / d_x8: the matrices are
-    # interleaved (pack_rows; Q8 activations). (1) g, u over the experts' rows; (2) h = act(g) u
-    # coef[k]; (3) part[k D + d] = W_down_k[d] . h_k, a GEMV per expert over its own blocks (h_k
-    # quantised to Q8 per 32 when xq_down); (4) out += the experts' sum.
+    # interleaved (pack_rows; Q8 activations). Two parallel phases (each a fork/join of the thread
+    # team): (1) per task, 32 rows of one expert: g, u, h = act(g) u coef[k], and h's sums of 16 and
+    # Q8 blocks (when xq_down); (2) per task, a span of output rows d: part[k D + d] = W_down_k[d] .
+    # h_k for every expert k over its own blocks, then out[d] += their sum (in k order).
     n, D = first.shape[0], x.shape[0]
     K = n * I
     xs = _sums16(x)
@@ -1294,37 +1306,40 @@ def _qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I,
         xq, xd = np.empty(0, np.int8), np.empty(0, np.float32)
     g = np.empty(K, np.float32)
     u = np.empty(K, np.float32)
-    step = 4 * _BLOCK  # rows per task (a multiple of X8)
+    h = np.empty(K, np.float32)
+    hs = np.empty(K // 16, np.float32)  # I is a multiple of 32: no block straddles two experts
+    hq = np.empty(K if xq_down else 0, np.int8)
+    hd = np.empty(K // 16 if xq_down else 0, np.float32)
+    step = 4 * _BLOCK  # rows per task: a multiple of X8 and of the 32 of a Q8 block
     ni = (I + step - 1) // step
     for t in prange(n * ni):
         k, c = t // ni, t % ni
         lo, hi = c * step, min(I, (c + 1) * step)
         _expert_gemv(qu, gate, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, g)
         _expert_gemv(qu, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, u)
-    h = np.empty(K, np.float32)
-    for j in range(K):
-        h[j] = _act(g[j], act) * u[j] * coef[j // I]
-    hs = _sums16(h)  # I is a multiple of 32: no block straddles two experts
-    if xq_down:
-        hq, hd = _quantize_x(h)
-    else:
-        hq, hd = np.empty(0, np.int8), np.empty(0, np.float32)
-    part = np.empty(n * D, np.float32)
-    nd = (D + step - 1) // step
-    for t in prange(n * nd):
-        k, c = t // nd, t % nd
-        a, b16 = k * I, k * I // 16
-        lo, hi = c * step, min(D, (c + 1) * step)
+        for j in range(k * I + lo, k * I + hi):
+            h[j] = _act(g[j], act) * u[j] * coef[k]
+        _sums16_span(h, k * I + lo, k * I + hi, hs)
         if xq_down:
-            _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h, hs, hq[a:a + I], hd[b16:b16 + I // 16], True, part)
-        else:
-            _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h[a:a + I], hs[b16:b16 + I // 16], hq, hd, False,
-                         part)
-    for d in prange(D):
-        acc = np.float32(0.0)
+            _quantize_span(h, k * I + lo, k * I + hi, hq, hd)
+    part = np.empty(n * D, np.float32)
+    sd = 2 * _BLOCK  # output rows per task (a multiple of X8)
+    nd = (D + sd - 1) // sd
+    for c in prange(nd):
+        lo, hi = c * sd, min(D, (c + 1) * sd)
         for k in range(n):
-            acc += part[k * D + d]
-        out[d] += acc
+            a, b16 = k * I, k * I // 16
+            if xq_down:
+                _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h, hs, hq[a:a + I], hd[b16:b16 + I // 16], True,
+                             part)
+            else:
+                _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h[a:a + I], hs[b16:b16 + I // 16], hq, hd, False,
+                             part)
+        for d in range(lo, hi):
+            acc = np.float32(0.0)
+            for k in range(n):
+                acc += part[k * D + d]
+            out[d] += acc
 
 
 @njit(**_JIT)
@@ -1597,7 +1612,8 @@ def qexperts(x: np.ndarray, experts: np.ndarray, coef: np.ndarray, gate: QuantMa
     weights); gate, up [E*I, D] of one type (expert e's rows [e*I, (e+1)*I)); down [E*D, I], each
     expert's W_down as GGUF stores it (blocks along I; rows [e*D, (e+1)*D)): read in place, no
     transposed copy. Q8 activations where the type is in `XQ_DEFAULT` (x for gate/up, each expert's h
-    for down). One call, four parallel phases: gate/up rows, act, the n down GEMVs, their sum."""
+    for down). One call, two parallel phases: the experts' gate/up rows with the activation, then
+    the down GEMVs, summed per span of output rows."""
     if act not in ACTS:
         raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
     e, i, d = _expert_shapes(gate, up, down)

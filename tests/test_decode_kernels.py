@@ -123,3 +123,38 @@ def test_rope_cuda_matches_torch(dtype, B, T, H, Dh, scaling):
             want = apply_rope(x, *rot(pos))
         assert got.dtype == dtype and got.shape == x.shape
         torch.testing.assert_close(got.float(), want.float(), rtol=4 * ULP[dtype], atol=1e-4 + 4 * ULP[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("E,k,renormalise", [(128, 8, True), (60, 4, False), (8, 2, True), (6, 3, True),
+                                             (1024, 1, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_pack_cuda_matches_route(E, k, renormalise, dtype):
+    """One kernel's routing equals models.layers.route (same experts in the same order, weights
+    within float32 rounding) and packs x's float32 bits, the weights' bits and the ids as the
+    torch path does; a non-power-of-two k, a D that is not a multiple of the block, extra entries."""
+    from hotcold.models.layers import route
+    from hotcold.sparse_ops.fused_gpu import route_pack_cuda
+
+    gen = torch.Generator().manual_seed(E + k)
+    D = 1500
+    x = torch.randn(1, D, generator=gen).to("cuda", dtype)
+    logits = (torch.randn(1, E, generator=gen) * 2).to("cuda", dtype)
+    with torch.inference_mode():
+        packed, w, ids = route_pack_cuda(logits, x, k, renormalise, extra=3)
+        want_w, want_ids = route(logits, k, renormalise)
+    assert packed.shape == (D + 2 * k + 3,) and packed.dtype == torch.int32
+    assert w.shape == (1, k) and w.dtype == torch.float32 and ids.dtype == torch.int64
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+    if len(torch.unique(logits)) == E:
+        assert torch.equal(ids, want_ids)
+    else:  # equal bfloat16 logits: either of two equal experts is a right answer
+        assert len(torch.unique(ids)) == k
+        probs = torch.softmax(logits.float(), -1)[0, ids[0]]
+        torch.testing.assert_close(probs / probs.sum() if renormalise else probs, w[0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(packed[:D].view(torch.float32), x[0].float())
+    assert torch.equal(packed[D:D + k].view(torch.float32), w[0])
+    assert torch.equal(packed[D + k:D + 2 * k], ids[0].to(torch.int32))
+    with pytest.raises(ValueError, match="top_k"):
+        route_pack_cuda(logits, x, E + 1, renormalise)

@@ -5,8 +5,8 @@ For each share of experts on the fast tier (random placement, --fractions), with
 graphs (--graphs), and optionally with an expert cache (--cache), greedy-decodes --tokens tokens
 after a 64-token prompt and prints tok/s; --profile adds, per configuration, torch.profiler's
 top host-side ops and the kernel launches per token (where eager decoding spends its time).
---fused no,yes compares torch's ops for RMSNorm and the rotary embedding with the Triton kernels the
-engine uses on CUDA (sparse_ops/fused_gpu.py); with graphs, the last column is the GPU time of layer
+--fused no,yes compares torch's ops for RMSNorm, the rotary embedding and the one-token routing with
+the Triton kernels the engine uses on CUDA (sparse_ops/fused_gpu.py); with graphs, the last column is the GPU time of layer
 0's first graph (attention half and router: one replay, then a synchronise, median of 30).
 
     python tools/make_model.py qwen3-30b-a3b --layers 4 --calib-tokens 64 --format hf --out /tmp/q3
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+import hotcold.executors.moe as moe
 import hotcold.models.layers as layers
 from hotcold.executors import make_hybrid
 from hotcold.executors.moe import random_experts
@@ -55,7 +56,7 @@ def graph_us(lm) -> float:
 
 def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, int4: bool, fused: bool,
             args) -> str:
-    layers.fused_ready = FUSED_READY if fused else (lambda x: False)  # read at each norm and rotation
+    layers.fused_ready = moe.fused_ready = FUSED_READY if fused else (lambda x: False)  # read at each call
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
                       expert_cache_bytes=cache, stats=False, threads=args.threads, cuda_graphs=graphs,
@@ -87,7 +88,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
         return line
     finally:
         eng.close()
-        layers.fused_ready = FUSED_READY
+        layers.fused_ready = moe.fused_ready = FUSED_READY
 
 
 def main() -> None:
@@ -105,7 +106,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--int4", default="no", help="a quantised model's 4-bit matrices (GPU experts too) kept 4-bit on "
                     "the GPU: no / yes / no,yes")
-    ap.add_argument("--fused", default="yes", help="Triton RMSNorm and rotary on CUDA (the engine's): no / yes / no,yes")
+    ap.add_argument("--fused", default="yes", help="Triton RMSNorm, rotary and routing on CUDA (the engine's): no / yes / no,yes")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0
