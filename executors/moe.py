@@ -375,6 +375,8 @@ class HybridMoE(FFN):
         self.residual: torch.Tensor | None = None  # this layer's residual [.., D], set by a hook on its FFN norm
         self.named: set = set()  # experts of this layer the previous layer's look-ahead named (this step)
         self.ahead_target = False  # a previous layer's look-ahead names this layer's experts
+        self._sent = None  # CUDA event of a graphed step's packed input copy (graph_send)
+        self._y_host = None  # device float32 [1, D]: a decode step's CPU sum, copied in (_receive)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, gpu_experts={len(self.fast.ids)}, cpu_experts={self.n_cold}, top_k={self.top_k}"
@@ -528,19 +530,25 @@ class HybridMoE(FFN):
         return bool(self.cache is not None or self.n_cold or self.book.enabled)
 
     def graph_send(self, pre: tuple) -> object:
-        """Queue the packed input's D2H copy on the copy stream (eager, between the two graphs);
-        returns its event (None: no host half, or the CPU tier)."""
+        """Queue the packed input's D2H copy (eager, between the two graphs, on the compute stream right
+        behind the first graph: no stream switch, and one event per layer reused every step, since
+        each torch call costs the host several µs); returns that event (None: no host half, or the
+        CPU tier)."""
         packed = pre[0]
         if not self._host_half():
             return None
         if self.packed.numel() != packed.numel():  # the look-ahead's guess rides along
             self._packed_buffers(packed.numel())
         tier = self.tier
-        with tier.on_copy_stream():
-            t0 = tier.mark(tier.copy)
-            self.packed.copy_(packed, non_blocking=True)
-            self.book.span("decode", "transfer_s", t0, tier.mark(tier.copy))
-            return tier.event(tier.copy)
+        t0 = tier.mark()
+        self.packed.copy_(packed, non_blocking=True)
+        self.book.span("decode", "transfer_s", t0, tier.mark())
+        if not tier.cuda:
+            return None
+        if self._sent is None:
+            self._sent = torch.cuda.Event()
+        self._sent.record(tier.compute)  # waited for by this step's job before the next step records it again
+        return self._sent
 
     def graph_fast(self, f_in: torch.Tensor, pre: tuple) -> torch.Tensor:
         """The shared expert and the routed fast-tier experts (graphs.py: the second graph).
@@ -726,7 +734,12 @@ class HybridMoE(FFN):
             return y
         n = job.x.shape[0]
         t0 = tier.mark()
-        y_cpu = job.io.out[:n].to(tier.device, non_blocking=True)  # [N, D] float32
+        if n == 1 and tier.cuda:  # decode: into the layer's own device buffer (no allocation)
+            if self._y_host is None:
+                self._y_host = torch.empty((1, self.dim), dtype=torch.float32, device=tier.device)
+            y_cpu = self._y_host.copy_(job.io.out[:1], non_blocking=True)  # [1, D]
+        else:
+            y_cpu = job.io.out[:n].to(tier.device, non_blocking=True)  # [N, D] float32
         book.span(phase, "transfer_s", t0, tier.mark())
         return y.add_(y_cpu)  # y is this layer's own fresh tensor; the sum is computed in float32
 

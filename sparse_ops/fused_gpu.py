@@ -76,10 +76,9 @@ if triton is not None:
         # bits), packed[D+K:D+2K] (ids)
         pid = tl.program_id(0)
         if pid * BLOCK_D < D:
-            offs = pid * BLOCK_D + tl.arange(0, BLOCK_D)
-            m = offs < D
-            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(packed_ptr + offs, x.to(tl.int32, bitcast=True), mask=m)
+            xo = pid * BLOCK_D + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + xo, mask=xo < D, other=0.0).to(tl.float32)
+            tl.store(packed_ptr + xo, x.to(tl.int32, bitcast=True), mask=xo < D)
         else:
             offs = tl.arange(0, BLOCK_E)
             m = offs < E
