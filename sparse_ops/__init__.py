@@ -9,8 +9,9 @@ attention  `decode_attention`: one token's rotary, KV-cache write and attention 
      numba call (float32 or float16 cache).
 gpu  torch ops for the GPU's compacted hot neurons (device-agnostic): `compact_rows`, `hot_ffn`,
      `mask_to_rows`, `index_map`, `split_mask`, `split_rows`.
-fused_gpu  Triton kernels for CUDA: RMSNorm (`rms_norm_cuda`) and the rotary embedding (`rope_cuda`),
-     one kernel each instead of ~7 and ~12 torch ops.
+fused_gpu  Triton kernels for CUDA: RMSNorm (`rms_norm_cuda`), the rotary embedding (`rope_cuda`) and
+     a token's MoE routing packed for the host (`route_pack_cuda`), one kernel each instead of ~7,
+     ~12 and ~10 torch ops.
 (also: quant (GGUF block kernels), gpu_quant (int4 GEMMs), moe_gpu (routed experts), norm (CPU RMSNorm).)
 
 Row layout: one neuron is one row, so pass W_up/W_gate as [I, D] and W_down transposed, [I, D].
