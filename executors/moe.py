@@ -46,7 +46,7 @@ from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
 from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts
-from hotcold.sparse_ops.quant import qdequantize, qexpert_batch, qexperts
+from hotcold.sparse_ops.quant import check_expert_stacks, qdequantize, qexpert_batch, qexperts, qexperts_trusted
 
 # ---------------------------------------------------------------------------------------------
 # Weights: the fast tier's experts and the host's
@@ -297,8 +297,8 @@ class MoEJob:
             here = p >= 0
             if self.skip:
                 here &= ~np.isin(self.ids[0], list(self.skip))
-            if here.any():
-                qexperts(self.x[0], p[here], self.weights[0][here], c.gate, c.up, c.down, c.act, out=self.out[0])
+            if here.any():  # (the layer checked its stacks once; the buffers are its own)
+                qexperts_trusted(self.x[0], p[here], self.weights[0][here], c.gate, c.up, c.down, c.act, self.out[0])
             self.pairs = int(here.sum())
             return
         for e, tok, slot in routed(self.ids, lambda e: self.pos[e] >= 0 and int(e) not in self.skip):
@@ -312,6 +312,14 @@ class MoEJob:
         for t, chosen in few.items():
             qexperts(self.x[t], np.array([p for p, _ in chosen], np.int64), np.array([w for _, w in chosen], np.float32),
                      c.gate, c.up, c.down, c.act, out=self.out[t])
+
+    def again(self, ready) -> "MoEJob":
+        """This job, ready to run once more over the same buffers with a new input event (a layer's
+        graphed decode step reuses its job: building one costs the host more than a small kernel)."""
+        self.ready, self.skip, self.keep, self.error = ready, frozenset(), (), None
+        self.pairs, self.cpu_s, self.input_wait_s = 0, 0.0, 0.0
+        self.done.clear()
+        return self
 
     def wait(self) -> None:
         """Block until the worker finished this job; re-raise its error here."""
@@ -377,6 +385,9 @@ class HybridMoE(FFN):
         self.ahead_target = False  # a previous layer's look-ahead names this layer's experts
         self._sent = None  # CUDA event of a graphed step's packed input copy (graph_send)
         self._y_host = None  # device float32 [1, D]: a decode step's CPU sum, copied in (_receive)
+        self._graph_job: MoEJob | None = None  # a graphed decode step's job, reused (graph_post)
+        if self.n_cold and self.cold.down is not None:  # whole quantised experts: checked once, see MoEJob
+            check_expert_stacks(self.cold.gate, self.cold.up, self.cold.down, self.cold.act)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, gpu_experts={len(self.fast.ids)}, cpu_experts={self.n_cold}, top_k={self.top_k}"
@@ -576,8 +587,11 @@ class HybridMoE(FFN):
             return y.reshape(f_in.shape)
         job = None
         if self.n_cold:
-            job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, self.packed_x, self.packed_ids,
-                         self.packed_w, self.decode_io.out_np[:1], ready=ready, io=self.decode_io)
+            job = self._graph_job
+            if job is None or job.x is not self.packed_x:  # (new packed buffers: the look-ahead's guess rides along)
+                job = self._graph_job = MoEJob(self.cold, self.pos, self.expert_rows, self.row_scale, self.packed_x,
+                                               self.packed_ids, self.packed_w, self.decode_io.out_np[:1], io=self.decode_io)
+            job.again(ready)
         if cache is not None:
             w0 = now()
             if ready is not None:

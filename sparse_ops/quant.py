@@ -58,9 +58,9 @@ from numba.extending import intrinsic
 from hotcold.sparse_ops.cpu import ACTS, _act, _keep_active, _rows_in_range, get_threads
 
 __all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize",
-           "qexperts", "qexpert_batch", "gemm_operands", "gemm_scratch", "GEMM_BF16", "transpose_quantized",
-           "quantize_rows", "dequantize_rows", "random_matrix", "pack_rows", "QTYPES", "DOWN_T_DEFAULT",
-           "XQ_DEFAULT", "PACK_DEFAULT"]
+           "qexperts", "qexperts_trusted", "check_expert_stacks", "qexpert_batch", "gemm_operands", "gemm_scratch",
+           "GEMM_BF16", "transpose_quantized", "quantize_rows", "dequantize_rows", "random_matrix", "pack_rows",
+           "QTYPES", "DOWN_T_DEFAULT", "XQ_DEFAULT", "PACK_DEFAULT"]
 
 # name -> (ggml type id, elements per block, bytes per block)
 QTYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
@@ -1614,18 +1614,32 @@ def qexperts(x: np.ndarray, experts: np.ndarray, coef: np.ndarray, gate: QuantMa
     transposed copy. Q8 activations where the type is in `XQ_DEFAULT` (x for gate/up, each expert's h
     for down). One call, two parallel phases: the experts' gate/up rows with the activation, then
     the down GEMVs, summed per span of output rows."""
-    if act not in ACTS:
-        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
-    e, i, d = _expert_shapes(gate, up, down)
+    e, i, d = check_expert_stacks(gate, up, down, act)
     x = _as_f32(x, (d,), "x")
     experts = _as_rows(experts, e)
     if len(np.unique(experts)) != len(experts):
         raise ValueError("experts must be distinct")
     coef = _as_f32(coef, experts.shape, "coef")
     out = np.zeros(d, np.float32) if out is None else _check_out(out, (d,))
+    return qexperts_trusted(x, experts, coef, gate, up, down, act, out)
+
+
+def check_expert_stacks(gate: QuantMatrix, up: QuantMatrix, down: QuantMatrix, act: str) -> tuple[int, int, int]:
+    """Check stacked experts as `qexperts` takes them (ValueError if not) -> (experts E, hidden I, dim D)."""
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    return _expert_shapes(gate, up, down)
+
+
+def qexperts_trusted(x: np.ndarray, experts: np.ndarray, coef: np.ndarray, gate: QuantMatrix, up: QuantMatrix,
+                     down: QuantMatrix, act: str, out: np.ndarray) -> np.ndarray:
+    """`qexperts` without its argument checks, for a caller that checked its stacks once
+    (`check_expert_stacks`) and passes its own well-formed buffers: x float32 [D] and out float32
+    [D] C-contiguous, experts int64 [n] distinct and in range, coef float32 [n]. The MoE executor's
+    decode step calls it once a layer, where the checks cost about as much as the call."""
     if experts.shape[0]:
         _qexperts_one_kernel(x, experts, coef, up._id, gate.data, up.data, up.interleaved, down._id, down.data,
-                             down.interleaved, i, ACTS[act], up.interleaved or up.qtype in XQ_DEFAULT,
+                             down.interleaved, down.cols, ACTS[act], up.interleaved or up.qtype in XQ_DEFAULT,
                              down.interleaved or down.qtype in XQ_DEFAULT, out)
     return out
 
@@ -1637,9 +1651,7 @@ def qexpert_batch(X: np.ndarray, expert: int, gate: QuantMatrix, up: QuantMatrix
     The expert's blocks are decoded once (bfloat16 where `GEMM_BF16`) for torch GEMMs."""
     import torch
 
-    if act not in ACTS:
-        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
-    e, i, d = _expert_shapes(gate, up, down)
+    e, i, d = check_expert_stacks(gate, up, down, act)
     if not 0 <= expert < e:
         raise IndexError(f"expert {expert} out of range [0, {e})")
     X = np.ascontiguousarray(X, dtype=np.float32)
