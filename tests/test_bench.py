@@ -680,3 +680,23 @@ def test_cuda_budget_run(smollm2_path, tmp_path):
     for e in rep["engines"].values():
         assert e["status"] == "ok" and e["runs"][0]["completion_tokens"] == 8
         assert e["runs"][0]["peak_vram_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_decode_timeline_reports_the_host_calls_of_a_moe_decode(tmp_path):
+    """tools/decode_timeline.py on a Q4_0 MoE GGUF (CPU tier): per-call rows for the MoE layers,
+    their CPU jobs and the expert kernel, and one token's timeline, whose calls lie inside it."""
+    gguf = _make_gguf(tmp_path / "q4moe", "tiny-qwen3-moe", "--layers", "2", "--dtype", "q4_0")
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "decode_timeline.py"), str(gguf), "--device", "cpu",
+                          "--threads", "2", "--tokens", "4", "--fraction", "0.25"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()[2:] if line and not line.startswith(" ")
+            and not line.startswith("timeline")}
+    assert float(rows["moe.forward"][0]) == 2.0  # two MoE layers a token
+    assert float(rows["job.run"][0]) == 2.0 and 0 < float(rows["qexperts"][0]) <= 2.0
+    timeline = run.stdout.split("timeline of token 2 (")[1]
+    span = float(timeline.split(" µs)")[0])
+    marks = [line.split() for line in timeline.splitlines()[1:] if line.strip()]
+    assert [m[3] for m in marks].count("moe.forward") == 2
+    assert all(0 <= float(m[0]) <= float(m[2]) for m in marks) and all(float(m[0]) < span for m in marks)
