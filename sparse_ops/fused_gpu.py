@@ -139,21 +139,21 @@ def route_pack_cuda(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormali
         raise ValueError(f"route_pack_cuda takes one token's logits [1, E ≤ {MAX_EXPERTS}] and x [1, D] with "
                          f"0 < top_k ≤ E; got {tuple(logits.shape)}, {tuple(x.shape)}, top_k={top_k}")
     dev = x.device
-    packed = torch.empty(D + 2 * top_k + extra, dtype=torch.int32, device=dev)
-    weights = torch.empty((1, top_k), dtype=torch.float32, device=dev)
-    ids = torch.empty((1, top_k), dtype=torch.int64, device=dev)
+    K = triton.next_power_of_2(top_k)  # tl.arange needs a power of two: route K, keep the first top_k
+    packed = torch.empty(D + 2 * K + extra, dtype=torch.int32, device=dev)
+    weights = torch.empty((1, K), dtype=torch.float32, device=dev)
+    ids = torch.empty((1, K), dtype=torch.int64, device=dev)
     block_d = min(1024, triton.next_power_of_2(D))
-    k_block = triton.next_power_of_2(top_k)
-    if k_block != top_k:  # tl.arange needs a power of two: route into a wider buffer, keep the first k
-        p, w, i = route_pack_cuda(logits, x, k_block, False, 0)
-        w, i = w[:, :top_k], i[:, :top_k]
-        if renormalise:
-            w = w / w.sum(-1, keepdim=True)
-        packed[:D] = p[:D]
-        packed[D:D + top_k] = w[0].view(torch.int32)
-        packed[D + top_k:D + 2 * top_k] = i[0].to(torch.int32)
-        return packed, w.contiguous(), i.contiguous()
     grid = (triton.cdiv(D, block_d) + 1,)
-    _route_pack_kernel[grid](logits.contiguous(), x.contiguous(), packed, weights, ids, E, D, RENORM=bool(renormalise),
-                             K=top_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_D=block_d)
-    return packed, weights, ids
+    _route_pack_kernel[grid](logits.contiguous(), x.contiguous(), packed, weights, ids, E, D,
+                             RENORM=bool(renormalise and K == top_k), K=K, BLOCK_E=triton.next_power_of_2(E),
+                             BLOCK_D=block_d)
+    if K == top_k:
+        return packed, weights, ids
+    w, i = weights[:, :top_k], ids[:, :top_k]  # (picks past E, when K > E, are dropped here)
+    if renormalise:
+        w = w / w.sum(-1, keepdim=True)
+    out = packed[:D + 2 * top_k + extra]
+    out[D:D + top_k] = w[0].view(torch.int32)
+    out[D + top_k:D + 2 * top_k] = i[0].to(torch.int32)
+    return out, w.contiguous(), i.contiguous()

@@ -128,7 +128,7 @@ def test_rope_cuda_matches_torch(dtype, B, T, H, Dh, scaling):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("E,k,renormalise", [(128, 8, True), (60, 4, False), (8, 2, True), (6, 3, True),
-                                             (1024, 1, False)])
+                                             (3, 3, True), (64, 6, False), (1024, 1, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_route_pack_cuda_matches_route(E, k, renormalise, dtype):
     """One kernel's routing equals models.layers.route (same experts in the same order, weights
@@ -146,6 +146,7 @@ def test_route_pack_cuda_matches_route(E, k, renormalise, dtype):
         want_w, want_ids = route(logits, k, renormalise)
     assert packed.shape == (D + 2 * k + 3,) and packed.dtype == torch.int32
     assert w.shape == (1, k) and w.dtype == torch.float32 and ids.dtype == torch.int64
+    assert w.is_contiguous() and ids.is_contiguous()
     torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
     if len(torch.unique(logits)) == E:
         assert torch.equal(ids, want_ids)
