@@ -236,6 +236,7 @@ def _host_has(*features: str) -> bool:
 
 
 _VNNI = _host_has("avx512vnni", "avx512vl", "avx512bw")  # x86 dot-product intrinsics in _int_dot
+_AVX2 = _host_has("avx2")  # pmaddubsw / pmaddwd for the interleaved nibble dots without VNNI (_dot4)
 _IR_ROWS = 8 if _host_has("avx512f") else 4  # rows side by side: 8 fit AVX-512's 32 vector registers
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _FAST = ("fast",)
@@ -312,7 +313,17 @@ def _block_f32(bd, qt, row, b):
 
 def _dot_lanes(qt):
     # int32 lanes of _int_dot's result for qt (float accumulators of the xq kernels have as many)
-    return 8 if _VNNI and qt != Q8_0 else 16
+    return 8 if (_VNNI or _AVX2) and qt != Q8_0 else 16
+
+
+def _maddubs(bd, q, xq):
+    # AVX2: <8 x i32>, per lane the sum of 4 products of q's u8 (< 64: pmaddubsw's int16 pair sums
+    # cannot saturate) and xq's s8: pmaddubsw, then pmaddwd against ones
+    v16, i8x32 = ir.VectorType(_I16, 16), ir.VectorType(_I8, 32)
+    ub = bd.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", fnty=ir.FunctionType(v16, [i8x32, i8x32]))
+    wd = bd.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd",
+                                     fnty=ir.FunctionType(ir.VectorType(_I32, 8), [v16, v16]))
+    return bd.call(wd, [bd.call(ub, [q, xq]), _vconst(_I16, 16, 1)])
 
 
 def _vpdpbusd(bd, acc, q, xq):
@@ -329,6 +340,9 @@ def _int_dot(bd, qt, q, xq, acc=None):
     v16 = ir.VectorType(_I16, 32)
     if _VNNI and qt != Q8_0:  # 4 u8 x s8 products per int32 lane, added to acc
         return _vpdpbusd(bd, _vconst(_I32, 8, 0) if acc is None else acc, q, xq)
+    if _AVX2 and qt != Q8_0:  # the same lanes in two AVX2 instructions (q < 64 for these types)
+        r = _maddubs(bd, q, xq)
+        return r if acc is None else bd.add(r, acc, flags=["nsw"])
     if _VNNI:  # Q8_0: int16 pairs
         f = bd.module.declare_intrinsic("llvm.x86.avx512.pmaddw.d.512",
                                         fnty=ir.FunctionType(ir.VectorType(_I32, 16), [v16] * 2))
@@ -760,11 +774,14 @@ _X8_TYPES = tuple(_X8_FIELDS)
 PACK_DEFAULT = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0"})  # types `pack_rows` may interleave (see there)
 
 
-def _dot4(bd, acc, q, xq):
+def _dot4(bd, acc, q, xq, nibbles=False):
     # acc + the sums of 4 products q[4l..4l+3] . xq[4l..4l+3] per int32 lane l; q <32 x i8> unsigned,
-    # xq signed; acc <8 x i32>
+    # xq signed; acc <8 x i32>. nibbles: q < 16, so that AVX2's pmaddubsw (u8 x s8, adjacent pairs
+    # summed in int16 with saturation) cannot saturate (2 x 15 x 128 < 2^15; Q8_0's q + 128 could)
     if _VNNI:
         return _vpdpbusd(bd, acc, q, xq)
+    if nibbles and _AVX2:  # 3 instructions per 32 products, as llama.cpp's AVX2 kernels do
+        return bd.add(acc, _maddubs(bd, q, xq), flags=["nsw"])
     v16 = ir.VectorType(_I16, 32)  # portable: int16 products, then pairs twice (pmaddubsw / pmaddwd)
     p = bd.mul(bd.zext(q, v16), bd.sext(xq, v16), flags=["nsw"])
     ev, od = list(range(0, 32, 2)), list(range(1, 32, 2))
@@ -784,7 +801,7 @@ def _x8_nibble_dots(bd, row, o, xp, xo, chunks):
         qs = _load(bd, row, bd.add(o, ir.Constant(_I64, 32 * k)), v32)
         for h, q in enumerate((bd.and_(qs, _vconst(_I8, 32, 15)), bd.lshr(qs, _vconst(_I8, 32, 4)))):
             xv = _load(bd, xp, bd.add(xo, ir.Constant(_I64, 4 * (chunks * h + k))), _I32)
-            sums[h] = _dot4(bd, sums[h], q, bd.bitcast(_splat(bd, xv, 8), v32))
+            sums[h] = _dot4(bd, sums[h], q, bd.bitcast(_splat(bd, xv, 8), v32), nibbles=True)
     return sums
 
 
