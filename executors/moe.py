@@ -384,7 +384,7 @@ class HybridMoE(FFN):
         self.named: set = set()  # experts of this layer the previous layer's look-ahead named (this step)
         self.ahead_target = False  # a previous layer's look-ahead names this layer's experts
         self._sent = None  # CUDA event of a graphed step's packed input copy (graph_send)
-        self._y_host = None  # device float32 [1, D]: a decode step's CPU sum, copied in (_receive)
+        self._y_cpu = None  # device float32 [1, D]: a decode step's CPU sum, copied in (_receive)
         self._graph_job: MoEJob | None = None  # a graphed decode step's job, reused (graph_post)
         if self.n_cold and self.cold.down is not None:  # whole quantised experts: checked once, see MoEJob
             check_expert_stacks(self.cold.gate, self.cold.up, self.cold.down, self.cold.act)
@@ -749,9 +749,9 @@ class HybridMoE(FFN):
         n = job.x.shape[0]
         t0 = tier.mark()
         if n == 1 and tier.cuda:  # decode: into the layer's own device buffer (no allocation)
-            if self._y_host is None:
-                self._y_host = torch.empty((1, self.dim), dtype=torch.float32, device=tier.device)
-            y_cpu = self._y_host.copy_(job.io.out[:1], non_blocking=True)  # [1, D]
+            if self._y_cpu is None:
+                self._y_cpu = torch.empty((1, self.dim), dtype=torch.float32, device=tier.device)
+            y_cpu = self._y_cpu.copy_(job.io.out[:1], non_blocking=True)  # [1, D]
         else:
             y_cpu = job.io.out[:n].to(tier.device, non_blocking=True)  # [N, D] float32
         book.span(phase, "transfer_s", t0, tier.mark())

@@ -236,7 +236,7 @@ def _host_has(*features: str) -> bool:
 
 
 _VNNI = _host_has("avx512vnni", "avx512vl", "avx512bw")  # x86 dot-product intrinsics in _int_dot
-_AVX2 = _host_has("avx2")  # pmaddubsw / pmaddwd for the interleaved nibble dots without VNNI (_dot4)
+_AVX2 = _host_has("avx2")  # without VNNI: pmaddubsw / pmaddwd for the unsigned-q dots (_int_dot, _dot4)
 _IR_ROWS = 8 if _host_has("avx512f") else 4  # rows side by side: 8 fit AVX-512's 32 vector registers
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _FAST = ("fast",)

@@ -700,3 +700,6 @@ def test_decode_timeline_reports_the_host_calls_of_a_moe_decode(tmp_path):
     marks = [line.split() for line in timeline.splitlines()[1:] if line.strip()]
     assert [m[3] for m in marks].count("moe.forward") == 2
     assert all(0 <= float(m[0]) <= float(m[2]) for m in marks) and all(float(m[0]) < span for m in marks)
+    bad = subprocess.run([sys.executable, str(REPO / "tools" / "decode_timeline.py"), str(tmp_path / "none.gguf"),
+                          "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().count("\n") == 0 and "no such file" in bad.stderr

@@ -6,8 +6,9 @@ graphs (--graphs), and optionally with an expert cache (--cache), greedy-decodes
 after a 64-token prompt and prints tok/s; --profile adds, per configuration, torch.profiler's
 top host-side ops and the kernel launches per token (where eager decoding spends its time).
 --fused no,yes compares torch's ops for RMSNorm, the rotary embedding and the one-token routing with
-the Triton kernels the engine uses on CUDA (sparse_ops/fused_gpu.py); with graphs, the last column is the GPU time of layer
-0's first graph (attention half and router: one replay, then a synchronise, median of 30).
+the Triton kernels the engine uses on CUDA (sparse_ops/fused_gpu.py); with graphs, the last column
+is the GPU time of layer 0's first graph (attention half and router: one replay, then a
+synchronise, median of 30).
 
     python tools/make_model.py qwen3-30b-a3b --layers 4 --calib-tokens 64 --format hf --out /tmp/q3
     python tools/bench_moe_decode.py /tmp/q3/hf [--fractions 1,0.25] [--cache 2GiB] [--inline no,yes] [--profile]
@@ -106,7 +107,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--int4", default="no", help="a quantised model's 4-bit matrices (GPU experts too) kept 4-bit on "
                     "the GPU: no / yes / no,yes")
-    ap.add_argument("--fused", default="yes", help="Triton RMSNorm, rotary and routing on CUDA (the engine's): no / yes / no,yes")
+    ap.add_argument("--fused", default="yes",
+                    help="Triton RMSNorm, rotary and routing on CUDA (the engine's): no / yes / no,yes")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0

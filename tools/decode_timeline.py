@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -27,6 +28,7 @@ import torch
 import hotcold.executors.graphs as graphs
 import hotcold.executors.hybrid as hybrid
 import hotcold.executors.moe as moe
+from hotcold.errors import HotcoldError
 from hotcold.executors import make_hybrid
 from hotcold.executors.cpu_executor import ColdJob
 from hotcold.executors.from_plan import open_for_run
@@ -116,13 +118,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per core, less one)")
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
+    if args.tokens < 2:
+        ap.error("--tokens must be at least 2")
+    if not 0.0 <= args.fraction <= 1.0:
+        ap.error("--fraction must be between 0 and 1")
+    try:
+        if args.plan is not None:
+            eng = open_for_run(Path(args.model), args.plan, device=args.device, dtype=args.dtype, threads=args.threads)
+        else:
+            lm = load_model(args.model, "cpu", args.dtype)
+            eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, args.fraction),
+                              stats=False, threads=args.threads, gpu_int4=args.device != "cpu")
+    except HotcoldError as e:
+        sys.exit(f"error: {e}")
     rec = Recorder()
-    if args.plan is not None:
-        eng = open_for_run(Path(args.model), args.plan, device=args.device, dtype=args.dtype, threads=args.threads)
-    else:
-        lm = load_model(args.model, "cpu", args.dtype)
-        eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, args.fraction),
-                          stats=False, threads=args.threads, gpu_int4=args.device != "cpu")
     try:
         gen = Generator(eng.lm, 512)
         prompt, greedy = list(range(100, 164)), SamplingParams(temperature=0.0)
