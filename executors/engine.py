@@ -133,7 +133,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
                 cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
                 embed_cpu: bool = False, head_cpu: bool = False,
-                int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT) -> HybridEngine:
+                int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
+                host_nodes: bool | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -176,6 +177,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     cpu_inline: run the CPU parts in the calling thread rather than a worker (default: on a CPU tier,
       and on CUDA with cuda_graphs=True, where a graph queues the fast tier's work of a layer before
       its CPU part starts: 4-layer Qwen3-30B-A3B shape, 25% of experts on an H200, 140 -> 168 tok/s).
+    host_nodes: with cuda_graphs=True, a MoE layer's graphed decode step is one graph whose CPU
+      experts run as a CUDA host node (executors/host_node.py; quantised host experts, no expert
+      cache, stats=False); default: on unless the environment sets HOTCOLD_HOST_NODES=0.
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -300,6 +304,10 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     for l, mp in moe_parts.items():
         moe[l] = model.layers[l].ffn = HybridMoE(l, mp, cpu, tier, book, prefill_io, prefill_routing, streamer,
                                                  prefill, costs)
+    if host_nodes is None:
+        host_nodes = os.environ.get("HOTCOLD_HOST_NODES", "1") != "0"
+    for m in moe.values():
+        m.host_nodes = bool(host_nodes and cuda_graphs is True)
     every = {**hybrid, **moe}
     if every:
         every[min(every)].first = True

@@ -54,6 +54,7 @@ class _Captured:
     h: torch.Tensor | None = None  # static output of a device FFN captured whole
     fast: torch.cuda.CUDAGraph | None = None  # the second graph of a split FFN: graph_fast
     y: torch.Tensor | None = None  # its static output
+    out: torch.Tensor | None = None  # the block's output when the whole step is one graph ("host")
 
 
 class GraphedBlock(nn.Module):
@@ -75,7 +76,9 @@ class GraphedBlock(nn.Module):
         if not self.graphable(x, cache_kv):
             return b(x, positions, cache_kv, start)
         split = x.shape[0] == 1 and self.split_ffn()  # the split steps take one token
-        if not split and self.device_ffn():
+        if split and self.host_ffn():
+            split = "host"
+        elif not split and self.device_ffn():
             split = "whole"
         key = (cache_kv[0].data_ptr(), tuple(cache_kv[0].shape), tuple(x.shape), x.dtype, split)
         c = self.captured
@@ -85,6 +88,11 @@ class GraphedBlock(nn.Module):
         else:
             c.x.copy_(x)
             c.positions.copy_(positions)
+        if c.out is not None:  # the whole step in one graph, the CPU experts a host node
+            c.graph.replay()
+            b.ffn.host_step()
+            self.replays += 1
+            return c.out
         if c.h is not None:
             c.graph.replay()
             h = c.h
@@ -124,6 +132,10 @@ class GraphedBlock(nn.Module):
         ffn = self.block.ffn
         return self.ffn_in_graph and callable(getattr(ffn, "graph_pre", None)) and ffn.graph_ready()
 
+    def host_ffn(self) -> bool:
+        """Whether the split FFN's host half can be a host node of the graph (HybridMoE.host_node_ready)."""
+        return callable(getattr(self.block.ffn, "host_node_ready", None)) and self.block.ffn.host_node_ready()
+
     def device_ffn(self) -> bool:
         """Whether the FFN is a plain dense/gated one with every weight on the device (captured whole;
         decided at the first step: the FFN does not change once the blocks are wrapped)."""
@@ -149,6 +161,24 @@ class GraphedBlock(nn.Module):
             return res, f_in, None, self.block.ffn(f_in)
         return res, f_in, self.block.ffn.graph_pre(f_in) if split else None, None
 
+    def _host_body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> tuple:
+        # the "host" graph: the attention half, graph_pre, then graph_fast on a forked stream while
+        # the main stream copies the packed input down, runs the host node and copies its sum up;
+        # joined, added, and the block's output. -> (res, f_in, pre, y, out) [.., D]
+        b, ffn = self.block, self.block.ffn
+        res, f_in = self._attention_half(x, positions, cache_kv)
+        pre = ffn.graph_pre(f_in)
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            y = ffn.graph_fast(f_in, pre)  # [1, D]
+        y_cpu = ffn.graph_host(pre)  # [1, D] float32
+        main.wait_stream(side)
+        h = y.add_(y_cpu).reshape(f_in.shape)
+        if b.sandwich:
+            h = b.post_ffn_norm(h)
+        return res, f_in, pre, y, res + h
+
     def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool | str) -> _Captured:
         sx, sp = x.clone(), positions.clone()
         # warm up on a side stream (lazy initialisations, Triton compilation, must not happen inside
@@ -162,6 +192,11 @@ class GraphedBlock(nn.Module):
                 ffn.graph_fast(f_in, pre)
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if split == "host":
+            ffn.host_node_setup(torch.cuda.current_stream(x.device))
+            with torch.cuda.graph(graph, pool=self.pool):
+                res, f_in, pre, y, out = self._host_body(sx, sp, cache_kv)
+            return _Captured(key, graph, sx, sp, res, f_in, pre, y=y, out=out)
         with torch.cuda.graph(graph, pool=self.pool):
             res, f_in, pre, h = self._body(sx, sp, cache_kv, split)
         c = _Captured(key, graph, sx, sp, res, f_in, pre, h)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows
+from hotcold.executors.host_node import HostNode
 from hotcold.executors.prefill import ColdStreamer, PrefillCosts, cpu_tokens_per_pass, moe_prefill_regime
 from hotcold.executors.stats import StatsBook, now
 from hotcold.executors.tier import FastTier
@@ -386,6 +387,9 @@ class HybridMoE(FFN):
         self._sent = None  # CUDA event of a graphed step's packed input copy (graph_send)
         self._y_cpu = None  # device float32 [1, D]: a decode step's CPU sum, copied in (_receive)
         self._graph_job: MoEJob | None = None  # a graphed decode step's job, reused (graph_post)
+        self.host_nodes = False  # a graphed decode step may be one graph, the CPU experts a host node (make_hybrid)
+        self._node: HostNode | None = None
+        self._y_node: torch.Tensor | None = None  # device float32 [1, D]: the host node's sum, copied in
         if self.n_cold and self.cold.down is not None:  # whole quantised experts: checked once, see MoEJob
             check_expert_stacks(self.cold.gate, self.cold.up, self.cold.down, self.cold.act)
 
@@ -608,6 +612,43 @@ class HybridMoE(FFN):
                 ready.synchronize()
             book.add("decode", experts_gpu=int((self.pos[self.packed_ids[0]] < 0).sum()))
         return y.reshape(f_in.shape)
+
+    # ------------------------------------------------------------------ one token as one graph: the CPU experts a host node
+
+    def host_node_ready(self) -> bool:
+        """Whether a graphed one-token step may be one graph with the CPU experts as a host node
+        (executors/host_node.py; GraphedBlock's "host" mode): turned on (make_hybrid host_nodes), on
+        CUDA, CPU experts quantised whole (`qexperts`), no expert cache (its hits are decided on the
+        host), no statistics (a host node cannot time itself)."""
+        return bool(self.host_nodes and self.tier.cuda and self.n_cold and self.cold.down is not None
+                    and self.cache is None and not self.book.enabled)
+
+    def host_node_setup(self, stream) -> None:
+        """Before the first capture: the layer's HostNode over its pinned packed input and output, and
+        numba's thread count set in CUDA's host-function thread (queued on stream, waited for)."""
+        if self._node is None:
+            self._node = HostNode(self.packed_x[0], self.packed_w[0], self.packed_ids[0], self.pos, self.cold.gate,
+                                  self.cold.up, self.cold.down, self.cold.act, self.decode_io.out_np[0],
+                                  self.cpu.threads)
+            self._y_node = torch.empty((1, self.dim), dtype=torch.float32, device=self.tier.device)
+        self._node.launch(stream, "threads")
+        stream.synchronize()
+
+    def graph_host(self, pre: tuple) -> torch.Tensor:
+        """Inside the capture, on the current stream after graph_pre: the packed input down, the host
+        node (the routed CPU experts' sum into the pinned output), the sum up. -> float32 [1, D], static."""
+        stream = torch.cuda.current_stream(self.tier.device)
+        self.packed.copy_(pre[0], non_blocking=True)
+        self._node.launch(stream)
+        return self._y_node.copy_(self.decode_io.out[:1], non_blocking=True)
+
+    def host_step(self) -> None:
+        """After a host-node step's replay: count it, and raise if the previous step's node met an
+        expert id out of range (its result was read since: the engine sampled a token)."""
+        if self.first:
+            self.book.add("decode", tokens=1, forwards=1)
+        self.book.add("decode", layer_calls=1)
+        self._node.check()
 
     # ------------------------------------------------------------------ prefill: the CPU or streamed experts
 

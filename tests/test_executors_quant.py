@@ -682,6 +682,41 @@ def test_cuda_gpu_int4_keeps_4bit_matrices_4bit(folder, family, kind):
 
 @pytest.mark.cuda
 @CUDA
+@pytest.mark.parametrize("family, int4", [("qwen3_moe", True), ("qwen2_moe", False)])
+def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
+    """host_nodes: a MoE layer's graphed decode step is one graph whose CPU experts run as a host
+    node (CUDA's callback thread, numba cfunc); its logits equal the split graphs' (same kernels, same
+    order of sums) and the quantised reference; every node ran once a step; a layer with no host
+    experts keeps the split graphs."""
+    from hotcold.executors.graphs import GraphedBlock
+
+    ref = reference(folder, family, "q4_0")
+    toks = tokens(seed=16)
+    want = decode_logits(ref, toks)
+    got, ran = {}, {}
+    for host in (False, True):
+        lm = fresh(folder, family, "q4_0")
+        gpu_experts = random_experts(lm, 0.25, seed=5)
+        last = max(gpu_experts)
+        gpu_experts[last] = list(range(lm.config.num_experts))  # every expert of the last MoE layer on the GPU
+        with make_hybrid(lm, {}, None, device="cuda", threads=2, gpu_int4=int4, stats=False, host_nodes=host,
+                         gpu_experts=gpu_experts) as eng:
+            got[host] = decode_logits(lm, toks.cuda()).cpu()
+            blocks = {l: b for l, b in enumerate(lm.model.layers) if isinstance(b, GraphedBlock)}
+            assert all(b.replays == T for b in blocks.values())
+            ran[host] = {l: (b.captured.out is not None, m._node.calls if m._node is not None else 0)
+                         for l, m in eng.moe.items() for b in [blocks[l]]}
+    assert ran[False] == {l: (False, 0) for l in ran[False]}
+    assert ran[True] == {l: (l != last, T if l != last else 0) for l in ran[True]}, ran[True]
+    assert rel_err(got[True], got[False]) < 1e-5
+    ties = near_ties(ref, toks)
+    assert len(ties) <= 2, ties
+    errs = [round(rel_err(got[True][:, i], want[:, i]), 4) for i in range(T)]
+    assert all(e < 2 * TOL["q4_0"] for i, e in enumerate(errs) if i not in ties), (errs, ties)
+
+
+@pytest.mark.cuda
+@CUDA
 def test_cuda_int4_down_requantised(folder):
     """int4_down on the GPU: W_down's hot columns as an Int4Matrix [D, H'] (H' a multiple of 32), in
     the CUDA graph too; the hot FFNs equal their int4 weights' product."""

@@ -1,0 +1,181 @@
+"""A MoE layer's CPU experts as a host node of its CUDA graph.
+
+A graphed decode step of a MoE layer with CPU experts otherwise returns to Python between its two
+replays: the host queues the packed input's copy, runs the CPU experts, copies their sum up and adds
+it (graphs.py), ~20 torch calls and their Python a layer, 250-400 µs of host time on the H200's host
+against 200 µs of kernel (session 14's timeline). Here the whole step is one graph:
+
+    attention half ─ router, pack ─ D2H packed ─ host node: CPU experts ─ H2D sum ─┐
+                                 └ (forked) shared + fast-tier experts ──────────── + ─ res + h
+
+The host node is `cuLaunchHostFunc` recorded into the capture: CUDA's own callback thread calls a
+numba `cfunc` (compiled C, no Python, no GIL) with one int64 control block per layer that holds the
+addresses and shapes of the layer's buffers and expert stacks. The cfunc reads the routing, picks the
+routed experts held on the host and runs the same `qexperts` kernel the eager step runs. Nothing in it
+can raise: an id out of range sets the block's status to -1 and `HostNode.check` raises on the main
+thread (GraphedBlock calls it each step, after the previous step's tokens were read).
+
+numba's thread count is per calling thread: a second, small cfunc sets it in CUDA's host-function
+thread, launched once before the layer's first capture (CUDA runs a process's host functions on one
+driver thread, in stream order; were it another thread, the kernel would run on numba's default
+count, every core, which costs speed, not correctness).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numba
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _launch_threads
+
+from hotcold.sparse_ops.cpu import ACTS
+from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qexperts_one_kernel
+
+# the control block: int64 [N_CTL]
+(X, D, W, IDS, K, POS, E, GATE, GATE_R, GATE_C, UP, UP_R, UP_C, DOWN, DOWN_R, DOWN_C, QU, QD, GU_X8, D_X8,
+ HIDDEN, ACT, XQ_UP, XQ_DOWN, OUT, THREADS, STATUS, CALLS) = range(28)
+N_CTL = 28
+
+
+@intrinsic
+def _void_ptr(typingctx, addr):
+    """An integer address as a void pointer (nopython)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(addr), codegen
+
+
+def _host_experts(user):
+    # user: the control block. One token's routed host experts, as MoEJob._run_whole computes them.
+    ctl = numba.carray(user, (N_CTL,), np.int64)
+    x = numba.carray(_void_ptr(ctl[X]), (ctl[D],), np.float32)
+    w = numba.carray(_void_ptr(ctl[W]), (ctl[K],), np.float32)
+    ids = numba.carray(_void_ptr(ctl[IDS]), (ctl[K],), np.int32)
+    pos = numba.carray(_void_ptr(ctl[POS]), (ctl[E],), np.int64)
+    out = numba.carray(_void_ptr(ctl[OUT]), (ctl[D],), np.float32)
+    gate = numba.carray(_void_ptr(ctl[GATE]), (ctl[GATE_R], ctl[GATE_C]), np.uint8)
+    up = numba.carray(_void_ptr(ctl[UP]), (ctl[UP_R], ctl[UP_C]), np.uint8)
+    down = numba.carray(_void_ptr(ctl[DOWN]), (ctl[DOWN_R], ctl[DOWN_C]), np.uint8)
+    out[:] = 0.0
+    n = 0
+    for j in range(ids.shape[0]):
+        e = ids[j]
+        if e < 0 or e >= pos.shape[0]:
+            ctl[STATUS] = -1
+            return
+        if pos[e] >= 0:
+            n += 1
+    first = np.empty(n, np.int64)
+    coef = np.empty(n, np.float32)
+    n = 0
+    for j in range(ids.shape[0]):
+        p = pos[ids[j]]
+        if p >= 0:
+            first[n] = p
+            coef[n] = w[j]
+            n += 1
+    if n:
+        _qexperts_one_kernel(x, first, coef, ctl[QU], gate, up, ctl[GU_X8] != 0, ctl[QD], down, ctl[D_X8] != 0,
+                             ctl[HIDDEN], ctl[ACT], ctl[XQ_UP] != 0, ctl[XQ_DOWN] != 0, out)
+    ctl[STATUS] = n
+    ctl[CALLS] += 1
+
+
+def _set_threads(user):
+    # user: the control block. numba's thread count for the calling thread (CUDA's host-function thread)
+    ctl = numba.carray(user, (N_CTL,), np.int64)
+    numba.set_num_threads(ctl[THREADS])
+
+
+_CFUNCS: dict = {}
+
+
+def host_function(name: str = "experts"):
+    """A compiled host function (void(void*), numba cfunc), built on first use: "experts" (cached on
+    disk) or "threads" (sets numba's thread count; calls into the threading layer by address, which
+    numba cannot cache, so it is kept apart and small)."""
+    if name not in _CFUNCS:
+        _launch_threads()  # numba's thread pool and its symbols, which a cfunc loaded from the cache needs
+        fn, cache = {"experts": (_host_experts, True), "threads": (_set_threads, False)}[name]
+        _CFUNCS[name] = numba.cfunc(types.void(types.voidptr), nopython=True, cache=cache)(fn)
+    return _CFUNCS[name]
+
+
+_CUDA = None
+
+
+def _driver():
+    global _CUDA
+    if _CUDA is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuLaunchHostFunc.restype = ctypes.c_int
+        _CUDA = lib
+    return _CUDA
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class HostNode:
+    """One MoE layer's CPU experts for one token, as a host function over fixed buffers.
+
+    x: float32 [D], weights: float32 [k], ids: int32 [k] (views of the layer's pinned packed input),
+    pos: int64 [E] (each expert's position in the stacks, -1 on the fast tier), gate/up/down: the
+    stacked QuantMatrix experts (checked once by the layer), out: float32 [D] (pinned). The arrays
+    must outlive the node; it keeps references to them."""
+
+    def __init__(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, pos: np.ndarray, gate: QuantMatrix,
+                 up: QuantMatrix, down: QuantMatrix, act: str, out: np.ndarray, threads: int):
+        for name, a, dt in (("x", x, np.float32), ("weights", weights, np.float32), ("ids", ids, np.int32),
+                            ("pos", pos, np.int64), ("out", out, np.float32)):
+            if a.dtype != dt or a.ndim != 1 or not a.flags.c_contiguous:
+                raise ValueError(f"{name} must be a C-contiguous 1-D {np.dtype(dt)} array")
+        if x.shape != out.shape or weights.shape != ids.shape:
+            raise ValueError("x and out, weights and ids must have equal shapes")
+        self.keep = (x, weights, ids, pos, gate, up, down, out)
+        c = self.ctl = np.zeros(N_CTL, np.int64)
+        c[X], c[D], c[W], c[IDS], c[K] = _addr(x), x.shape[0], _addr(weights), _addr(ids), ids.shape[0]
+        c[POS], c[E], c[OUT] = _addr(pos), pos.shape[0], _addr(out)
+        for i, m in ((GATE, gate), (UP, up), (DOWN, down)):
+            c[i], c[i + 1], c[i + 2] = _addr(m.data), *m.data.shape
+        c[QU], c[QD], c[GU_X8], c[D_X8], c[HIDDEN] = up._id, down._id, up.interleaved, down.interleaved, down.cols
+        c[ACT], c[XQ_UP] = ACTS[act], up.interleaved or up.qtype in XQ_DEFAULT
+        c[XQ_DOWN], c[THREADS] = down.interleaved or down.qtype in XQ_DEFAULT, max(1, int(threads))
+
+    def __call__(self) -> int:
+        """Run the function in this thread (tests, CPU): returns the host experts computed."""
+        for name in ("threads", "experts"):
+            ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_function(name).address)(_addr(self.ctl))
+        self.check()
+        return int(self.ctl[STATUS])
+
+    def launch(self, stream, name: str = "experts") -> None:
+        """Queue the function on a CUDA stream (torch.cuda.Stream); inside a graph capture it is
+        recorded as a host node. name="threads": set numba's thread count in CUDA's host-function
+        thread (once, eagerly, before the first capture; numba keeps the count per thread)."""
+        rc = _driver().cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream),
+                                        ctypes.c_void_p(host_function(name).address), ctypes.c_void_p(_addr(self.ctl)))
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
+
+    @property
+    def calls(self) -> int:
+        return int(self.ctl[CALLS])
+
+    def check(self) -> None:
+        """Raise if the last completed call met an expert id out of range."""
+        if self.ctl[STATUS] < 0:
+            raise RuntimeError(f"CPU experts (host node): an expert id out of range [0, {self.ctl[E]}) was routed")
+
+
+__all__ = ["HostNode", "host_function"]
