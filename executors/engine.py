@@ -159,8 +159,11 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       look-ahead is the PredictorSet's corrected router where the profile trained one, else the
       next layer's router; expert_cache_policy: "lru" or "lfu" eviction.
     cuda_graphs: on CUDA, replay each block's attention half, and the device half of its hybrid FFN
-      or MoE layer, as a CUDA graph in one-token steps (executors/graphs.py); "attention": the
-      attention half only (the FFNs eager, as before 2026-11-30: to compare).
+      or MoE layer, as a CUDA graph in one-token steps (executors/graphs.py), and where every block's
+      step is captured whole on the device, the whole step as one graph (StepGraph); "step": that
+      also over layers whose CPU experts are host nodes (measured slower, see StepGraph); "layers":
+      graphs per layer only; "attention": the attention half only (the FFNs eager, as before
+      2026-11-30): to compare.
     gpu_int4: a quantised model's 4-bit matrices stay 4-bit on a CUDA tier (torch's int4 kernels)
       instead of being expanded to dtype: outside the split FFNs (attention, LM head) as Int4Linear,
       and the split FFNs' hot up/gate rows as Int4Matrix (see int4_hot).
@@ -212,7 +215,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     # OpenMP team on the same cores); on CUDA with the FFNs' device half in graphs, the calling thread
     # too, after each graph's replay (`HOTCOLD_CPU_WORKER=1`: a worker thread, to compare)
     if cpu_inline is None:
-        cpu_inline = not tier.cuda or (cuda_graphs is True and os.environ.get("HOTCOLD_CPU_WORKER") != "1")
+        cpu_inline = not tier.cuda or (cuda_graphs in (True, "layers", "step") and os.environ.get("HOTCOLD_CPU_WORKER") != "1")
     cpu = CPUExecutor(cpu_threads, inline=cpu_inline)
     if int4_hot is None:
         int4_hot = gpu_int4 and tier.cuda
@@ -307,7 +310,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if host_nodes is None:
         host_nodes = os.environ.get("HOTCOLD_HOST_NODES", "1") != "0"
     for m in moe.values():
-        m.host_nodes = bool(host_nodes and cuda_graphs is True)
+        m.host_nodes = bool(host_nodes and cuda_graphs in (True, "layers", "step"))
     every = {**hybrid, **moe}
     if every:
         every[min(every)].first = True
@@ -316,7 +319,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts,
                                 expert_cache_policy)
     if tier.cuda and cuda_graphs:
-        graph_blocks(model, ffn=cuda_graphs != "attention")
+        graph_blocks(model, ffn=cuda_graphs != "attention", step="host" if cuda_graphs == "step" else cuda_graphs is True)
     lm.device, lm.dtype = device, dtype
     return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe, whole)
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for the attention half of each decode step.
+"""CUDA graphs for one-token decode steps: the attention half of each block, and what else can join it.
 
 Decoding one token in eager PyTorch launches ~100 kernels per layer (norms, projections, rotary,
 cache write, attention), each costing the launching thread 5-15 µs: on a Qwen3-30B-A3B-shaped
@@ -18,14 +18,25 @@ and runs beside the fast tier's:
     graph 2   graph_fast(f_in, pre) = y (the fast tier's neurons or experts)
     eager     graph_post(f_in, y, pre, ready): waits `ready`, the CPU's share, one copy up, + y
 
-(a graph cannot wait for the CPU, so the host half runs eagerly between and after the replays;
-`split_step` runs the same four calls without graphs, for tests). A dense or gated FFN wholly on
-the device (a dense run on the GPU, a layer kept int4 whole) is captured whole with the attention
-half (then the whole layer is one graph); other FFNs run eagerly after the replay. Prefill (several
+(`split_step` runs the same four calls without graphs, for tests). A MoE layer whose CPU experts
+are quantised whole (HybridMoE.host_node_ready) is instead one graph, "host" mode: the CPU experts
+are a CUDA host node (executors/host_node.py: a compiled function CUDA's own thread calls, no
+Python), so the host does one replay a layer:
+
+    attention half ─ graph_pre ─ D2H packed ─ host node: CPU experts ─ H2D sum ─┐
+                              └ (forked stream) graph_fast ─────────────────────── + ─ res + h
+
+(H200, 6-layer Qwen3-30B-A3B shape, 20% of experts on the GPU: 218-225 -> 236-275 tok/s.) A dense
+or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole) is captured
+whole with the attention half (then the whole layer is one graph); other FFNs run eagerly after the
+replay. Prefill (several
 tokens), CPU tiers, blocks whose attention runs on the host (HostAttention) and post-norm blocks
 (OPT) run the block as before. A graph belongs to one KV cache (its buffers' addresses are baked
 in): a new cache re-captures it, dropping the old one. The graphs of all layers share one memory
 pool, replayed in the order they were captured.
+
+Where every block's step is captured whole on the device ("whole"), StepGraph replays the whole
+one-token step (all blocks, the head) as one graph, from the second step with a KV cache.
 
 Forward pre-hooks on `ffn_norm` (the expert look-ahead's residual hook) fire while capturing and then
 hold the graph's static `res`, which every replay refreshes in place.
@@ -161,6 +172,25 @@ class GraphedBlock(nn.Module):
             return res, f_in, None, self.block.ffn(f_in)
         return res, f_in, self.block.ffn.graph_pre(f_in) if split else None, None
 
+    def step_mode(self, cache_kv) -> str | None:
+        """How this block's one-token step was last captured for cache_kv: "host" or "whole" (the
+        whole step is device work and host nodes, so a larger graph can hold it: StepGraph), another
+        mode, or None (not captured for this cache)."""
+        c = self.captured
+        if c is None or c.key[0] != cache_kv[0].data_ptr() or c.key[1] != tuple(cache_kv[0].shape):
+            return None
+        return c.key[-1] if isinstance(c.key[-1], str) else "split" if c.key[-1] else "attention"
+
+    def step_body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, mode: str) -> torch.Tensor:
+        """The block's whole one-token step in capturable ops (mode "host" or "whole", see step_mode),
+        for StepGraph's capture. x: [1, 1, D] -> [1, 1, D]."""
+        if mode == "host":
+            return self._host_body(x, positions, cache_kv)[-1]
+        res, _, _, h = self._body(x, positions, cache_kv, "whole")
+        if self.block.sandwich:
+            h = self.block.post_ffn_norm(h)
+        return res + h
+
     def _host_body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> tuple:
         # the "host" graph: the attention half, graph_pre, then graph_fast on a forked stream while
         # the main stream copies the packed input down, runs the host node and copies its sum up;
@@ -193,7 +223,7 @@ class GraphedBlock(nn.Module):
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if split == "host":
-            ffn.host_node_setup(torch.cuda.current_stream(x.device))
+            ffn.host_node_setup()
             with torch.cuda.graph(graph, pool=self.pool):
                 res, f_in, pre, y, out = self._host_body(sx, sp, cache_kv)
             return _Captured(key, graph, sx, sp, res, f_in, pre, y=y, out=out)
@@ -234,10 +264,95 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[device]
 
 
-def graph_blocks(model: nn.Module, ffn: bool = True) -> list[int]:
+@dataclass
+class _Step:
+    key: tuple
+    graph: torch.cuda.CUDAGraph
+    x: torch.Tensor  # static input: the embedded token [1, 1, D]
+    positions: torch.Tensor  # static int64 [1]
+    out: torch.Tensor  # static output: logits [1, 1, V] float32, or the last block's output (head eager)
+    head: bool  # the head is in the graph
+    hosts: list  # the FFNs whose CPU experts are host nodes (their host_step runs after each replay)
+
+
+class StepGraph:
+    """A whole one-token decode step as one CUDA graph: every block (each captured whole: "host" or
+    "whole", see GraphedBlock.step_mode) and, when its weights are on the device, the final norm and
+    head. The embedding runs eagerly (it may be a host table, HostEmbedding) into the graph's static
+    input. Removes the per-layer host work between layers (a copy of x and of the positions into each
+    block's buffers, one replay and Python per layer: ~1 ms a token on a 6-layer MoE, H200 host).
+    Installed by graph_blocks as `model.step_graph`, which Transformer.forward calls for one token:
+    the first step with a new cache runs block by block (capturing each block, which warms every
+    kernel up), the next one captures the whole step, later ones replay it.
+
+    Measured on the H200 (2026-12-01): a 16-layer dense bf16 model wholly on the GPU decodes 438-457
+    -> 475-481 tok/s; but a 6-layer MoE whose layers' CPU experts are host nodes decodes 237-247 ->
+    167-183 tok/s with the whole step in one graph (layer 0's own graph then took 838 µs, not 350;
+    not yet explained), so blocks in "host" mode are held only with host_nodes=True (to compare)."""
+
+    def __init__(self, model: nn.Module, pool=None, host_nodes: bool = False):
+        self.model, self.pool = model, pool
+        self.modes = ("host", "whole") if host_nodes else ("whole",)  # block steps it may hold
+        self.captured: _Step | None = None
+        self.replays = 0
+
+    def ready(self, tokens: torch.Tensor, cache) -> bool:
+        """Whether this one-token step can replay (or capture) the whole-step graph."""
+        if tokens.shape != (1, 1) or not tokens.is_cuda or cache is None:
+            return False
+        c = self.captured
+        if c is not None and c.key == self._key(cache):
+            return True
+        layers = self.model.layers
+        return all(isinstance(b, GraphedBlock) and b.step_mode(cache.layers[i]) in self.modes
+                   for i, b in enumerate(layers))
+
+    def __call__(self, tokens: torch.Tensor, start_pos: int, cache) -> torch.Tensor:
+        """tokens [1, 1] at start_pos -> logits [1, 1, V] float32 (a fresh tensor)."""
+        m, c = self.model, self.captured
+        key = self._key(cache)
+        if c is None or c.key != key:
+            self.captured = None
+            positions = torch.full((1,), start_pos, dtype=torch.int64, device=tokens.device)
+            c = self.captured = self._capture(key, m.embed_tokens(tokens, positions), positions, cache)
+        else:
+            c.positions.fill_(start_pos)
+            c.x.copy_(m.embed_tokens(tokens, c.positions))
+        c.graph.replay()
+        for ffn in c.hosts:
+            ffn.host_step()
+        for b in m.layers:
+            b.replays += 1
+        self.replays += 1
+        return c.out.clone() if c.head else m.head(c.out)
+
+    @staticmethod
+    def _key(cache) -> tuple:
+        k = cache.layers[0][0]
+        return k.data_ptr(), tuple(k.shape), k.dtype
+
+    def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache) -> _Step:
+        m = self.model
+        modes = [b.step_mode(cache.layers[i]) for i, b in enumerate(m.layers)]
+        tied = getattr(m.config, "tie_word_embeddings", False)
+        head = all(_on_cuda(mod) for mod in (getattr(m, "norm", None), m.embed if tied else getattr(m, "lm_head", None))
+                   if mod is not None)  # (a tied head reads the embedding)
+        sx, sp = x.clone(), positions.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            h = sx
+            for i, (b, mode) in enumerate(zip(m.layers, modes)):
+                h = b.step_body(h, sp, cache.layers[i], mode)
+            out = m.head(h) if head else h
+        hosts = [b.ffn for b, mode in zip(m.layers, modes) if mode == "host"]
+        return _Step(key, graph, sx, sp, out, head, hosts)
+
+
+def graph_blocks(model: nn.Module, ffn: bool = True, step: bool | str = True) -> list[int]:
     """Wrap every Block of model.layers in a GraphedBlock sharing one graph memory pool (CUDA only;
     blocks that cannot be graphed still run eagerly through the wrapper; ffn=False keeps every FFN
-    out of the graphs). Returns the wrapped layers."""
+    out of the graphs) and, with step (and ffn), install a StepGraph for whole one-token steps
+    (step="host": also over blocks whose CPU experts are host nodes). Returns the wrapped layers."""
     if not torch.cuda.is_available():
         return []
     pool = torch.cuda.graph_pool_handle()
@@ -246,7 +361,9 @@ def graph_blocks(model: nn.Module, ffn: bool = True) -> list[int]:
         if isinstance(block, Block):
             model.layers[i] = GraphedBlock(block, pool, ffn)
             done.append(i)
+    if step and ffn:
+        model.step_graph = StepGraph(model, pool, host_nodes=step == "host")
     return done
 
 
-__all__ = ["GraphedBlock", "graph_blocks", "split_step"]
+__all__ = ["GraphedBlock", "StepGraph", "graph_blocks", "split_step"]

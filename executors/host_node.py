@@ -15,10 +15,10 @@ routed experts held on the host and runs the same `qexperts` kernel the eager st
 can raise: an id out of range sets the block's status to -1 and `HostNode.check` raises on the main
 thread (GraphedBlock calls it each step, after the previous step's tokens were read).
 
-numba's thread count is per calling thread: a second, small cfunc sets it in CUDA's host-function
-thread, launched once before the layer's first capture (CUDA runs a process's host functions on one
-driver thread, in stream order; were it another thread, the kernel would run on numba's default
-count, every core, which costs speed, not correctness).
+numba's thread count is per calling thread, so the function sets it on every call (a thread-local
+store, through the threading layer's C symbol): CUDA runs host functions on a driver thread of its
+own, which is not promised to be the same one for every graph or stream (on numba's default count,
+every core, the kernel's threads would contend with the thread that drives the GPU).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import ctypes
 import numba
 import numpy as np
 from numba import types
+from llvmlite import ir
 from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
@@ -39,6 +40,23 @@ from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qexperts_one_kern
 (X, D, W, IDS, K, POS, E, GATE, GATE_R, GATE_C, UP, UP_R, UP_C, DOWN, DOWN_R, DOWN_C, QU, QD, GU_X8, D_X8,
  HIDDEN, ACT, XQ_UP, XQ_DOWN, OUT, THREADS, STATUS, CALLS) = range(28)
 N_CTL = 28
+
+
+@intrinsic
+def _set_num_threads(typingctx, n):
+    """numba's thread count for the calling thread, through the threading layer's `set_num_threads`
+    symbol (numba registers it with LLVM when its threads start). numba.set_num_threads in jitted code
+    would call it through a ctypes pointer, a dynamic global that keeps the function out of the cache."""
+    if not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "set_num_threads")
+        builder.call(fn, [builder.trunc(args[0], ir.IntType(32))])
+        return context.get_dummy_value()
+
+    return types.void(n), codegen
 
 
 @intrinsic
@@ -56,6 +74,7 @@ def _void_ptr(typingctx, addr):
 def _host_experts(user):
     # user: the control block. One token's routed host experts, as MoEJob._run_whole computes them.
     ctl = numba.carray(user, (N_CTL,), np.int64)
+    _set_num_threads(ctl[THREADS])
     x = numba.carray(_void_ptr(ctl[X]), (ctl[D],), np.float32)
     w = numba.carray(_void_ptr(ctl[W]), (ctl[K],), np.float32)
     ids = numba.carray(_void_ptr(ctl[IDS]), (ctl[K],), np.int32)
@@ -89,24 +108,16 @@ def _host_experts(user):
     ctl[CALLS] += 1
 
 
-def _set_threads(user):
-    # user: the control block. numba's thread count for the calling thread (CUDA's host-function thread)
-    ctl = numba.carray(user, (N_CTL,), np.int64)
-    numba.set_num_threads(ctl[THREADS])
+_CFUNC = None
 
 
-_CFUNCS: dict = {}
-
-
-def host_function(name: str = "experts"):
-    """A compiled host function (void(void*), numba cfunc), built on first use: "experts" (cached on
-    disk) or "threads" (sets numba's thread count; calls into the threading layer by address, which
-    numba cannot cache, so it is kept apart and small)."""
-    if name not in _CFUNCS:
-        _launch_threads()  # numba's thread pool and its symbols, which a cfunc loaded from the cache needs
-        fn, cache = {"experts": (_host_experts, True), "threads": (_set_threads, False)}[name]
-        _CFUNCS[name] = numba.cfunc(types.void(types.voidptr), nopython=True, cache=cache)(fn)
-    return _CFUNCS[name]
+def host_function():
+    """The compiled host function (void(void*), a numba cfunc, cached on disk), built on first use."""
+    global _CFUNC
+    if _CFUNC is None:
+        _launch_threads()  # numba's thread pool and its symbols, which the function links to
+        _CFUNC = numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)(_host_experts)
+    return _CFUNC
 
 
 _CUDA = None
@@ -150,21 +161,21 @@ class HostNode:
             c[i], c[i + 1], c[i + 2] = _addr(m.data), *m.data.shape
         c[QU], c[QD], c[GU_X8], c[D_X8], c[HIDDEN] = up._id, down._id, up.interleaved, down.interleaved, down.cols
         c[ACT], c[XQ_UP] = ACTS[act], up.interleaved or up.qtype in XQ_DEFAULT
-        c[XQ_DOWN], c[THREADS] = down.interleaved or down.qtype in XQ_DEFAULT, max(1, int(threads))
+        c[XQ_DOWN] = down.interleaved or down.qtype in XQ_DEFAULT
+        c[THREADS] = max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS))
+        self.fn = host_function()
 
     def __call__(self) -> int:
         """Run the function in this thread (tests, CPU): returns the host experts computed."""
-        for name in ("threads", "experts"):
-            ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_function(name).address)(_addr(self.ctl))
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn.address)(_addr(self.ctl))
         self.check()
         return int(self.ctl[STATUS])
 
-    def launch(self, stream, name: str = "experts") -> None:
+    def launch(self, stream) -> None:
         """Queue the function on a CUDA stream (torch.cuda.Stream); inside a graph capture it is
-        recorded as a host node. name="threads": set numba's thread count in CUDA's host-function
-        thread (once, eagerly, before the first capture; numba keeps the count per thread)."""
-        rc = _driver().cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream),
-                                        ctypes.c_void_p(host_function(name).address), ctypes.c_void_p(_addr(self.ctl)))
+        recorded as a host node."""
+        rc = _driver().cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(self.fn.address),
+                                        ctypes.c_void_p(_addr(self.ctl)))
         if rc != 0:
             raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
 

@@ -623,16 +623,13 @@ class HybridMoE(FFN):
         return bool(self.host_nodes and self.tier.cuda and self.n_cold and self.cold.down is not None
                     and self.cache is None and not self.book.enabled)
 
-    def host_node_setup(self, stream) -> None:
-        """Before the first capture: the layer's HostNode over its pinned packed input and output, and
-        numba's thread count set in CUDA's host-function thread (queued on stream, waited for)."""
+    def host_node_setup(self) -> None:
+        """Before the first capture: the layer's HostNode over its pinned packed input and output."""
         if self._node is None:
             self._node = HostNode(self.packed_x[0], self.packed_w[0], self.packed_ids[0], self.pos, self.cold.gate,
                                   self.cold.up, self.cold.down, self.cold.act, self.decode_io.out_np[0],
                                   self.cpu.threads)
             self._y_node = torch.empty((1, self.dim), dtype=torch.float32, device=self.tier.device)
-        self._node.launch(stream, "threads")
-        stream.synchronize()
 
     def graph_host(self, pre: tuple) -> torch.Tensor:
         """Inside the capture, on the current stream after graph_pre: the packed input down, the host

@@ -122,6 +122,9 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), fp32."""
         T = tokens.shape[1]
+        step = self.__dict__.get("step_graph")  # executors/graphs.py: a one-token step as one CUDA graph
+        if step is not None and T == 1 and step.ready(tokens, cache):
+            return step(tokens, start_pos, cache)
         positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
         x = self.embed_tokens(tokens, positions)
         for i, block in enumerate(self.layers):

@@ -704,14 +704,26 @@ def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
             got[host] = decode_logits(lm, toks.cuda()).cpu()
             blocks = {l: b for l, b in enumerate(lm.model.layers) if isinstance(b, GraphedBlock)}
             assert all(b.replays == T for b in blocks.values())
+            # host nodes in every MoE layer but the last, whose step is split: no whole-step graph
+            assert lm.model.step_graph.replays == 0
             ran[host] = {l: (b.captured.out is not None, m._node.calls if m._node is not None else 0)
                          for l, m in eng.moe.items() for b in [blocks[l]]}
     assert ran[False] == {l: (False, 0) for l in ran[False]}
     assert ran[True] == {l: (l != last, T if l != last else 0) for l in ran[True]}, ran[True]
     assert rel_err(got[True], got[False]) < 1e-5
+    # cuda_graphs="step", host experts in every MoE layer: from the second step the whole step is one
+    # graph (StepGraph) where every layer's step is (qwen2_moe's dense layer 1 is split: none there)
+    lm = fresh(folder, family, "q4_0")
+    with make_hybrid(lm, {}, None, device="cuda", threads=2, gpu_int4=int4, stats=False, cuda_graphs="step",
+                     gpu_experts=random_experts(lm, 0.25, seed=5)) as eng:
+        whole = decode_logits(lm, toks.cuda()).cpu()
+        assert lm.model.step_graph.replays == (T - 1 if family == "qwen3_moe" else 0)
+        assert all(m._node.calls == T for m in eng.moe.values())
     ties = near_ties(ref, toks)
     assert len(ties) <= 2, ties
     errs = [round(rel_err(got[True][:, i], want[:, i]), 4) for i in range(T)]
+    assert all(e < 2 * TOL["q4_0"] for i, e in enumerate(errs) if i not in ties), (errs, ties)
+    errs = [round(rel_err(whole[:, i], want[:, i]), 4) for i in range(T)]
     assert all(e < 2 * TOL["q4_0"] for i, e in enumerate(errs) if i not in ties), (errs, ties)
 
 

@@ -153,3 +153,31 @@ def test_split_step_prefetches_for_the_next_layer_without_host_experts(folder):
         with torch.inference_mode():
             split_step(first, x)
         assert first.cache.take_copied() > 0
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_step_graph_of_a_dense_device_model(folder, family):
+    """A model wholly on the GPU (a dense run): every block is captured whole, so from the second
+    one-token step with a cache the whole step (blocks, final norm, head; gemma3's sandwich norms,
+    tied head and soft-capping) replays as one graph (StepGraph), with the eager model's logits; a
+    new cache captures again; ffn=False (attention graphs only) installs none."""
+    from hotcold.executors.graphs import graph_blocks
+
+    toks = tokens(n=12, seed=23, device="cuda")
+    want = step_logits(reference(folder, family, "cuda"), toks, 20)
+    lm = fresh(folder, family, "cuda")
+    graph_blocks(lm.model)
+    got = step_logits(lm, toks, 20)
+    step = lm.model.step_graph
+    assert step.replays == toks.shape[1] - 4  # 3 prompt tokens, then the first one-token step block by block
+    assert step.captured.head and all(b.replays == toks.shape[1] - 3 for b in lm.model.layers)
+    assert_close(got, want, tol=2e-5)
+    again = step_logits(lm, toks, 25)
+    assert step.replays == 2 * (toks.shape[1] - 4)
+    assert_close(again, want, tol=2e-5)
+    lm = fresh(folder, family, "cuda")
+    graph_blocks(lm.model, ffn=False)
+    assert "step_graph" not in lm.model.__dict__
+    assert_close(step_logits(lm, toks, 20), want, tol=2e-5)

@@ -56,3 +56,26 @@ def test_host_node_reports_a_bad_id_and_bad_buffers():
         HostNode(x, w, ids.astype(np.int64), pos, gate, up, down, "silu", out, threads=1)
     with pytest.raises(ValueError, match="equal shapes"):
         HostNode(x, w, ids, pos, gate, up, down, "silu", out[:32], threads=1)
+
+
+def test_host_node_sets_the_thread_count_of_the_thread_that_runs_it():
+    """numba's thread count is per thread and CUDA runs host functions on a thread of its own: the
+    function sets the node's count in whichever thread calls it (here: a new Python thread)."""
+    import threading
+
+    import numba
+
+    gate, up, down = expert_stacks("Q4_0", "Q4_0", n=2, i=64, d=64)
+    x, w, ids, pos = _buffers(2, 64, 1, [0, 1], 3)
+    node = HostNode(x, w, ids, pos, gate, up, down, "silu", np.zeros(64, np.float32), threads=1)
+    seen = []
+
+    def run():
+        seen.append(numba.get_num_threads())
+        node()
+        seen.append(numba.get_num_threads())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [numba.config.NUMBA_NUM_THREADS, 1] or (numba.config.NUMBA_NUM_THREADS == 1 and seen == [1, 1])

@@ -101,8 +101,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: one per core, less one)")
     ap.add_argument("--fractions", default="1,0.25", help="shares of each layer's experts on the fast tier")
     ap.add_argument("--cache", default="0", help="expert cache size (e.g. 2GiB), CUDA only; 0: none")
-    ap.add_argument("--graphs", default="no,yes", help="CUDA graphs: no / attention (the attention half only) / yes "
-                    "(attention and the FFN's device half), comma-separated")
+    ap.add_argument("--graphs", default="no,yes", help="CUDA graphs: no / attention (the attention half only) / layers "
+                    "(attention and the FFN's device half, per layer) / yes (the engine's default: also the whole step "
+                    "as one graph where it can) / step (that over host-node layers too), comma-separated")
     ap.add_argument("--inline", default="auto", help="CPU experts in the main thread rather than a worker: no / yes / "
                     "auto (the engine's default: yes with graphs) / no,yes")
     ap.add_argument("--tokens", type=int, default=48)
