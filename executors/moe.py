@@ -47,7 +47,8 @@ from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
 from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts
-from hotcold.sparse_ops.quant import check_expert_stacks, qdequantize, qexpert_batch, qexperts, qexperts_trusted
+from hotcold.sparse_ops.quant import (GEMM_BF16, check_expert_stacks, qdequantize, qexpert_batch, qexperts_tokens,
+                                     qexperts_trusted)
 
 # ---------------------------------------------------------------------------------------------
 # Weights: the fast tier's experts and the host's
@@ -233,9 +234,14 @@ def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]
             yield e, tok, slot
 
 
-EXPERT_BATCH_TOKENS = 16  # tokens of a chunk routed to one quantised CPU expert from which it is decoded once
-# for all of them (qexpert_batch) rather than read per token (qexperts): the two cost the same at
-# ~16 tokens (2-core AVX2 machine, Qwen3-30B-A3B expert, Q4_0: 3.6 ms either way; 1 token 0.26 / 1.4 ms)
+EXPERT_BATCH_TOKENS = 48 if GEMM_BF16 else 256  # tokens of a chunk routed to one quantised CPU expert
+# from which it is decoded once for a torch GEMM (qexpert_batch) rather than computed from its blocks
+# with the other experts' tokens in one qexperts_tokens call. Measured with bfloat16 GEMMs (2-core
+# AMX Xeon, 64 Q4_0 Qwen3-30B-A3B experts, 8 routed per token): qexperts_tokens 25 / 87 ms for 64 /
+# 256 tokens (8 / 32 an expert) against 79 / 98 ms decoding every expert for GEMMs; 374 against 166
+# ms for 1024 (128 an expert). Without bfloat16 GEMMs (float32, ~3x slower) the threshold is an
+# estimate: session 14 found per-token kernels faster than float32 GEMMs up to 64-128 tokens on a
+# 2-core AVX2 machine, and qexperts_tokens is 2.2-2.7x faster than per-token kernels.
 
 
 @dataclass
@@ -289,10 +295,10 @@ class MoEJob:
         self.input_wait_s, self.cpu_s = t1 - t0, now() - t1
 
     def _run_whole(self) -> None:
-        """Quantised experts (ColdFFN.down): each token's routed CPU experts in one `qexperts` call;
-        an expert routed by at least EXPERT_BATCH_TOKENS of the tokens is decoded once for all of
-        them instead (`qexpert_batch`)."""
-        c, few = self.cold, {}  # token -> [(position, routing weight)]
+        """Quantised experts (ColdFFN.down): one token's routed CPU experts in one `qexperts` call;
+        several tokens' in one `qexperts_tokens` call, but for an expert routed by at least
+        EXPERT_BATCH_TOKENS of them, decoded once for all of them instead (`qexpert_batch`)."""
+        c = self.cold
         if len(self.x) == 1:  # decode: the routed host experts straight from the routing, one call
             p = self.pos[self.ids[0]]  # [k] positions, -1 on the fast tier
             here = p >= 0
@@ -302,17 +308,18 @@ class MoEJob:
                 qexperts_trusted(self.x[0], p[here], self.weights[0][here], c.gate, c.up, c.down, c.act, self.out[0])
             self.pairs = int(here.sum())
             return
+        here = self.pos[self.ids] >= 0  # [N, k]: the routed host experts
+        if self.skip:
+            here &= ~np.isin(self.ids, list(self.skip))
+        self.pairs = int(here.sum())
+        few = np.where(here, self.pos[self.ids], -1)  # [N, k] their positions, -1 elsewhere
         for e, tok, slot in routed(self.ids, lambda e: self.pos[e] >= 0 and int(e) not in self.skip):
-            p = int(self.pos[e])
             if len(tok) >= EXPERT_BATCH_TOKENS:
+                p = int(self.pos[e])
                 self.out[tok] += qexpert_batch(self.x[tok], p, c.gate, c.up, c.down, c.act, self.weights[tok, slot])
-            else:
-                for t, sl in zip(tok.tolist(), slot.tolist()):
-                    few.setdefault(t, []).append((p, self.weights[t, sl]))
-            self.pairs += len(tok)
-        for t, chosen in few.items():
-            qexperts(self.x[t], np.array([p for p, _ in chosen], np.int64), np.array([w for _, w in chosen], np.float32),
-                     c.gate, c.up, c.down, c.act, out=self.out[t])
+                few[tok, slot] = -1
+        if (few >= 0).any():
+            qexperts_tokens(self.x, few, self.weights, c.gate, c.up, c.down, c.act, out=self.out)
 
     def again(self, ready) -> "MoEJob":
         """This job, ready to run once more over the same buffers with a new input event (a layer's

@@ -254,12 +254,12 @@ def test_cpu_attention_uses_the_blocks(folder):
 
 def test_prefill_decodes_busy_cpu_experts_once(folder, monkeypatch):
     """In a prompt chunk, a CPU expert routed by many tokens is decoded once for all of them
-    (qexpert_batch), the others run token by token over their blocks (qexperts); the logits equal
-    the quantised reference either way."""
+    (qexpert_batch), the others run over their blocks for all their tokens in one call
+    (qexperts_tokens); the logits equal the quantised reference either way."""
     import hotcold.executors.moe as M
 
     calls = {"batch": 0, "one": 0}
-    for name, key in (("qexpert_batch", "batch"), ("qexperts", "one")):
+    for name, key in (("qexpert_batch", "batch"), ("qexperts_tokens", "one")):
         def counted(*a, _f=getattr(M, name), _k=key, **kw):
             calls[_k] += 1
             return _f(*a, **kw)

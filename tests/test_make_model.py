@@ -20,6 +20,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 import make_model as mm  # noqa: E402
 
+from conftest import llama_reference  # noqa: E402
 from hotcold.models.loader import load_model  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog. def f(x):\n    return x * 2  # doubled"
@@ -154,8 +155,8 @@ def test_shards_and_bf16(tmp_path):
 
 
 def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, n_threads_batch=2, verbose=False, logits_all=True)
+    pytest.importorskip("llama_cpp")
+    llm = llama_reference(path, n_ctx=64, n_threads=2, n_threads_batch=2, verbose=False, logits_all=True)
     llm.eval(ids)
     return torch.tensor(np.array(llm.scores[: len(ids)]))
 
@@ -454,7 +455,7 @@ def test_quantised_gguf_runs_in_llama_cpp_as_in_hotcold(quantised, key):
     activations to Q8_0, which the constant channel's outlier makes coarse, hence not closer still)."""
     import torch.nn.functional as F
 
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     folder = quantised[key]
     ids = token_ids(folder)
     ids = ids + ids[1:]  # 47 positions
@@ -466,7 +467,7 @@ def test_quantised_gguf_runs_in_llama_cpp_as_in_hotcold(quantised, key):
     with torch.no_grad():
         ours = lm.model(torch.tensor([ids]))[0]
         ref = ref_lm.model(torch.tensor([ids]))[0]
-    llm = llama_cpp.Llama(str(folder / "model.gguf"), n_ctx=128, n_threads=2, n_threads_batch=2, verbose=False,
+    llm = llama_reference(folder / "model.gguf", n_ctx=128, n_threads=2, n_threads_batch=2, verbose=False,
                           logits_all=True)
     llm.eval(ids)
     got = torch.tensor(np.array(llm.scores[: len(ids)]))

@@ -472,6 +472,52 @@ def test_qexperts_one_token(gtype, dtype, packed):
     assert np.array_equal(empty, out0)
 
 
+@pytest.mark.parametrize("gtype,dtype", EXPERT_TYPES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_qexperts_tokens(gtype, dtype, packed):
+    """Several tokens through their routed experts in one call equal one `qexperts` call per token
+    (experts in ascending order) up to the rounding of the final sum, and the float64 reference within
+    the Q8 activations' rounding; -1 skips an expert; a token with none is left as it was; out accumulates."""
+    plain = expert_stacks(gtype, dtype, n=6)
+    gate, up, down = (quant.pack_rows(m) for m in plain) if packed else plain
+    rng = np.random.default_rng(32)
+    T = 7
+    X = rng.standard_normal((T, gate.cols)).astype(np.float32)
+    experts = np.array([rng.permutation(6)[:3] for _ in range(T)])
+    experts[2, 1] = -1
+    experts[5] = -1
+    coef = rng.random(experts.shape).astype(np.float32)
+    out0 = rng.standard_normal(X.shape).astype(np.float32)
+    out = out0.copy()
+    assert quant.qexperts_tokens(X, experts, coef, gate, up, down, "silu", out=out) is out
+    assert np.array_equal(out[5], out0[5])
+    xq = gtype in quant.XQ_DEFAULT or dtype in quant.XQ_DEFAULT
+    for t in range(T):
+        k = np.argsort(experts[t])
+        k = k[experts[t][k] >= 0]
+        one = np.zeros(gate.cols, np.float32)
+        if len(k):
+            quant.qexperts(X[t], experts[t][k], coef[t][k], gate, up, down, "silu", out=one)
+        assert_within(out[t] - out0[t], one, 1e-6 * max(np.abs(one).max(), 1e-30))
+        want = ref_experts(X[t], experts[t][k], coef[t][k], *plain, "silu")[0] if len(k) else one
+        assert_within(out[t] - out0[t], want, (0.03 if xq else 1e-4) * max(np.abs(want).max(), 1e-30))
+
+
+def test_qexperts_tokens_bad_arguments():
+    gate, up, down = expert_stacks("Q4_0", "Q4_0", n=3, i=64, d=64)
+    X = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="distinct"):
+        quant.qexperts_tokens(X, np.array([[1, 1], [0, 2]]), np.ones((2, 2), np.float32), gate, up, down, "silu")
+    with pytest.raises(IndexError):
+        quant.qexperts_tokens(X, np.array([[0, 3], [0, 2]]), np.ones((2, 2), np.float32), gate, up, down, "silu")
+    with pytest.raises(ValueError, match=r"\[2, k\]"):
+        quant.qexperts_tokens(X, np.array([0, 1]), np.ones(2, np.float32), gate, up, down, "silu")
+    with pytest.raises(ValueError, match="X must be"):
+        quant.qexperts_tokens(X[:, :32], np.zeros((2, 1), np.int64), np.ones((2, 1), np.float32), gate, up, down, "silu")
+    ok = quant.qexperts_tokens(X, np.array([[-1, -1], [0, -1]]), np.ones((2, 2), np.float32), gate, up, down, "silu")
+    assert ok.shape == (2, 64)
+
+
 @pytest.mark.parametrize("gtype,dtype", EXPERT_TYPES[:3])
 def test_qexpert_batch(gtype, dtype, monkeypatch):
     """Several tokens through one expert, its blocks decoded once (float32 GEMMs here), equal the

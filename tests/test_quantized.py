@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import gemma3_gguf, smollm2_gguf
+from conftest import gemma3_gguf, llama_reference, smollm2_gguf
 from hotcold.errors import HotcoldError
 from hotcold.models.loader import load_model
 from hotcold.models.gguf_loader import drop_file_pages
@@ -286,9 +286,9 @@ def test_ram_of_a_quantised_gguf_is_about_its_file_size():
 
 
 def _llama_cpp_ppl(path, windows: list[list[int]]) -> float:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     ctx = len(windows[0])
-    llm = llama_cpp.Llama(str(path), n_ctx=ctx, logits_all=True, n_threads=2, n_batch=ctx, verbose=False)
+    llm = llama_reference(path, n_ctx=ctx, logits_all=True, n_threads=2, n_batch=ctx, verbose=False)
     nll, n = 0.0, 0
     for w in windows:
         llm.reset()

@@ -648,6 +648,32 @@ def llama_tensor_overrides(patterns: list[str]):
         lc.llama_log_set(forward, ctypes.c_void_p(0))
 
 
+@contextmanager
+def llama_extra_bufts(on: bool):
+    """While Llama() loads: llama.cpp's extra CPU buffer types (weights repacked at load for AMX or
+    other CPU kernels) on, its default, or off (`use_extra_bufts`). Off for a machine where they crash:
+    on a 2-core AMX Xeon, llama-cpp-python 0.3.36 built there segfaulted in llama_decode with them on
+    SmolLM2 Q4_1 and Gemma 3 Q4_K_M (2026-12-01)."""
+    import llama_cpp
+
+    lc = llama_cpp.llama_cpp
+    if on:
+        yield
+        return
+    default_params = lc.llama_model_default_params
+
+    def params_without():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    lc.llama_model_default_params = params_without
+    try:
+        yield
+    finally:
+        lc.llama_model_default_params = default_params
+
+
 def run_llama_cpp(spec: dict) -> dict:
     import llama_cpp
     from llama_cpp import Llama
@@ -658,7 +684,8 @@ def run_llama_cpp(spec: dict) -> dict:
     if ngl and not llama_cpp.llama_supports_gpu_offload():
         raise RuntimeError(BUILD_HINT.replace("VERSION", llama_cpp.__version__))
     t = time.perf_counter()
-    with llama_tensor_overrides(llama_cpu_moe_patterns(n_cpu_moe)) as overrides:
+    with llama_tensor_overrides(llama_cpu_moe_patterns(n_cpu_moe)) as overrides, \
+            llama_extra_bufts(spec.get("llama_extra_bufts", True)):
         # no mmap with CPU overrides: llama.cpp warns that mmap costs speed there ("--load-mode none")
         llm = Llama(spec["model"]["gguf"], n_ctx=spec["n_ctx"], n_batch=512, n_threads=spec["threads"],
                     n_threads_batch=spec["threads"], n_gpu_layers=ngl, use_mmap=not n_cpu_moe,
@@ -1128,6 +1155,10 @@ def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str]
                     settings["llama_n_cpu_moe"] = n_cpu_moe
             settings["llama_n_gpu_layers"] = ngl
             settings["llama_n_layer"] = layout.n_layer
+            if getattr(args, "llama_no_repack", False):
+                settings["llama_extra_bufts"] = False
+                notes.append("llama.cpp without its extra CPU buffer types (--llama-no-repack: no weights repacked "
+                             "at load for AMX or other CPU kernels)")
         machine = machine_info(args.threads, probe)
         machine["load_average_before"] = load_before
         runs: dict[str, list[dict]] = {e.name: [] for e in engines}
@@ -1143,7 +1174,8 @@ def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str]
                 spec = {"kind": e.kind, "model": model, "prompt_ids": prompt_ids, "tokens": args.tokens,
                         "threads": args.threads, "device": args.device, "dtype": args.dtype, "args": e.args,
                         "vram_bytes": args.vram_bytes, "n_ctx": n_ctx, "n_gpu_layers": ngl,
-                        "n_cpu_moe": n_cpu_moe, "warmup": not args.no_warmup}
+                        "n_cpu_moe": n_cpu_moe, "warmup": not args.no_warmup,
+                        "llama_extra_bufts": not getattr(args, "llama_no_repack", False)}
                 r = spawn(spec, workdir, f"{e.name}.{rep}", args.threads, cuda, args.timeout)
                 r["seq"] = done  # position in the alternating run order, from 1
                 if r.get("vram_polled_bytes") is not None:
@@ -1305,6 +1337,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="default: cuda with --vram or --e2e, else cpu")
     ap.add_argument("--vram", help="GPU budget for every engine, e.g. 8GiB (needs --device cuda)")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its extra CPU buffer types (use_extra_bufts off: no weights repacked "
+                         "at load for AMX or other kernels), for a machine where they crash it")
     ap.add_argument("--llama-moe-offload", choices=["experts", "all", "layers"], default="experts",
                     help="llama.cpp on an MoE GGUF under --vram: 'experts' (default) puts every layer on the GPU "
                          "but the routed experts of the first N layers (--n-cpu-moe N, N the fewest that fit); "
