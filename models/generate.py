@@ -76,6 +76,11 @@ class Generator:
         # block kernels' Q8 activations against a prompt's bfloat16 GEMMs) can flip a near tie
         self.last_prompt: tuple[list[int], torch.Tensor] | None = None
         self.stats = GenerationStats()
+        # on CUDA, wait for each step's logits on a blocking event (the thread sleeps) rather than in
+        # the copy's spin-wait, leaving its core to CPU work queued behind the step (a host node's
+        # kernels); off until measured (tools/bench_moe_decode.py --wait spin,block)
+        self.blocking_wait = False
+        self._wait_event = None
 
     def _ensure_cache(self, needed: int) -> None:
         if self.cache is None or self.cache.max_len < needed:
@@ -146,6 +151,11 @@ class Generator:
         pending = ""
         t_first = None
         while True:
+            if self.blocking_wait and logits.is_cuda:
+                if self._wait_event is None:
+                    self._wait_event = torch.cuda.Event(blocking=True)
+                self._wait_event.record()
+                self._wait_event.synchronize()
             logits = logits.cpu()
             token = sample(penalise(logits, history, sampling), sampling, gen)
             if t_first is None:

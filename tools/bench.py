@@ -1166,6 +1166,7 @@ def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str]
         total = len(engines) * args.repeats
         done = 0
         json_path = Path(args.json) if args.json else None
+        llama_extra = not getattr(args, "llama_no_repack", False)
         for rep in range(args.repeats):  # alternate so drift in machine load hits every engine alike
             for e in engines:
                 done += 1
@@ -1174,9 +1175,16 @@ def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str]
                 spec = {"kind": e.kind, "model": model, "prompt_ids": prompt_ids, "tokens": args.tokens,
                         "threads": args.threads, "device": args.device, "dtype": args.dtype, "args": e.args,
                         "vram_bytes": args.vram_bytes, "n_ctx": n_ctx, "n_gpu_layers": ngl,
-                        "n_cpu_moe": n_cpu_moe, "warmup": not args.no_warmup,
-                        "llama_extra_bufts": not getattr(args, "llama_no_repack", False)}
+                        "n_cpu_moe": n_cpu_moe, "warmup": not args.no_warmup, "llama_extra_bufts": llama_extra}
                 r = spawn(spec, workdir, f"{e.name}.{rep}", args.threads, cuda, args.timeout)
+                if e.kind == "llama.cpp" and r.get("rc") == -11 and llama_extra:
+                    # a segfault with llama.cpp's repacked CPU buffers (seen on a 2-core AMX Xeon): once more
+                    # without them, and so for the rest of the run, said in a note
+                    llama_extra = spec["llama_extra_bufts"] = False
+                    settings["llama_extra_bufts"] = False
+                    notes.append("llama.cpp crashed (SIGSEGV) with its extra CPU buffer types (weights repacked at "
+                                 "load for AMX or other kernels) and ran without them (as --llama-no-repack)")
+                    r = spawn(spec, workdir, f"{e.name}.{rep}b", args.threads, cuda, args.timeout)
                 r["seq"] = done  # position in the alternating run order, from 1
                 if r.get("vram_polled_bytes") is not None:
                     r["peak_vram_bytes"], r["peak_vram_source"] = r["vram_polled_bytes"], r["vram_source"]

@@ -16,6 +16,13 @@ bytes one expert holds, and its speed against the last row.
         [--qtype Q4_0] [--down-qtype Q4_0] [--threads N] [--iters 60]
 
 The default shape is Qwen3-30B-A3B's (hidden 2048, experts of 768, top-8).
+
+--prompt T,...: instead, a prompt chunk of T tokens (each routed to k random experts) through the
+interleaved stacks three ways: one `qexperts` call per token; each routed expert decoded once for a
+torch GEMM over its tokens (`qexpert_batch`: bfloat16 where the CPU has it, else float32); all of them
+in one `qexperts_tokens` call (each expert's blocks read once for its tokens). Median of --iters / 10.
+
+    python tools/bench_moe_cpu.py --prompt 8,64,256,1024
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import numpy as np
 
 from hotcold.executors.weights import quant_cols_t
 from hotcold.sparse_ops.cpu import get_threads, set_threads
-from hotcold.sparse_ops.quant import QuantMatrix, pack_rows, qexperts, qffn_rows, random_matrix
+from hotcold.sparse_ops import quant
+from hotcold.sparse_ops.quant import (QuantMatrix, pack_rows, qexpert_batch, qexperts, qexperts_tokens, qffn_rows,
+                                     random_matrix)
 
 
 def main(argv=None) -> int:
@@ -41,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--down-qtype", default=None, help="W_down's type (default: --qtype)")
     ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
     ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--prompt", default=None, help="prompt chunks of T tokens instead, comma-separated (e.g. 64,256)")
     args = ap.parse_args(argv)
     E, k, D, I = args.experts, args.k, args.hidden, args.inter
     dq = args.down_qtype or args.qtype
@@ -54,6 +64,8 @@ def main(argv=None) -> int:
                                          for e in range(E)]), "Q8_0", (E * I, D))
     packed = tuple(pack_rows(m) for m in (gate, up, down))
     rng = np.random.default_rng(0)
+    if args.prompt:
+        return prompt_table(args, packed, rng)
     x = rng.standard_normal(D).astype(np.float32)
     out = np.zeros(D, np.float32)
     scale = np.zeros(E * I, np.float32)
@@ -92,6 +104,47 @@ def main(argv=None) -> int:
         t, per = times[name], nbytes / E
         print(f"| {name:<20} | {t * 1e3:>10.3f} | {k * per / 1e6:>8.2f} | {k * per / t / 1e9:>6.1f} | "
               f"{per / 1e6:>11.2f} | {ref / t:>5.2f}x |")
+    return 0
+
+
+def prompt_table(args, mats, rng) -> int:
+    """--prompt: T tokens' routed experts three ways (see the module docstring)."""
+    E, k, D = args.experts, args.k, args.hidden
+
+    def per_token(X, ex, coef):
+        out = np.zeros(X.shape, np.float32)
+        for t in range(len(X)):
+            qexperts(X[t], ex[t], coef[t], *mats, "silu", out=out[t])
+
+    def gemm(X, ex, coef):
+        out = np.zeros(X.shape, np.float32)
+        for e in np.unique(ex):
+            tok, slot = np.nonzero(ex == e)
+            out[tok] += qexpert_batch(X[tok], int(e), *mats, "silu", coef[tok, slot])
+
+    def tokens(X, ex, coef):
+        qexperts_tokens(X, ex, coef, *mats, "silu")
+
+    ways = [("qexperts per token", per_token), (f"qexpert_batch ({'bf16' if quant.GEMM_BF16 else 'f32'} GEMM)", gemm),
+            ("qexperts_tokens", tokens)]
+    print(f"\n{get_threads()} threads, {k} of {E} experts per token, ms per prompt chunk (speed against the first)\n")
+    print(f"| {'tokens':>6} | {'tokens an expert':>16} | " + " | ".join(f"{n:>26}" for n, _ in ways) + " |")
+    print(f"|{'-' * 8}|{'-' * 18}|" + "|".join("-" * 28 for _ in ways) + "|")
+    for T in (int(t) for t in args.prompt.split(",")):
+        X = rng.standard_normal((T, D)).astype(np.float32)
+        ex = np.array([np.sort(rng.choice(E, k, replace=False)) for _ in range(T)])
+        coef = rng.random(ex.shape).astype(np.float32)
+        times = []
+        for _, call in ways:
+            call(X, ex, coef)  # warm-up (compilation)
+            ts = []
+            for _ in range(max(3, args.iters // 10)):
+                t0 = time.perf_counter()
+                call(X, ex, coef)
+                ts.append(time.perf_counter() - t0)
+            times.append(float(np.median(ts)))
+        print(f"| {T:>6} | {T * k / E:>16.1f} | " + " | ".join(f"{1e3 * t:>17.1f} ({times[0] / t:>4.2f}x)"
+                                                           for t in times) + " |", flush=True)
     return 0
 
 

@@ -57,7 +57,7 @@ def graph_us(lm) -> float:
 
 
 def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, int4: bool, fused: bool,
-            host: bool, args) -> str:
+            host: bool, block: bool, args) -> str:
     layers.fused_ready = moe.fused_ready = FUSED_READY if fused else (lambda x: False)  # read at each call
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
@@ -65,6 +65,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
                       cpu_inline=inline, gpu_int4=int4, host_nodes=host)
     try:
         gen = Generator(eng.lm, 512)
+        gen.blocking_wait = block
         prompt, greedy = list(range(100, 164)), SamplingParams(temperature=0.0)
         for _ in gen.generate(prompt, 8, greedy, ignore_eos=True):  # warm-up (compilation, capture)
             pass
@@ -73,7 +74,8 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
         tps = gen.stats.decode_tok_per_s
         g = graphs if isinstance(graphs, str) else "yes" if graphs else "no"
         line = (f"{fraction:>9.2f} {cache / 2**30:>9.1f} {g:>9} {'auto' if inline is None else 'yes' if inline else 'no':>7}"
-                f" {'yes' if int4 else 'no':>5} {'yes' if fused else 'no':>5} {'yes' if host else 'no':>5} {tps:>9.1f} {1e3 / tps:>9.2f}"
+                f" {'yes' if int4 else 'no':>5} {'yes' if fused else 'no':>5} {'yes' if host else 'no':>5}"
+                f" {'block' if block else 'spin':>5} {tps:>9.1f} {1e3 / tps:>9.2f}"
                 f" {graph_us(lm) if graphs is True else float('nan'):>9.0f}")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -113,24 +115,27 @@ def main() -> None:
                     help="Triton RMSNorm, rotary and routing on CUDA (the engine's): no / yes / no,yes")
     ap.add_argument("--host-nodes", default="yes", help="a MoE layer's CPU experts as a CUDA host node of one graph "
                     "per layer (the engine's default) rather than between two replays: no / yes / no,yes")
+    ap.add_argument("--wait", default="spin", help="how the generator waits for each step's logits on CUDA: spin "
+                    "(the copy's own wait) / block (a blocking event: the thread sleeps) / spin,block")
     ap.add_argument("--repeats", type=int, default=1, help="run the configurations this many times, alternating")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0
     print(f"model {args.model}, device {args.device}, {args.dtype}, greedy {args.tokens} tokens after 64")
-    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9}"
+    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'wait':>5} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9}"
           + (f" {'launches':>9}" if args.profile else ""))
     yes = {"yes": True, "no": False}
-    configs = [(frac, graphs, inline, int4, fused, host)
+    configs = [(frac, graphs, inline, int4, fused, host, block)
                for frac in (float(f) for f in args.fractions.split(","))
                for graphs in (yes.get(g.strip(), g.strip()) for g in args.graphs.split(","))
                for inline in (yes.get(i.strip()) for i in args.inline.split(","))
                for int4 in (i.strip() == "yes" for i in args.int4.split(","))
                for fused in (f.strip() == "yes" for f in args.fused.split(","))
-               for host in (h.strip() == "yes" for h in args.host_nodes.split(","))]
+               for host in (h.strip() == "yes" for h in args.host_nodes.split(","))
+               for block in (w.strip() == "block" for w in args.wait.split(","))]
     for _ in range(args.repeats):
-        for frac, graphs, inline, int4, fused, host in configs:
-            print(measure(args.model, frac, cache, graphs, inline, int4, fused, host, args), flush=True)
+        for frac, graphs, inline, int4, fused, host, block in configs:
+            print(measure(args.model, frac, cache, graphs, inline, int4, fused, host, block, args), flush=True)
 
 
 if __name__ == "__main__":
