@@ -301,11 +301,31 @@ def _llama_cpp_ppl(path, windows: list[list[int]]) -> float:
     return math.exp(nll / n)
 
 
+def _transformers_ppl(path, windows: list[list[int]]) -> float:
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            logits = ref(torch.tensor([w])).logits[0].double()
+            first = len(w) // 2
+            logp = torch.log_softmax(logits[first:len(w) - 1], -1)
+            nll -= float(logp.gather(1, torch.tensor(w[first + 1:])[:, None]).sum())
+            n += len(w) - 1 - first
+    return math.exp(nll / n)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_perplexity_within_one_percent_of_llama_cpp(model):
-    """Issue 10: `hotcold perplexity` on the quantised files within 1% of llama.cpp on the same windows."""
+def test_perplexity_against_transformers_and_llama_cpp(model, monkeypatch):
+    """Issue 10: `hotcold perplexity` on the quantised files, same windows: with float32 GEMMs it is
+    the quantised model's exact perplexity (transformers' float dequantisation of the GGUF, within
+    0.1%); with the machine's default GEMMs (bfloat16 where the CPU has them) within 1.5% of llama.cpp,
+    which rounds activations to Q8 (its own deviation from the exact value: SmolLM2 Q4_1 -0.85%,
+    Gemma 3 Q4_K_M +1.08% on a 2-core AMX Xeon without its repacked buffers; -0.55% / -0.74% for ours
+    against it on a Zen 4, 2026-11-30)."""
     from hotcold.models.perplexity import calibration_text, perplexity
+    from hotcold.sparse_ops import quant
 
     path = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[model]()
     lm = load_model(path, "cpu", "float32")
@@ -319,7 +339,11 @@ def test_perplexity_within_one_percent_of_llama_cpp(model):
         windows = [[bos] + w[1:] for w in windows]
     ref = _llama_cpp_ppl(path, windows)
     print(f"perplexity {model}: hotcold {ours:.4f} vs llama.cpp {ref:.4f} ({ours / ref - 1:+.2%})")
-    assert abs(ours / ref - 1) < 0.01, f"hotcold {ours:.4f} vs llama.cpp {ref:.4f}"
+    assert abs(ours / ref - 1) < 0.015, f"hotcold {ours:.4f} vs llama.cpp {ref:.4f}"
+    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    exact = perplexity(lm.model, ids, ctx, bos, n_windows).ppl
+    want = _transformers_ppl(path, windows)
+    assert abs(exact / want - 1) < 0.001, f"hotcold float32 {exact:.5f} vs transformers {want:.5f}"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
