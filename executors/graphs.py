@@ -29,9 +29,8 @@ Python), so the host does one replay a layer:
 (H200, 6-layer Qwen3-30B-A3B shape, 20% of experts on the GPU: 218-225 -> 236-275 tok/s.) A dense
 or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole) is captured
 whole with the attention half (then the whole layer is one graph); other FFNs run eagerly after the
-replay. Prefill (several
-tokens), CPU tiers, blocks whose attention runs on the host (HostAttention) and post-norm blocks
-(OPT) run the block as before. A graph belongs to one KV cache (its buffers' addresses are baked
+replay. Prefill (several tokens), CPU tiers, blocks whose attention runs on the host (HostAttention)
+and post-norm blocks (OPT) run the block as before. A graph belongs to one KV cache (its buffers' addresses are baked
 in): a new cache re-captures it, dropping the old one. The graphs of all layers share one memory
 pool, replayed in the order they were captured.
 
@@ -99,7 +98,8 @@ class GraphedBlock(nn.Module):
         else:
             c.x.copy_(x)
             c.positions.copy_(positions)
-        if c.out is not None:  # the whole step in one graph, the CPU experts a host node
+        if c.out is not None:  # the whole step in one graph, the CPU experts a host node; its output
+            # is the graph's static tensor, which the next block copies in (valid until the next replay)
             c.graph.replay()
             b.ffn.host_step()
             self.replays += 1
