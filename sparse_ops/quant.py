@@ -1305,6 +1305,30 @@ def _expert_gemv(qt, w, x8, first, k, m, lo, hi, x, xs, xq, xd, use_xq, out):
         _qgemv_any(qt, w, rows, 0, hi - lo, x, xs, xq, xd, use_xq, out[k * m + lo:k * m + hi])
 
 
+@njit(**_INLINE)
+def _expert_h_span(qu, gate, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, coef, act, xq_down, g, u, h, hs,
+                   hq, hd):
+    # rows [lo, hi) of expert first[k] for one input x: g, u and h = act(g) u coef[k] at [k I + lo, k I +
+    # hi), and h's sums of 16 and (xq_down) its Q8 blocks there
+    _expert_gemv(qu, gate, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, g)
+    _expert_gemv(qu, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, u)
+    for j in range(k * I + lo, k * I + hi):
+        h[j] = _act(g[j], act) * u[j] * coef[k]
+    _sums16_span(h, k * I + lo, k * I + hi, hs)
+    if xq_down:
+        _quantize_span(h, k * I + lo, k * I + hi, hq, hd)
+
+
+@njit(**_INLINE)
+def _expert_down_span(qd, down, d_x8, first, k, D, lo, hi, I, h, hs, hq, hd, xq_down, part):
+    # part[k D + d] = row d of expert first[k]'s W_down . h_k for d in [lo, hi), h_k = h[k I, (k + 1) I)
+    a, b16 = k * I, k * I // 16
+    if xq_down:
+        _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h, hs, hq[a:a + I], hd[b16:b16 + I // 16], True, part)
+    else:
+        _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h[a:a + I], hs[b16:b16 + I // 16], hq, hd, False, part)
+
+
 @njit(**_JIT)
 def _qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I, act, xq_up, xq_down, out):
     # One token through n whole experts (MoE decode). Expert k's gate / up rows are [first[k] I,
@@ -1332,26 +1356,15 @@ def _qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I,
     for t in prange(n * ni):
         k, c = t // ni, t % ni
         lo, hi = c * step, min(I, (c + 1) * step)
-        _expert_gemv(qu, gate, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, g)
-        _expert_gemv(qu, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, u)
-        for j in range(k * I + lo, k * I + hi):
-            h[j] = _act(g[j], act) * u[j] * coef[k]
-        _sums16_span(h, k * I + lo, k * I + hi, hs)
-        if xq_down:
-            _quantize_span(h, k * I + lo, k * I + hi, hq, hd)
+        _expert_h_span(qu, gate, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, coef, act, xq_down, g, u, h, hs,
+                       hq, hd)
     part = np.empty(n * D, np.float32)
     sd = 2 * _BLOCK  # output rows per task (a multiple of X8)
     nd = (D + sd - 1) // sd
     for c in prange(nd):
         lo, hi = c * sd, min(D, (c + 1) * sd)
         for k in range(n):
-            a, b16 = k * I, k * I // 16
-            if xq_down:
-                _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h, hs, hq[a:a + I], hd[b16:b16 + I // 16], True,
-                             part)
-            else:
-                _expert_gemv(qd, down, d_x8, first, k, D, lo, hi, h[a:a + I], hs[b16:b16 + I // 16], hq, hd, False,
-                             part)
+            _expert_down_span(qd, down, d_x8, first, k, D, lo, hi, I, h, hs, hq, hd, xq_down, part)
         for d in range(lo, hi):
             acc = np.float32(0.0)
             for k in range(n):
@@ -1392,26 +1405,15 @@ def _qexperts_pairs_kernel(X, tok, first, coef, starts, qu, gate, up, gu_x8, qd,
         lo, hi = c * step, min(I, (c + 1) * step)
         for j in range(starts[k], starts[k + 1]):
             t = tok[j]
-            _expert_gemv(qu, gate, gu_x8, first, j, I, lo, hi, X[t], xs[t], xq[t], xd[t], xq_up, g)
-            _expert_gemv(qu, up, gu_x8, first, j, I, lo, hi, X[t], xs[t], xq[t], xd[t], xq_up, u)
-            for r in range(j * I + lo, j * I + hi):
-                h[r] = _act(g[r], act) * u[r] * coef[j]
-            _sums16_span(h, j * I + lo, j * I + hi, hs)
-            if xq_down:
-                _quantize_span(h, j * I + lo, j * I + hi, hq, hd)
+            _expert_h_span(qu, gate, up, gu_x8, first, j, I, lo, hi, X[t], xs[t], xq[t], xd[t], xq_up, coef, act,
+                           xq_down, g, u, h, hs, hq, hd)
     part = np.empty(P * D, np.float32)
     sd = 2 * _BLOCK
     nd = (D + sd - 1) // sd
     for c in prange(nd):
         lo, hi = c * sd, min(D, (c + 1) * sd)
         for j in range(P):
-            a, b16 = j * I, j * I // 16
-            if xq_down:
-                _expert_gemv(qd, down, d_x8, first, j, D, lo, hi, h, hs, hq[a:a + I], hd[b16:b16 + I // 16], True,
-                             part)
-            else:
-                _expert_gemv(qd, down, d_x8, first, j, D, lo, hi, h[a:a + I], hs[b16:b16 + I // 16], hq, hd, False,
-                             part)
+            _expert_down_span(qd, down, d_x8, first, j, D, lo, hi, I, h, hs, hq, hd, xq_down, part)
         acc = np.zeros(T, np.float32)
         for d in range(lo, hi):
             for t in range(T):
