@@ -36,25 +36,17 @@ def gemma3_path() -> Path:
 
 def llama_reference(path, **kwargs):
     """llama_cpp.Llama(path, **kwargs) for a test's reference logits, with llama.cpp's extra CPU buffer
-    types off (`use_extra_bufts`: weights repacked for AMX or other kernels at load): on a 2-core Xeon
-    with AMX, llama-cpp-python 0.3.36 built on it crashed (SIGSEGV in llama_decode) on Gemma 3 Q4_K_M
-    with them, which ends the whole test run. Its plain CPU kernels compute the same products."""
+    types off (tools/bench.py NO_REPACK: they crash llama-cpp-python 0.3.36 on a 2-core AMX Xeon, which
+    ends the whole test run). Its plain CPU kernels compute the same products."""
     import llama_cpp
-    from llama_cpp import llama as llama_module
 
-    low = llama_module.llama_cpp  # the module whose llama_model_default_params Llama() calls
-    default = low.llama_model_default_params
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from bench import NO_REPACK, llama_model_params
 
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    low.llama_model_default_params = params
-    try:
+    with llama_model_params(**NO_REPACK):
         llm = llama_cpp.Llama(str(path), **kwargs)
-    finally:
-        low.llama_model_default_params = default
     assert not llm.model_params.use_extra_bufts
     return llm
 

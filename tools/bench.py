@@ -632,42 +632,36 @@ def llama_tensor_overrides(patterns: list[str]):
             overridden.append(text.decode("utf-8", "replace").strip())
         forward(level, text, user_data)
 
-    default_params = lc.llama_model_default_params
-
-    def params_with_overrides():
-        params = default_params()
-        params.tensor_buft_overrides = address
-        return params
-
-    lc.llama_model_default_params = params_with_overrides
     lc.llama_log_set(tap, ctypes.c_void_p(0))
     try:
-        yield {"address": address, "overridden": overridden, "keep": (array, encoded, tap)}
+        with llama_model_params(tensor_buft_overrides=address):
+            yield {"address": address, "overridden": overridden, "keep": (array, encoded, tap)}
     finally:
-        lc.llama_model_default_params = default_params
         lc.llama_log_set(forward, ctypes.c_void_p(0))
 
 
+# llama.cpp's extra CPU buffer types (weights repacked at load for AMX or other CPU kernels) off: on a
+# 2-core AMX Xeon, llama-cpp-python 0.3.36 built there segfaulted in llama_decode with them on SmolLM2
+# Q4_1 and Gemma 3 Q4_K_M (2026-12-01)
+NO_REPACK = {"use_extra_bufts": False}
+
+
 @contextmanager
-def llama_extra_bufts(on: bool):
-    """While Llama() loads: llama.cpp's extra CPU buffer types (weights repacked at load for AMX or
-    other CPU kernels) on, its default, or off (`use_extra_bufts`). Off for a machine where they crash:
-    on a 2-core AMX Xeon, llama-cpp-python 0.3.36 built there segfaulted in llama_decode with them on
-    SmolLM2 Q4_1 and Gemma 3 Q4_K_M (2026-12-01)."""
+def llama_model_params(**fields):
+    """While a `Llama` is constructed inside: `llama_model_default_params` (which `Llama.__init__` calls;
+    llama-cpp-python's `Llama` does not expose every model param) returns the defaults with `fields` set."""
     import llama_cpp
 
     lc = llama_cpp.llama_cpp
-    if on:
-        yield
-        return
     default_params = lc.llama_model_default_params
 
-    def params_without():
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
+    def params():
+        p = default_params()
+        for name, value in fields.items():
+            setattr(p, name, value)
+        return p
 
-    lc.llama_model_default_params = params_without
+    lc.llama_model_default_params = params
     try:
         yield
     finally:
@@ -685,7 +679,7 @@ def run_llama_cpp(spec: dict) -> dict:
         raise RuntimeError(BUILD_HINT.replace("VERSION", llama_cpp.__version__))
     t = time.perf_counter()
     with llama_tensor_overrides(llama_cpu_moe_patterns(n_cpu_moe)) as overrides, \
-            llama_extra_bufts(spec.get("llama_extra_bufts", True)):
+            llama_model_params(**({} if spec.get("llama_extra_bufts", True) else NO_REPACK)):
         # no mmap with CPU overrides: llama.cpp warns that mmap costs speed there ("--load-mode none")
         llm = Llama(spec["model"]["gguf"], n_ctx=spec["n_ctx"], n_batch=512, n_threads=spec["threads"],
                     n_threads_batch=spec["threads"], n_gpu_layers=ngl, use_mmap=not n_cpu_moe,
