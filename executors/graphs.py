@@ -134,9 +134,12 @@ class GraphedBlock(nn.Module):
             return getattr(modules["block"], name)
 
     def graphable(self, x: torch.Tensor, cache_kv) -> bool:
-        b = self.block
         return (x.is_cuda and x.shape[1] == 1 and cache_kv is not None and cache_kv[0].is_cuda
-                and b.pre_norm and isinstance(b.attn, Attention))
+                and self.block_graphable())
+
+    def block_graphable(self) -> bool:
+        """Whether the block's kind can be graphed at all (pre-norm, attention on the device)."""
+        return self.block.pre_norm and isinstance(self.block.attn, Attention)
 
     def split_ffn(self) -> bool:
         """Whether the FFN's device half joins the graph (see the module docstring)."""
@@ -294,18 +297,29 @@ class StepGraph:
         self.model, self.pool = model, pool
         self.modes = ("host", "whole") if host_nodes else ("whole",)  # block steps it may hold
         self.captured: _Step | None = None
+        self.refused: tuple | None = None  # the cache key whose captured blocks cannot all join (not asked again)
         self.replays = 0
 
     def ready(self, tokens: torch.Tensor, cache) -> bool:
         """Whether this one-token step can replay (or capture) the whole-step graph."""
         if tokens.shape != (1, 1) or not tokens.is_cuda or cache is None:
             return False
-        c = self.captured
-        if c is not None and c.key == self._key(cache):
+        key, c = self._key(cache), self.captured
+        if c is not None and c.key == key:
             return True
+        if self.refused == key:
+            return False
         layers = self.model.layers
-        return all(isinstance(b, GraphedBlock) and b.step_mode(cache.layers[i]) in self.modes
-                   for i, b in enumerate(layers))
+        if not all(isinstance(b, GraphedBlock) and b.block_graphable() for b in layers):
+            self.refused = key
+            return False
+        modes = [b.step_mode(cache.layers[i]) for i, b in enumerate(layers)]
+        if None in modes:  # some block not captured for this cache yet: ask again next step
+            return False
+        if all(m in self.modes for m in modes):
+            return True
+        self.refused = key  # a block's mode does not change for a cache: one check, not one a step
+        return False
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache) -> torch.Tensor:
         """tokens [1, 1] at start_pos -> logits [1, 1, V] float32 (a fresh tensor)."""

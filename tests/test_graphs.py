@@ -98,6 +98,49 @@ def test_split_step_with_the_expert_cache_matches_forward(folder):
         assert cached > 0  # the split step computed experts from the cache
 
 
+def test_step_graph_asks_its_blocks_once_per_cache(folder):
+    """StepGraph.ready (the whole-step graph's gate, run every one-token step): while a block is not
+    captured for this cache it asks again; once every block is, it holds them only if each one's mode
+    is one it may hold ("whole"; "host" too with host_nodes), and a refusal is kept for that cache
+    (not one check a step); a new cache asks again; a block that cannot be graphed refuses at once."""
+    from types import SimpleNamespace
+
+    from hotcold.executors.graphs import StepGraph
+
+    lm = fresh(folder, "llama")
+    model = lm.model
+    for i, b in enumerate(model.layers):
+        model.layers[i] = GraphedBlock(b)
+    cache = KVCache(lm.config, 8)
+    tok = SimpleNamespace(shape=torch.Size([1, 1]), is_cuda=True)  # the gate reads no more of the tokens
+
+    def capture(modes, c=cache):
+        for i, (b, mode) in enumerate(zip(model.layers, modes)):
+            k = c.layers[i][0]
+            b.captured = None if mode is None else SimpleNamespace(key=(k.data_ptr(), tuple(k.shape), None, None, mode))
+
+    n = lm.config.num_layers
+    step, host = StepGraph(model), StepGraph(model, host_nodes=True)
+    capture([None] * n)
+    assert not step.ready(tok, cache) and step.refused is None
+    capture(["whole"] * n)
+    assert step.ready(tok, cache) and host.ready(tok, cache)
+    capture(["whole"] * (n - 1) + ["host"])
+    assert not step.ready(tok, cache) and step.refused is not None
+    assert host.ready(tok, cache)
+    capture(["whole"] * n)
+    assert not step.ready(tok, cache)  # refused for this cache: not asked again
+    other = KVCache(lm.config, 16)
+    capture(["whole"] * n, other)
+    assert step.ready(tok, other)
+    capture([True] * n, other)  # split steps: the host runs between their graphs
+    assert not host.ready(tok, other)
+    assert not step.ready(SimpleNamespace(shape=torch.Size([1, 2]), is_cuda=True), other)
+    model.layers[0].block.pre_norm = False  # (OPT-style blocks are never graphed)
+    fresh_step = StepGraph(model)
+    assert not fresh_step.ready(tok, KVCache(lm.config, 12)) and fresh_step.refused is not None
+
+
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "opt"])
