@@ -40,8 +40,8 @@ from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qexperts_one_kern
 
 # the control block: int64 [N_CTL]
 (X, D, W, IDS, K, POS, E, GATE, GATE_R, GATE_C, UP, UP_R, UP_C, DOWN, DOWN_R, DOWN_C, QU, QD, GU_X8, D_X8,
- HIDDEN, ACT, XQ_UP, XQ_DOWN, OUT, THREADS, STATUS, CALLS) = range(28)
-N_CTL = 28
+ HIDDEN, ACT, XQ_UP, XQ_DOWN, OUT, THREADS, STATUS, CALLS, BUSY_NS) = range(29)
+N_CTL = 29
 
 
 @intrinsic
@@ -73,9 +73,27 @@ def _void_ptr(typingctx, addr):
     return types.voidptr(addr), codegen
 
 
+@intrinsic
+def _now_ns(typingctx):
+    """CLOCK_MONOTONIC in ns, through libc's clock_gettime (a vDSO call, ~20 ns)."""
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        ts = cgutils.alloca_once(builder, ir.LiteralStructType([i64, i64]))  # struct timespec
+        fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), ts.type])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "clock_gettime")
+        builder.call(fn, [ir.Constant(ir.IntType(32), 1), ts])  # 1: CLOCK_MONOTONIC
+        sec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 1_000_000_000)), nsec)
+
+    return types.int64(), codegen
+
+
 def _host_experts(user):
     # user: the control block. One token's routed host experts, as MoEJob._run_whole computes them.
     ctl = numba.carray(user, (N_CTL,), np.int64)
+    t0 = _now_ns()
     _set_num_threads(ctl[THREADS])
     x = numba.carray(_void_ptr(ctl[X]), (ctl[D],), np.float32)
     w = numba.carray(_void_ptr(ctl[W]), (ctl[K],), np.float32)
@@ -108,6 +126,7 @@ def _host_experts(user):
                              ctl[HIDDEN], ctl[ACT], ctl[XQ_UP] != 0, ctl[XQ_DOWN] != 0, out)
     ctl[STATUS] = n
     ctl[CALLS] += 1
+    ctl[BUSY_NS] += _now_ns() - t0
 
 
 _CFUNC = None
@@ -184,6 +203,11 @@ class HostNode:
     @property
     def calls(self) -> int:
         return int(self.ctl[CALLS])
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent in the function over all its calls (the CPU's busy time for this layer)."""
+        return float(self.ctl[BUSY_NS]) * 1e-9
 
     def check(self) -> None:
         """Raise if the last completed call met an expert id out of range."""

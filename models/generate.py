@@ -7,6 +7,7 @@ detokenised incrementally and held back while it could still be the start of a s
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import torch
 
 from hotcold.errors import ContextLengthError
 from hotcold.models.loader import LoadedModel
-from hotcold.models.sampling import SamplingParams, penalise, sample
+from hotcold.models.sampling import SamplingParams, penalise, sample_id
 from hotcold.models.transformer import KVCache
 
 PREFILL_CHUNK = 512
@@ -81,6 +82,14 @@ class Generator:
         # kernels); off until measured (tools/bench_moe_decode.py --wait spin,block)
         self.blocking_wait = False
         self._wait_event = None
+        # on CUDA, sample on the device and queue the next step before the host reads the token, so
+        # the host's per-token work (reading the token, detokenising, stop strings, the consumer,
+        # the next step's launch) overlaps the GPU's and host nodes' step instead of adding to it;
+        # off for logprobs (the host reads them) and with HOTCOLD_PIPELINE=0. "auto": on CUDA; True:
+        # on any device (on the CPU the order changes nothing: the tests compare both loops there)
+        self.pipeline: bool | str = "auto" if os.environ.get("HOTCOLD_PIPELINE", "1") != "0" else False
+        self._token_host: torch.Tensor | None = None  # pinned [1] int64: the sampled id's landing place
+        self._token_event, self._token_event_blocking = None, False
 
     def _ensure_cache(self, needed: int) -> None:
         if self.cache is None or self.cache.max_len < needed:
@@ -90,11 +99,12 @@ class Generator:
             self.cached_ids, self.last_prompt = [], None
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], start: int, last_only: bool = True) -> torch.Tensor:
-        """Run ids at positions start.. through the model, writing the cache; logits [T or 1, V] fp32."""
-        tokens = torch.tensor([ids], device=self.lm.device)
+    def forward(self, ids: list[int] | torch.Tensor, start: int, last_only: bool = True) -> torch.Tensor:
+        """Run ids (a list, or [T] int64 on the model's device) at positions start.. through the
+        model, writing the cache; logits [T or 1, V] fp32."""
+        tokens = ids.view(1, -1) if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.lm.device)
         out = None
-        for i in range(0, len(ids), PREFILL_CHUNK):
+        for i in range(0, tokens.shape[1], PREFILL_CHUNK):
             chunk = tokens[:, i : i + PREFILL_CHUNK]
             out = self.lm.model(chunk, start + i, self.cache, last_only=last_only)
         return out[0]
@@ -127,7 +137,6 @@ class Generator:
         tok = self.lm.tokenizer
         eos = set() if ignore_eos else (set(tok.eos_ids) if tok else set(self.lm.config.eos_token_ids))
         detok = tok.detokenizer() if tok else None
-        gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
 
@@ -147,17 +156,29 @@ class Generator:
             logits = self.forward(prompt_ids[reuse:], reuse)[-1]
             self.last_prompt = (list(prompt_ids), logits.clone())
         self.cached_ids = list(prompt_ids)
-        history = torch.tensor(prompt_ids, dtype=torch.long)
+        on_gpu = logits.is_cuda and torch.device(self.lm.device).type == "cuda"
+        pipelined = logprobs is None and (self.pipeline is True or (self.pipeline == "auto" and on_gpu))
+        device = logits.device if pipelined else torch.device("cpu")
+        gen = torch.Generator(device=device).manual_seed(seed if seed is not None else torch.seed())
+        history = torch.tensor(prompt_ids, dtype=torch.long, device=device)
         pending = ""
         t_first = None
         while True:
-            if self.blocking_wait and logits.is_cuda:
-                if self._wait_event is None:
-                    self._wait_event = torch.cuda.Event(blocking=True)
-                self._wait_event.record()
-                self._wait_event.synchronize()
-            logits = logits.cpu()
-            token = sample(penalise(logits, history, sampling), sampling, gen)
+            more = stats.completion_tokens + 1 < budget  # a step may follow this token
+            if pipelined:
+                token_dev = sample_id(penalise(logits, history, sampling), sampling, gen)  # 0-d, on the GPU
+                step = (lambda: self.forward(token_dev.view(1), len(self.cached_ids))[-1]) if more else None
+                token, logits = self._read_after(token_dev, step)  # logits: the next step's, queued
+                if more:
+                    history = torch.cat([history, token_dev.view(1)])
+            else:
+                if self.blocking_wait and logits.is_cuda:
+                    if self._wait_event is None:
+                        self._wait_event = torch.cuda.Event(blocking=True)
+                    self._wait_event.record()
+                    self._wait_event.synchronize()
+                logits = logits.cpu()
+                token = int(sample_id(penalise(logits, history, sampling), sampling, gen))
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t0
@@ -186,6 +207,24 @@ class Generator:
                 yield event
                 return
             yield event
-            history = torch.cat([history, torch.tensor([token])])
-            logits = self.forward([token], len(self.cached_ids))[-1]
+            if not pipelined:
+                history = torch.cat([history, torch.tensor([token])])
+                logits = self.forward([token], len(self.cached_ids))[-1]
             self.cached_ids.append(token)
+
+    def _read_after(self, token_dev: torch.Tensor, launch) -> tuple[int, torch.Tensor | None]:
+        """The sampled id token_dev (0-d) as an int, with launch() (the next step) queued on the
+        GPU before the host waits for it: the id's copy is ordered before the step, so the host gets it
+        while the step runs. Returns (id, launch's result)."""
+        if not token_dev.is_cuda:
+            return int(token_dev), launch() if launch is not None else None
+        if self._token_host is None:
+            self._token_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        if self._token_event is None or self._token_event_blocking != self.blocking_wait:
+            self._token_event = torch.cuda.Event(blocking=self.blocking_wait)
+            self._token_event_blocking = self.blocking_wait
+        self._token_host.copy_(token_dev.view(1), non_blocking=True)
+        self._token_event.record()
+        queued = launch() if launch is not None else None
+        self._token_event.synchronize()
+        return int(self._token_host[0]), queued

@@ -80,12 +80,13 @@ def penalise(logits: torch.Tensor, history: torch.Tensor, params: SamplingParams
     return apply_presence_frequency(logits, history, params.presence_penalty, params.frequency_penalty)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick one id from (already penalised) logits [V]. With top_k on, the filters after it work on
-    the k candidates alone, as llama.cpp's sampler chain does (top_p sorting a 151,936-token vocabulary
-    took 9 ms per token on a 2-core machine; the k candidates take microseconds)."""
+def sample_id(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one id from (already penalised) logits [V], as a 0-d int64 tensor on logits' device: on a
+    GPU nothing waits for it (the generator must be on that device). With top_k on, the filters after
+    it work on the k candidates alone, as llama.cpp's sampler chain does (top_p sorting a 151,936-token
+    vocabulary took 9 ms per token on a 2-core machine; the k candidates take microseconds)."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     logits = logits / params.temperature
     ids = None
     if 0 < params.top_k < logits.shape[-1]:
@@ -93,5 +94,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = top_p_filter(logits, params.top_p)
     logits = min_p_filter(logits, params.min_p)
     probs = torch.softmax(logits, dim=-1)
-    i = int(torch.multinomial(probs, 1, generator=generator))
-    return i if ids is None else int(ids[i])
+    i = torch.multinomial(probs, 1, generator=generator)  # [1]
+    return (i if ids is None else ids[i]).reshape(())
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """sample_id as a Python int."""
+    return int(sample_id(logits, params, generator))

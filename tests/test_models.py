@@ -141,6 +141,79 @@ def test_prefix_reuse_gives_same_tokens(tiny_dir):
     assert again == fresh
 
 
+def _events(gen, ids, n, sampling, **kw):
+    return [(e.token_id, e.text, e.finish_reason) for e in gen.generate(ids, n, sampling, **kw)]
+
+
+def test_pipelined_decode_gives_the_plain_loops_events(tiny_dir, tmp_path):
+    """The pipelined loop (the next step queued before the host reads the token; on by default on
+    CUDA, forced here on the CPU) yields the plain loop's events: greedy and seeded sampling with a
+    repetition penalty, ending by length, by EOS and by a stop string; it queues no step after the
+    budget's last token, one (wasted) after an EOS, and the cache it leaves serves the next prompt."""
+    import shutil
+
+    from tiny_models import add_tiny_tokenizer
+
+    shutil.copytree(make_tiny("llama", tiny_dir), tmp_path / "m")
+    lm = load_model(add_tiny_tokenizer(tmp_path / "m"), "cpu")
+    ids = _prompt(12, seed=6)[0].tolist()
+    plain, piped = Generator(lm), Generator(lm)
+    plain.pipeline, piped.pipeline = False, True
+    calls = []
+    forward = piped.forward
+    piped.forward = lambda toks, start, *a, **k: calls.append((len(toks), start)) or forward(toks, start, *a, **k)
+    greedy = SamplingParams(temperature=0)
+    sampled = SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.3)
+    runs = {}
+    for sampling in (greedy, sampled):
+        want = runs[sampling] = _events(plain, ids, 10, sampling, seed=3, ignore_eos=True)
+        assert _events(piped, ids, 10, sampling, seed=3, ignore_eos=True) == want
+        assert want[-1][2] == "length" and piped.stats.token_ids == plain.stats.token_ids
+        assert piped.cached_ids == plain.cached_ids == ids + [t for t, _, _ in want[:-1]]
+    # 10 tokens: the prompt's forward (the second run reuses its logits) and 9 one-token steps each
+    steps = [(1, len(ids) + i) for i in range(9)]
+    assert calls == [(len(ids), 0)] + steps + steps
+
+    tokens = [t for t, _, _ in runs[greedy]]
+    eos = tokens[4]
+    lm.tokenizer.eos_ids = {eos}
+    try:
+        want = _events(plain, ids, 10, greedy)
+        n = len(calls)
+        assert _events(piped, ids, 10, greedy) == want and want[-1][2] == "stop"
+        assert len(want) == tokens.index(eos) + 1
+        assert len(calls) - n == len(want)  # the prompt is cached: one step per token, the last wasted
+    finally:
+        lm.tokenizer.eos_ids = set()
+    text = "".join(t for _, t, _ in _events(plain, ids, 10, sampled, seed=3, ignore_eos=True))
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    want = _events(plain, ids, 10, sampled, seed=3, stop=[stop], ignore_eos=True)
+    assert _events(piped, ids, 10, sampled, seed=3, stop=[stop], ignore_eos=True) == want
+    assert want[-1][2] == "stop" and stop not in "".join(t for _, t, _ in want)
+    # the wasted step's cache entry beyond cached_ids does not leak into a longer prompt
+    longer = ids + piped.stats.token_ids[:2]
+    assert _events(piped, longer, 6, greedy, ignore_eos=True) == _events(Generator(lm), longer, 6, greedy,
+                                                                          ignore_eos=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_cuda_pipelined_decode_matches_plain(family, tiny_dir):
+    """On CUDA the default loop samples on the GPU and queues the next step first: greedy tokens equal
+    the plain loop's; seeded sampling repeats itself."""
+    lm = load_model(make_tiny(family, tiny_dir), "cuda", "float32")
+    ids = _prompt(12, seed=7)[0].tolist()
+    plain, piped = Generator(lm), Generator(lm)
+    plain.pipeline = False
+    assert piped.pipeline == "auto"
+    greedy = SamplingParams(temperature=0)
+    assert _events(piped, ids, 12, greedy, ignore_eos=True) == _events(plain, ids, 12, greedy, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.3)
+    a = _events(piped, ids, 12, sampled, seed=4, ignore_eos=True)
+    assert a == _events(Generator(lm), ids, 12, sampled, seed=4, ignore_eos=True) and len(a) == 12
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", FAMILIES)
