@@ -1086,10 +1086,11 @@ def build_report(args, paths: ModelPaths, engines: list[Engine], runs: dict[str,
             if st and st["n"] > 1 and st["median"] and st["spread"] / st["median"] > NOISY:
                 noisy.append(f"{name} {m.split('_')[0]} ±{100 * st['spread'] / st['median']:.0f}%")
     if noisy:
-        load = machine.get("load_average_before")
+        load, cpus = machine.get("load_average_before"), machine.get("logical_cpus") or 1
+        busy = bool(load) and load[0] >= 0.25 * cpus  # else the runs varied on an idle machine
         report["notes"].append("noisy: " + ", ".join(noisy) + " of the median"
-                               + (f"; load average {load[0]:.1f} on {machine.get('logical_cpus')} CPUs before the "
-                                  "runs" if load else "") + ": the machine was busy, the ratios are unreliable")
+                               + (f"; load average {load[0]:.1f} on {cpus} CPUs before the runs" if load else "")
+                               + (": the machine was busy" if busy else "") + ": the ratios are unreliable")
     agree = [f"{n} {e['agreement_with_reference']}/{args.tokens}" for n, e in report["engines"].items()
              if "agreement_with_reference" in e]
     if agree:
