@@ -26,6 +26,8 @@ def probe(
     if log and (force or not hardware_path().is_file()):
         err.print("measuring this machine (about 10 s)...")
     hw, path, measured = load_hardware(None, force=force, quick=quick, log=log)
+    if hw.busy_warning():
+        err.print(f"[yellow]warning: {hw.busy_warning()}[/yellow]")
     if as_json:
         print(hw.to_json(), end="")
         return
@@ -132,6 +134,8 @@ def plan(
         hardware, log=(lambda m: err.print(f"[dim]{m}[/dim]")) if not as_json else None)
     if measured and not as_json:
         err.print(f"[dim]measured this machine once; cached in {hw_file}[/dim]")
+    if hw.busy_warning():
+        err.print(f"[yellow]warning: {hw.busy_warning()}[/yellow]")
     vram_b = parse_size(vram, "--vram") if vram is not None else (
         int(hw.gpu_free_bytes * 0.95) if hw.cuda and hw.gpu_free_bytes else 0)
     ram_b = parse_size(ram, "--ram") if ram is not None else int(hw.ram_available_bytes)

@@ -56,6 +56,7 @@ class HardwareProfile:
     created: str = ""
     format: str = FORMAT
     probe_s: float = 0.0  # how long the probe took
+    load_before: float | None = None  # the 1-minute load average when the probe began (None: unknown)
     # --- CPU
     cpu_threads: int = 1  # numba threads the kernels ran with
     ram_total_bytes: int = 0
@@ -112,6 +113,18 @@ class HardwareProfile:
     def pcie_Bps(self) -> float:
         """Pinned host<->device copy bandwidth, the mean of both directions."""
         return ((self.h2d_pinned_Bps or 0) + (self.d2h_pinned_Bps or 0)) / 2 or 1e9
+
+    def busy_warning(self) -> str | None:
+        """A warning when the machine was busy as it was measured: rates measured beside other work
+        (a compile, say) come out low, and the plan's placement and prediction with them (an H200
+        host probed beside a 10-job build measured every kernel at one call per scheduler quantum,
+        and its plan predicted 5.3 tok/s where the idle probe's predicted 422)."""
+        cpus = os.cpu_count() or 1
+        if self.source != "measured" or self.load_before is None or self.load_before < 0.5 * cpus:
+            return None
+        return (f"this machine was busy when it was measured (load average {self.load_before:.1f} on {cpus} CPUs): "
+                "its rates, and plans made with them, are likely too low; measure again when it is idle: "
+                "`hotcold probe --force`")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
@@ -562,7 +575,8 @@ def _probe_cuda(hw: HardwareProfile, quick: bool, log) -> None:
 def probe(quick: bool = False, log=None) -> HardwareProfile:
     """Measure this machine (about 10 s on 2 cores; `quick` uses small sizes, for tests)."""
     t0 = time.perf_counter()
-    hw = HardwareProfile(hostname=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    hw = HardwareProfile(hostname=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         load_before=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
     _probe_cpu(hw, quick, log)
     _probe_handoff(hw, quick)
     try:

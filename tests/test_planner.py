@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -461,6 +462,7 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path))
     hw = probe(quick=True)
     assert hw.cpu_threads >= 1 and hw.ram_total_bytes > 0 and hw.thread_handoff_s > 0 and hw.cpu_call_s > 0
+    assert hw.load_before is not None and hw.load_before >= 0  # the busy warning's evidence
     for kind in ("f32", "bf16", "f16", "i8"):
         assert hw.cpu_gather_Bps[kind] > 0 and hw.cpu_ffn_Bps[kind] > 0 and hw.cpu_dense_Bps[kind] > 0
         assert hw.cpu_gather_rows_per_s[kind] > 0
@@ -528,6 +530,15 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     assert len(meta["layers"]) == 3 and meta["solver"]["name"] == "cbc" and meta["solver"]["status"] == "optimal"
     assert meta["hardware"]["file"] == str(hw_file)
     assert sum(p.gpu_count) > 0 and sum(p.gpu_count) < 3 * 96
+    assert "busy" not in r.output
+    # a profile measured on a busy machine (a compile beside the probe) is said to be so, at every plan
+    busy = tmp_path / "busy.json"
+    busy.write_text(dataclasses.replace(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6),
+                                        source="measured", load_before=10.0 * (os.cpu_count() or 1)).to_json())
+    r = _cli("plan", model, "--vram", "120KiB", "--workspace", "16KiB", "--hardware", busy, "--ctx", "128",
+             "--out", tmp_path / "busy-plan")
+    flat = " ".join(r.output.split())  # the console wraps the line
+    assert r.exit_code == 0 and "was busy when it was measured" in flat and "hotcold probe --force" in flat
     # a budget for the whole model: all on the GPU; --vram 0: all on the CPU
     r = _cli("plan", model, "--vram", "1GiB", "--hardware", "h200", "--json")
     assert r.exit_code == 0 and json.loads(r.output)["mode"] == "gpu"
