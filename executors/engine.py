@@ -134,7 +134,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
                 embed_cpu: bool = False, head_cpu: bool = False,
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
-                host_nodes: bool | None = None) -> HybridEngine:
+                host_nodes: bool | None = None, dense_host_nodes: bool | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -183,6 +183,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     host_nodes: with cuda_graphs=True, a MoE layer's graphed decode step is one graph whose CPU
       experts run as a CUDA host node (executors/host_node.py; quantised host experts, no expert
       cache, stats=False); default: on unless the environment sets HOTCOLD_HOST_NODES=0.
+    dense_host_nodes: the same for a dense or gated layer's cold rows (FFNHostNode); default: off
+      unless the environment sets HOTCOLD_DENSE_HOST_NODES=1 (not yet measured against split graphs).
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -311,6 +313,10 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         host_nodes = os.environ.get("HOTCOLD_HOST_NODES", "1") != "0"
     for m in moe.values():
         m.host_nodes = bool(host_nodes and cuda_graphs in (True, "layers", "step"))
+    if dense_host_nodes is None:
+        dense_host_nodes = os.environ.get("HOTCOLD_DENSE_HOST_NODES", "0") == "1"
+    for h in hybrid.values():
+        h.host_nodes = bool(dense_host_nodes and cuda_graphs in (True, "layers", "step"))
     every = {**hybrid, **moe}
     if every:
         every[min(every)].first = True

@@ -26,7 +26,8 @@ Python), so the host does one replay a layer:
     attention half ─ graph_pre ─ D2H packed ─ host node: CPU experts ─ H2D sum ─┐
                               └ (forked stream) graph_fast ─────────────────────── + ─ res + h
 
-(H200, 6-layer Qwen3-30B-A3B shape, 20% of experts on the GPU: 218-225 -> 236-275 tok/s.) A dense
+(H200, 6-layer Qwen3-30B-A3B shape, 20% of experts on the GPU: 218-225 -> 236-275 tok/s.) A
+HybridFFN with dense_host_nodes on takes the same "host" mode, its cold rows the host node. A dense
 or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole) is captured
 whole with the attention half (then the whole layer is one graph); other FFNs run eagerly after the
 replay. Prefill (several tokens), CPU tiers, blocks whose attention runs on the host (HostAttention)
@@ -147,7 +148,8 @@ class GraphedBlock(nn.Module):
         return self.ffn_in_graph and callable(getattr(ffn, "graph_pre", None)) and ffn.graph_ready()
 
     def host_ffn(self) -> bool:
-        """Whether the split FFN's host half can be a host node of the graph (HybridMoE.host_node_ready)."""
+        """Whether the split FFN's host half can be a host node of the graph (host_node_ready of
+        HybridMoE and HybridFFN)."""
         return callable(getattr(self.block.ffn, "host_node_ready", None)) and self.block.ffn.host_node_ready()
 
     def device_ffn(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from hotcold.executors.cpu_executor import ColdJob, CPUExecutor, HostRows
 from hotcold.executors.gpu_executor import GPUExecutor
+from hotcold.executors.host_node import FFNHostNode, ffn_node_kind
 from hotcold.executors.prefill import ColdStreamer, PrefillCosts, cpu_tokens_per_pass, prefill_regime
 from hotcold.executors.stats import StatsBook, now
 from hotcold.executors.tier import FastTier
@@ -43,6 +44,9 @@ class HybridFFN(FFN):
         self.mask_np = self.mask_host.numpy()
         self.streamer, self.prefill, self.costs = streamer, prefill, costs or PrefillCosts()
         self.first = False  # the engine's first hybrid layer counts tokens
+        self.host_nodes = False  # a graphed decode step may be one graph, the cold rows a host node (make_hybrid)
+        self._node: FFNHostNode | None = None
+        self._y_node: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, hot={self.gpu.n_hot}, cold={self.cold.n}, act={self.cold.act}"
@@ -155,6 +159,41 @@ class HybridFFN(FFN):
                           self.decode_io.out_np, ready=ready, io=self.decode_io)
             y = self._receive(self.cpu.submit(job), y, "decode")
         return y.reshape(f_in.shape)
+
+    # ------------------------------------------------------------------ one token as one graph: the cold rows a host node
+
+    def host_node_ready(self) -> bool:
+        """Whether a graphed one-token step may be one graph with the cold rows as a host node
+        (executors/host_node.py, FFNHostNode; GraphedBlock's "host" mode): turned on (make_hybrid
+        dense_host_nodes), split graphs possible (graph_ready), cold rows of one storage kind, no
+        statistics (a host node cannot time its parts for them)."""
+        return bool(self.host_nodes and self.cold.n and self.graph_ready() and not self.book.enabled
+                    and ffn_node_kind(self.cold) is not None)
+
+    def host_node_setup(self) -> None:
+        """Before the first capture: the layer's FFNHostNode over its pinned input, mask and output."""
+        if self._node is None:
+            mask = self.mask_np if self.gpu.mask_fn is not None else None
+            self._node = FFNHostNode(self.decode_io.x_np[0], mask, self.cold, self.decode_io.out_np[0],
+                                     self.cpu.threads)
+            self._y_node = torch.empty((1, self.dim), dtype=torch.float32, device=self.tier.device)
+
+    def graph_host(self, pre: tuple) -> torch.Tensor:
+        """Inside the capture, on the current stream after graph_pre: x and the cold mask down, the
+        host node (the predicted cold rows into the pinned output), the sum up. -> float32 [1, D], static."""
+        xf, mask = pre
+        self.decode_io.x.copy_(xf, non_blocking=True)
+        if mask is not None:
+            self.mask_host.copy_(mask[0, self.gpu.n_hot:], non_blocking=True)
+        self._node.launch(torch.cuda.current_stream(self.tier.device))
+        return self._y_node.copy_(self.decode_io.out[:1], non_blocking=True)
+
+    def host_step(self) -> None:
+        """After a host-node step's replay: count it (the node itself cannot fail on valid buffers)."""
+        if self.first:
+            self.book.add("decode", tokens=1, forwards=1)
+        self.book.add("decode", layer_calls=1)
+        self._node.check()
 
     # ------------------------------------------------------------------ CPU regime
 

@@ -595,6 +595,38 @@ def test_cuda_oracle_matches_dense(folder, family):
 
 @pytest.mark.cuda
 @CUDA
+@pytest.mark.parametrize("family, cpu_dtype, pred", [("llama_relu", "f32", "oracle"), ("llama", "bf16", None),
+                                                     ("opt", "i8", "oracle")])
+def test_cuda_dense_host_node_steps_match_split_graphs(folder, family, cpu_dtype, pred):
+    """dense_host_nodes: a dense or gated layer's graphed decode step is one graph whose cold rows run
+    as a host node (FFNHostNode: CUDA's callback thread, numba cfunc); its logits equal the split
+    graphs' (same kernels, same order of sums), every node ran once a step, and with every block one
+    graph the whole step becomes one (cuda_graphs="step")."""
+    from hotcold.executors.graphs import GraphedBlock
+
+    ref = reference(folder, family, "cuda", "float32")
+    toks = tokens(seed=18, device="cuda")
+    thr = gap_thresholds(ref, toks) if pred else None
+    got, ran = {}, {}
+    for host in (False, True, "step"):
+        lm = fresh(folder, family, "cuda", "float32")
+        with make_hybrid(lm, random_hot(lm, 0.5, seed=3), pred, cpu_dtype=cpu_dtype, thresholds=thr, stats=False,
+                         threads=2, dense_host_nodes=bool(host), cuda_graphs="step" if host == "step" else True) as eng:
+            got[host] = decode_logits(lm, toks).cpu()
+            blocks = [b for b in lm.model.layers if isinstance(b, GraphedBlock)]
+            assert len(blocks) == lm.config.num_layers and all(b.replays >= 1 for b in blocks)
+            ran[host] = [(b.captured.out is not None, f._node.calls if f._node is not None else 0)
+                         for b, f in zip(blocks, (b.block.ffn for b in blocks))]
+            if host == "step":
+                assert lm.model.step_graph.replays == T - 1
+    assert ran[False] == [(False, 0)] * len(ran[False])
+    assert ran[True] == ran["step"] == [(True, T)] * len(ran[True])
+    for host in (True, "step"):
+        assert ((got[host] - got[False]).abs().max() / got[False].abs().max()).item() < 1e-5
+
+
+@pytest.mark.cuda
+@CUDA
 @pytest.mark.parametrize("regime", ["cpu", "stream"])
 def test_cuda_predictors_and_regimes(folder, regime):
     ref = reference(folder, "llama_relu", "cuda", "float32")

@@ -729,6 +729,25 @@ def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
 
 @pytest.mark.cuda
 @CUDA
+@pytest.mark.parametrize("pred", ["oracle", None])
+def test_cuda_dense_host_node_of_quantised_rows(folder, pred):
+    """dense_host_nodes on a Q4_0 model: each layer's cold rows (GGUF blocks, W_down^T Q8_0) run as a
+    host node in one graph per layer; logits equal the split graphs' and every node ran once a step."""
+    toks = tokens(seed=19)
+    got, calls = {}, {}
+    for host in (False, True):
+        lm = fresh(folder, "llama", "q4_0")
+        with make_hybrid(lm, random_hot(lm, 0.5, seed=7), pred, device="cuda", threads=2, stats=False,
+                         dense_host_nodes=host) as eng:
+            got[host] = decode_logits(lm, toks.cuda()).cpu()
+            calls[host] = [f._node.calls if f._node is not None else 0 for f in eng.layers.values()]
+            assert all(f._node is None or f._node.kind == "quant" for f in eng.layers.values())
+    assert calls[False] == [0] * len(calls[False]) and calls[True] == [T] * len(calls[True])
+    assert rel_err(got[True], got[False]) < 1e-5
+
+
+@pytest.mark.cuda
+@CUDA
 def test_cuda_int4_down_requantised(folder):
     """int4_down on the GPU: W_down's hot columns as an Int4Matrix [D, H'] (H' a multiple of 32), in
     the CUDA graph too; the hot FFNs equal their int4 weights' product."""

@@ -14,6 +14,7 @@ Also reports RSS before and after the split: the FFN weights are held once.
 
     python tools/bench_hybrid.py --hot-fraction 0.3                       # CUDA if present
     python tools/bench_hybrid.py --device cpu --layers 2 --hot-fraction 0,0.3 --tokens 16
+    python tools/bench_hybrid.py --hot-fraction 0.3 --host-nodes no,yes   # cold rows as host nodes (CUDA)
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def dense_baseline(args, dtype: torch.dtype) -> dict:
     return dict(hot_fraction=float("nan"), tok_s=1 / s, ms_per_token=1e3 * s)
 
 
-def run(args, frac: float) -> dict:
+def run(args, frac: float, host_nodes: bool = False) -> dict:
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     gc.collect()
@@ -186,7 +187,7 @@ def run(args, frac: float) -> dict:
     attn_cpu_bytes = sum(p.numel() * p.element_size() for l in attn_cpu for p in lm.model.layers[l].attn.parameters())
     eng = make_hybrid(lm, random_hot(lm, frac, seed=1), None, device=device, dtype=dtype, cpu_dtype=args.cpu_dtype,
                       threads=args.threads, stats=True, prefill="cpu", attention_cpu=attn_cpu,
-                      cpu_inline=args.host_thread == "inline")
+                      cpu_inline=args.host_thread == "inline", dense_host_nodes=host_nodes)
     gc.collect()
     r2 = rss()
     k = int(round(args.active * args.ffn))
@@ -218,7 +219,7 @@ def run(args, frac: float) -> dict:
     bound = max(fast_bytes / gpu_bw, cpu_bytes / cpu_bw if cold_any else 0.0) + n_sync * sync_s
     eng.close()
     out = dict(
-        hot_fraction=frac, active_fraction=args.active, layers=args.layers, device=str(device), dtype=args.dtype,
+        hot_fraction=frac, host_nodes=host_nodes, active_fraction=args.active, layers=args.layers, device=str(device), dtype=args.dtype,
         cpu_dtype=args.cpu_dtype, threads=threads, tok_s=1 / s_plain, tok_s_timed=1 / s_timed,
         ms_per_token=1e3 * s_plain, gpu_ms=per["gpu_ms"], cpu_ms=per["cpu_ms"], transfer_ms=per["transfer_ms"],
         wait_ms=per["wait_ms"], cpu_wait_ms=per["cpu_wait_ms"], host_ms=per["host_ms"], attention_cpu=len(attn_cpu),
@@ -261,6 +262,8 @@ def main() -> None:
                     "on CUDA with graphs and on the CPU) or a worker thread")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch's intra-op threads (CPU attention's rotary, cache and SDPA ops); default: torch's")
+    ap.add_argument("--host-nodes", default="no", help="CUDA: each layer's cold rows as a host node of one graph per "
+                    "layer (FFNHostNode) for the statistics-off run: no / yes / no,yes (the timed run keeps split graphs)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--gpu-bw", type=float, default=None, help="bytes/s instead of measuring")
@@ -275,10 +278,11 @@ def main() -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     dense = dense_baseline(args, dtype) if args.dense else None
-    rows = [run(args, float(f)) for f in args.hot_fraction.split(",")]
+    rows = [run(args, float(f), h == "yes") for f in args.hot_fraction.split(",")
+            for h in (h.strip() for h in args.host_nodes.split(","))]
     if args.json:
         args.json.write_text(json.dumps({"dense": dense, "rows": rows}, indent=1))
-    cols = [("hot", "hot_fraction", "{:.2f}"), ("tok/s", "tok_s", "{:.1f}"), ("tok/s(st)", "tok_s_timed", "{:.1f}"),
+    cols = [("hot", "hot_fraction", "{:.2f}"), ("host node", "host_nodes", "{}"), ("tok/s", "tok_s", "{:.1f}"), ("tok/s(st)", "tok_s_timed", "{:.1f}"),
             ("ms/tok", "ms_per_token", "{:.2f}"), ("gpu", "gpu_ms", "{:.2f}"), ("cpu", "cpu_ms", "{:.2f}"),
             ("xfer", "transfer_ms", "{:.3f}"), ("wait", "wait_ms", "{:.2f}"), ("cpuwait", "cpu_wait_ms", "{:.2f}"),
             ("host", "host_ms", "{:.2f}"),
