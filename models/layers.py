@@ -297,6 +297,7 @@ class GatedFFN(FFN):
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
         self.act = activation_fn(act)
+        self.act_name = act
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input h: [..., I]."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hotcold.models.config import Gemma3Config, ModelConfig, OPTConfig
+from hotcold.models.cpu_step import block_step
 from hotcold.models.layers import FFN, Attention, make_ffn, make_norm
 
 
@@ -56,6 +57,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D]
+        if x.shape[1] == 1 and x.device.type == "cpu":  # a quantised block's decode step in one numba call
+            y = block_step(self, x, positions, cache_kv, start)
+            if y is not None:
+                return y
         if not self.pre_norm:  # OPT-350m style: norm after the residual add
             x = self.attn_norm(x + self.attn(x, positions, cache_kv, start))
             return self.ffn_norm(x + self.ffn(x))

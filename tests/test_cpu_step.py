@@ -1,0 +1,129 @@
+"""A quantised block's one-token CPU step as one numba call (models/cpu_step.py) against the module path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hotcold.models.transformer as transformer
+from hotcold.models.cpu_step import block_step
+from hotcold.models.loader import load_model
+from hotcold.models.quantized import QuantLinear, fuse_qkv, quantize_model
+from hotcold.models.transformer import KVCache
+from hotcold.sparse_ops.quant import pack_rows
+from tiny_models import make_tiny
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_step")
+
+
+def _quantised(tiny_dir, family: str, kind: str, fused: bool = False):
+    lm = load_model(make_tiny(family, tiny_dir), "cpu", "float32")
+    quantize_model(lm.model, kind)
+    if fused:  # as the GGUF loader leaves q, k and v: interleaved, one [q; k; v] matrix
+        for blk in lm.model.layers:
+            for name in ("q", "k", "v"):
+                lin = getattr(blk.attn, name)
+                lin.qweight = pack_rows(lin.qweight)
+        fuse_qkv(lm.model)
+    return lm
+
+
+def _module_path():
+    """A context where Block.forward never takes the fused step."""
+    class Off:
+        def __enter__(self):
+            self.orig, transformer.block_step = transformer.block_step, lambda *a: None
+
+        def __exit__(self, *exc):
+            transformer.block_step = self.orig
+    return Off()
+
+
+@pytest.mark.parametrize("family, kind, fused", [("llama", "q8_0", False), ("llama", "q4_0", True),
+                                                 ("qwen2", "q8_0", False), ("qwen3", "q4_0", False),
+                                                 ("mistral", "q4_0", False), ("gemma3", "q8_0", False)])
+def test_block_step_equals_the_module_path(tiny_dir, family, kind, fused):
+    """Each block's fused step, fed the module path's input at every position of a decode, gives the
+    module path's output and writes the same keys and values (biases: qwen2; QK-norm: qwen3, gemma3;
+    sliding windows: mistral, gemma3; sandwich norms and GeGLU: gemma3)."""
+    lm = _quantised(tiny_dir, family, kind, fused)
+    m, cfg = lm.model, lm.config
+    assert all(getattr(b.attn, "qkv", None) is not None for b in m.layers) == fused
+    ca, cb = KVCache(cfg, 32), KVCache(cfg, 32)
+    toks = torch.randint(3, 160, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        with _module_path():
+            m(toks[:, :6], 0, ca)
+            m(toks[:, :6], 0, cb)
+        for p in range(6, 20):
+            pos = torch.tensor([p])
+            x = m.embed_tokens(toks[:, p:p + 1], pos)
+            for i, blk in enumerate(m.layers):
+                got = block_step(blk, x, pos, ca.layers[i], p)
+                assert got is not None
+                with _module_path():
+                    want = blk(x, pos, cb.layers[i], p)
+                assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, (family, p, i)
+                x = want
+    for (ka, va), (kb, vb) in zip(ca.layers, cb.layers):
+        assert torch.allclose(ka[:, :, :20], kb[:, :, :20], atol=1e-5) and torch.allclose(va[:, :, :20], vb[:, :, :20], atol=1e-5)
+
+
+def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
+    """Decoding through the model uses the fused step in every block (float32, quantised) and its
+    logits stay within Q8-activation noise of the module path's; float weights keep the module path."""
+    lm = _quantised(tiny_dir, "llama", "q8_0")
+    toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(2))
+
+    def decode(cache):
+        with torch.inference_mode():
+            return torch.cat([lm.model(toks[:, i:i + 1], i, cache) for i in range(12)], 1)
+
+    calls = []
+    orig = transformer.block_step
+    transformer.block_step = lambda *a: calls.append(1) or orig(*a)
+    try:
+        got = decode(KVCache(lm.config, 16))
+    finally:
+        transformer.block_step = orig
+    assert len(calls) == 12 * lm.config.num_layers
+    assert all(type(b.__dict__["_cpu_step"]).__name__ == "_Step" for b in lm.model.layers)
+    with _module_path():
+        want = decode(KVCache(lm.config, 16))
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    floats = load_model(make_tiny("llama", tiny_dir), "cpu", "float32")
+    x = torch.zeros(1, 1, floats.config.hidden_size)
+    assert block_step(floats.model.layers[0], x, torch.tensor([0]), KVCache(floats.config, 4).layers[0], 0) is None
+
+
+def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
+    """A hook on any of the block's modules (the profiler's probes) sends the step down the module
+    path; a module replaced after the first step (a hybrid split, a new QuantLinear) is seen."""
+    lm = _quantised(tiny_dir, "llama", "q8_0")
+    blk = lm.model.layers[0]
+    cache = KVCache(lm.config, 8).layers[0]
+    x, pos = torch.randn(1, 1, lm.config.hidden_size), torch.tensor([0])
+    with torch.inference_mode():
+        assert block_step(blk, x, pos, cache, 0) is not None
+        seen = []
+        h = blk.ffn.up.register_forward_hook(lambda *a: seen.append(1))
+        assert block_step(blk, x, pos, cache, 0) is None
+        blk(x, pos, cache, 0)
+        assert seen == [1]
+        h.remove()
+        assert block_step(blk, x, pos, cache, 0) is not None
+        old = blk.__dict__["_cpu_step"]
+        blk.ffn.down = copy.deepcopy(blk.ffn.down)
+        assert isinstance(blk.ffn.down, QuantLinear)
+        assert block_step(blk, x, pos, cache, 0) is not None and blk.__dict__["_cpu_step"] is not old
+        blk.ffn.down = torch.nn.Linear(blk.ffn.down.in_features, blk.ffn.down.out_features, bias=False)
+        assert block_step(blk, x, pos, cache, 0) is None
+        assert block_step(blk, x.to(torch.bfloat16), pos, cache, 0) is None  # float32 activations only
