@@ -12,12 +12,15 @@ kernels. Here a block whose weights are GGUF blocks (QuantLinear) runs its whole
 It applies to pre-norm blocks with RMSNorm, Attention and a GatedFFN whose projections are all
 QuantLinear without biases but q/k/v's, float32 activations, a float32 or float16 KV cache, and no
 hooks on any of the block's modules (the profiler's probes, the look-ahead's residual hook and the
-sparse forward see the module path). `block_step` returns None where it does not apply. The kernels
+sparse forward see the module path). `block_step` returns None where it does not apply, and always
+with HOTCOLD_CPU_STEP=0. The kernels
 are the module path's own; what differs is the order of float32 roundings in a few elementwise
 ops (the activation, the residual adds), within 1e-6 of the module path's logits.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -188,10 +191,13 @@ def _prepare(block) -> _Step | None:
     return step
 
 
+ENABLED = os.environ.get("HOTCOLD_CPU_STEP", "1") != "0"  # HOTCOLD_CPU_STEP=0: always the module path
+
+
 def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None) -> torch.Tensor | None:
     """block(x, positions, cache_kv, start) for one token on the CPU as one numba call, or None where
     the fused step does not apply (then the caller runs the module path). x: [1, 1, D] -> [1, 1, D]."""
-    if (x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype != torch.float32
+    if (not ENABLED or x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype != torch.float32
             or cache_kv is None or cache_kv[0].dtype not in (torch.float32, torch.float16) or torch.is_grad_enabled()):
         return None
     step = block.__dict__.get("_cpu_step")
