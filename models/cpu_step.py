@@ -21,6 +21,8 @@ ops (the activation, the residual adds), within 1e-6 of the module path's logits
 from __future__ import annotations
 
 import os
+import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,7 +33,8 @@ from hotcold.models.quantized import QuantLinear
 from hotcold.sparse_ops.attention import _decode_attention
 from hotcold.sparse_ops.cpu import ACTS, _act
 from hotcold.sparse_ops.norm import _rms_norm
-from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
+from hotcold.sparse_ops import quant
+from hotcold.sparse_ops.quant import QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
 
 
 @njit(nogil=True, cache=True)
@@ -50,11 +53,11 @@ def _norm(x, w, eps, plus_one, out):
 
 
 @njit(nogil=True, cache=True)
-def _block_step(x, norms, eps, plus_one, sandwich, qkv, q, k, v, fused, bias, has_bias, qk_norm, H, Hkv, Dh,
+def _block_step(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh,
                 cos, sin, rotary, k_cache, v_cache, pos, lo, scale, o, gate, up, down, act, buf, y):
-    # x [D] -> y [D]. norms: float32 [6, D'] rows attn, ffn, post-attn, post-ffn norm weights (the
-    # last two only with sandwich) and q/k norm weights (rows 4, 5, first Dh entries); matrices as in
-    # _gemv; bias: float32 [(H + 2 Hkv) Dh] (q, k, v); buf: float32 scratch (see block_step).
+    # x [D] -> y [D]. norm_w: (attn, ffn, post-attn, post-ffn, q, k) norm weights, float32 (the
+    # post-norms only read with sandwich, q/k only with qk_norm); matrices as in _gemv; biases: (q, k,
+    # v) float32, read with has_bias; buf: float32 scratch (see _scratch).
     D = x.shape[0]
     nq, nk = H * Dh, Hkv * Dh
     I = gate[4].shape[0]
@@ -65,7 +68,7 @@ def _block_step(x, norms, eps, plus_one, sandwich, qkv, q, k, v, fused, bias, ha
     g = buf[2 * D + 2 * nq + 2 * nk:2 * D + 2 * nq + 2 * nk + I]
     u = buf[2 * D + 2 * nq + 2 * nk + I:2 * D + 2 * nq + 2 * nk + 2 * I]
     scores = buf[2 * D + 2 * nq + 2 * nk + 2 * I:]
-    _norm(x, norms[0, :D], eps, plus_one, xn)
+    _norm(x, norm_w[0], eps, plus_one, xn)
     if fused:
         _gemv(qkv, xn, qkv_out)
     else:
@@ -73,87 +76,76 @@ def _block_step(x, norms, eps, plus_one, sandwich, qkv, q, k, v, fused, bias, ha
         _gemv(k, xn, qkv_out[nq:nq + nk])
         _gemv(v, xn, qkv_out[nq + nk:])
     if has_bias:
-        for i in range(nq + 2 * nk):
-            qkv_out[i] += bias[i]
+        for i in range(nq):
+            qkv_out[i] += biases[0][i]
+        for i in range(nk):
+            qkv_out[nq + i] += biases[1][i]
+            qkv_out[nq + nk + i] += biases[2][i]
     qh = qkv_out[:nq].reshape(H, Dh)
     kh = qkv_out[nq:nq + nk].reshape(Hkv, Dh)
     vh = qkv_out[nq + nk:].reshape(Hkv, Dh)
     if qk_norm:
         for i in range(H):
-            _norm(qh[i], norms[4, :Dh], eps, plus_one, qh[i])
+            _norm(qh[i], norm_w[4], eps, plus_one, qh[i])
         for i in range(Hkv):
-            _norm(kh[i], norms[5, :Dh], eps, plus_one, kh[i])
+            _norm(kh[i], norm_w[5], eps, plus_one, kh[i])
     _decode_attention(qh, kh, vh, cos, sin, rotary, k_cache, v_cache, pos, lo, scale,
                       scores[:H * (pos + 1 - lo)].reshape(H, pos + 1 - lo), att.reshape(H, Dh))
     _gemv(o, att, h)
     if sandwich:
-        _norm(h, norms[2, :D], eps, plus_one, h)
+        _norm(h, norm_w[2], eps, plus_one, h)
     for i in range(D):
         y[i] = x[i] + h[i]
-    _norm(y, norms[1, :D], eps, plus_one, xn)
+    _norm(y, norm_w[1], eps, plus_one, xn)
     _gemv(gate, xn, g)
     _gemv(up, xn, u)
     for i in range(I):
         g[i] = _act(g[i], act) * u[i]
     _gemv(down, g, h)
     if sandwich:
-        _norm(h, norms[3, :D], eps, plus_one, h)
+        _norm(h, norm_w[3], eps, plus_one, h)
     for i in range(D):
         y[i] += h[i]
 
 
-def _mat(lin) -> tuple | None:
-    m = lin.qweight if isinstance(lin, QuantLinear) else lin
-    if not isinstance(m, QuantMatrix):
-        return None
+def _mat(lin) -> tuple:
+    m = lin.qweight if isinstance(lin, QuantLinear) else lin  # a QuantMatrix
     if m._all_rows is None:
         m._all_rows = np.arange(m.rows, dtype=np.int64)
-    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in XQ_DEFAULT), m.data, m._all_rows)
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.XQ_DEFAULT), m.data, m._all_rows)
 
 
 def _parts(block) -> tuple:
-    """The modules and weights a _Step was built from (it is rebuilt when any is replaced)."""
-    a, f = block.attn, block.ffn
-    lins = [getattr(a, n, None) for n in ("q", "k", "v", "o")] + [getattr(f, n, None) for n in ("gate", "up", "down")]
-    return (a, f, getattr(a, "qkv", None), *lins, *(getattr(lin, "qweight", None) for lin in lins))
+    """(the modules the step reads, the modules and weights its decision was made on): read through
+    the modules' own dicts (nn.Module's __getattr__ costs ~1 µs a name, 30 layers a token)."""
+    bm = block._modules
+    a, f = bm["attn"], bm["ffn"]
+    am, fm = a._modules, f._modules
+    lins = (am.get("q"), am.get("k"), am.get("v"), am.get("o"), fm.get("gate"), fm.get("up"), fm.get("down"))
+    mods = (block, *bm.values(), *am.values(), *fm.values())
+    return mods, (a, f, a.__dict__.get("qkv"), *lins, *(getattr(lin, "qweight", None) for lin in lins),
+                  quant.XQ_DEFAULT)
 
 
-class _Refused:
-    refused = True
+@dataclass
+class _Plan:
+    """What the fused step needs to know of a block besides its weights (read from the modules at each
+    step, so that the plan holds no reference to them: a hybrid split frees the replaced FFN)."""
 
-    def __init__(self, parts: tuple):
-        self.parts = parts
-
-
-class _Step:
-    """A block's static arguments to _block_step and its scratch buffer."""
-
-    refused = False
-
-    def __init__(self, block, norms, eps, plus_one, mats, bias, qk_norm, act):
-        a = block.attn
-        self.parts = _parts(block)
-        self.norms, self.eps, self.plus_one, self.sandwich = norms, np.float32(eps), plus_one, bool(block.sandwich)
-        self.mats, self.bias, self.qk_norm, self.act = mats, bias, qk_norm, act
-        self.heads = (a.n_heads, a.n_kv, a.head_dim)
-        self.scale, self.window = np.float32(a.scale), a.window
-        self.no_rot = np.zeros(a.head_dim, np.float32)
-        self.buf = np.empty(0, np.float32)
-
-    def scratch(self, pos: int, d: int, inter: int) -> np.ndarray:
-        H, Hkv, Dh = self.heads
-        need = 2 * d + 2 * H * Dh + 2 * Hkv * Dh + 2 * inter + H * (pos + 1)
-        if self.buf.shape[0] < need:
-            self.buf = np.empty(max(need, 2 * self.buf.shape[0]), np.float32)
-        return self.buf
+    eps: np.float32
+    plus_one: bool
+    sandwich: bool
+    qk_norm: bool
+    fused: bool
+    has_bias: bool
+    act: int
+    heads: tuple[int, int, int]
+    scale: np.float32
+    window: int | None
 
 
-def _prepare(block) -> _Step | None:
-    """The block's _Step, or None where the fused step does not apply (see the module docstring)."""
+def _plan(block) -> _Plan | None:
+    """The block's _Plan, or None where the fused step does not apply (see the module docstring)."""
     a, f = block.attn, block.ffn
     norms = [block.attn_norm, block.ffn_norm] + ([block.post_attn_norm, block.post_ffn_norm] if block.sandwich else [])
     if not (block.pre_norm and type(a) is Attention and type(f) is GatedFFN
@@ -162,6 +154,8 @@ def _prepare(block) -> _Step | None:
     qk_norm = hasattr(a, "q_norm")
     if qk_norm and not (type(a.q_norm) is RMSNorm and type(a.k_norm) is RMSNorm):
         return None
+    if any(n.weight.dtype != torch.float32 for n in norms + ([a.q_norm, a.k_norm] if qk_norm else [])):
+        return None
     kinds = {(n.eps, n.plus_one) for n in norms + ([a.q_norm, a.k_norm] if qk_norm else [])}
     if len(kinds) != 1:
         return None
@@ -169,26 +163,25 @@ def _prepare(block) -> _Step | None:
     lins = [a.q, a.k, a.v, a.o, f.gate, f.up, f.down]
     if not all(type(lin) is QuantLinear for lin in lins) or any(lin.bias is not None for lin in (a.o, f.gate, f.up, f.down)):
         return None
-    biased = [lin.bias is not None for lin in (a.q, a.k, a.v)]
+    biased = [lin.bias is not None and lin.bias.dtype == torch.float32 for lin in (a.q, a.k, a.v)]
     if any(biased) and not all(biased):
         return None
     qkv = getattr(a, "qkv", None)
-    mats = [_mat(qkv) if qkv is not None else _mat(a.q)] + [_mat(lin) for lin in lins]
-    if any(m is None for m in mats):
+    if qkv is not None and not isinstance(qkv, QuantMatrix):
         return None
-    D, Dh = block.attn_norm.weight.shape[0], a.head_dim
-    width = max(D, Dh)
-    norms_arr = np.zeros((6, width), np.float32)
-    for i, n in enumerate(norms):
-        norms_arr[i, :D] = n.weight.detach().float().numpy()
-    if qk_norm:
-        norms_arr[4, :Dh] = a.q_norm.weight.detach().float().numpy()
-        norms_arr[5, :Dh] = a.k_norm.weight.detach().float().numpy()
-    bias = (np.concatenate([lin.bias.detach().float().numpy() for lin in (a.q, a.k, a.v)]) if all(biased)
-            else np.zeros(1, np.float32))
-    step = _Step(block, norms_arr, eps, plus_one, mats, bias, qk_norm, ACTS[f.act_name])
-    step.fused, step.has_bias = qkv is not None, all(biased)
-    return step
+    return _Plan(np.float32(eps), bool(plus_one), bool(block.sandwich), qk_norm, qkv is not None, all(biased),
+                 ACTS[f.act_name], (a.n_heads, a.n_kv, a.head_dim), np.float32(a.scale), a.window)
+
+
+def _scratch(block, need: int) -> np.ndarray:
+    buf = block.__dict__.get("_cpu_step_buf")
+    if buf is None or buf.shape[0] < need:
+        buf = block.__dict__["_cpu_step_buf"] = np.empty(max(need, 2 * (0 if buf is None else buf.shape[0])), np.float32)
+    return buf
+
+
+def _weights(module) -> np.ndarray:
+    return module.weight.detach().numpy()
 
 
 ENABLED = os.environ.get("HOTCOLD_CPU_STEP", "1") != "0"  # HOTCOLD_CPU_STEP=0: always the module path
@@ -200,28 +193,48 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
     if (not ENABLED or x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype != torch.float32
             or cache_kv is None or cache_kv[0].dtype not in (torch.float32, torch.float16) or torch.is_grad_enabled()):
         return None
-    step = block.__dict__.get("_cpu_step")
-    if step is None or step.parts != _parts(block):  # first use, or modules replaced since (a split, hooks)
-        step = _prepare(block) or _Refused(_parts(block))
-        block.__dict__["_cpu_step"] = step
-    if step.refused or _hooked(block):
+    mods, parts = _parts(block)
+    cached = block.__dict__.get("_cpu_step")  # (weak references to the parts, their plan or None)
+    if cached is None or len(cached[0]) != len(parts) or any(
+            (r() if r is not None else None) is not p for r, p in zip(cached[0], parts)):
+        cached = block.__dict__["_cpu_step"] = (tuple(None if p is None else weakref.ref(p) for p in parts),
+                                                _plan(block))
+        for m in (block.attn, block.ffn):
+            m.__dict__.pop("_cpu_args", None)
+    plan = cached[1]
+    if plan is None or any(m._forward_hooks or m._forward_pre_hooks for m in mods):
         return None
-    a = block.attn
+    a, f = block.attn, block.ffn
+    # the weights' kernel arguments, kept on the modules that own them (a replaced FFN takes its own)
+    aa = a.__dict__.get("_cpu_args")
+    if aa is None:
+        q, k, v = _mat(a.q), _mat(a.k), _mat(a.v)
+        w = _weights(block.attn_norm)
+        aa = a.__dict__["_cpu_args"] = (
+            _mat(a.qkv) if plan.fused else q, q, k, v, _mat(a.o),
+            tuple(lin.bias.detach().numpy() for lin in (a.q, a.k, a.v)) if plan.has_bias else (w, w, w),
+            (_weights(a.q_norm), _weights(a.k_norm)) if plan.qk_norm else (w, w))
+    fa = f.__dict__.get("_cpu_args")
+    if fa is None:
+        fa = f.__dict__["_cpu_args"] = (_mat(f.gate), _mat(f.up), _mat(f.down))
     pos = int(positions[0]) if start is None else start
+    H, Hkv, Dh = plan.heads
     if a.rotary is not None:
         cos, sin = (t[0].numpy() for t in a.rotary(positions, start))
     else:
-        cos = sin = step.no_rot
+        cos = sin = np.zeros(Dh, np.float32)
     kc, vc = cache_kv[0][0].numpy(), cache_kv[1][0].numpy()
     if kc.dtype == np.float16:
         kc, vc = kc.view(np.int16), vc.view(np.int16)
-    lo = max(0, pos - step.window + 1) if step.window else 0
-    H, Hkv, Dh = step.heads
+    lo = max(0, pos - plan.window + 1) if plan.window else 0
     xv = np.ascontiguousarray(x.detach().reshape(-1).numpy())
-    m = step.mats
-    buf = step.scratch(pos, xv.shape[0], m[5][4].shape[0])
+    d = xv.shape[0]
+    w = _weights(block.attn_norm)
+    norm_w = (w, _weights(block.ffn_norm), *((_weights(block.post_attn_norm), _weights(block.post_ffn_norm))
+                                            if plan.sandwich else (w, w)), *aa[6])
+    buf = _scratch(block, 2 * d + 2 * H * Dh + 2 * Hkv * Dh + 2 * fa[0][4].shape[0] + H * (pos + 1))
     y = np.empty_like(xv)
-    _block_step(xv, step.norms, step.eps, step.plus_one, step.sandwich, m[0], m[1], m[2], m[3], step.fused,
-                step.bias, step.has_bias, step.qk_norm, H, Hkv, Dh, cos, sin, a.rotary is not None, kc, vc, pos, lo,
-                step.scale, m[4], m[5], m[6], m[7], step.act, buf, y)
+    _block_step(xv, norm_w, plan.eps, plan.plus_one, plan.sandwich, aa[0], aa[1], aa[2], aa[3], plan.fused, aa[5],
+                plan.has_bias, plan.qk_norm, H, Hkv, Dh, cos, sin, a.rotary is not None, kc, vc, pos, lo, plan.scale,
+                aa[4], fa[0], fa[1], fa[2], plan.act, buf, y)
     return torch.from_numpy(y).reshape(x.shape)
