@@ -11,8 +11,10 @@ kernels. Here a block whose weights are GGUF blocks (QuantLinear) runs its whole
 
 It applies to pre-norm blocks with RMSNorm, Attention and a GatedFFN whose projections are all
 QuantLinear without biases but q/k/v's, float32 activations, a float32 or float16 KV cache, and no
-hooks on any of the block's modules (the profiler's probes, the look-ahead's residual hook and the
-sparse forward see the module path). `block_step` returns None where it does not apply, and always
+hooks on any of the block's modules (the look-ahead's residual hook on ffn_norm and the sparse
+forward see the module path). Where the FFN is another module (MoE, a hybrid split) or has hooks (the
+profiler's probes), the attention half (to f_in = ffn_norm(r)) is one call and the FFN runs as its
+module: the 6-layer Q4_0 Qwen3-30B-A3B shape by its CPU plan, 63-65 -> 65-69 tok/s. `block_step` returns None where it does not apply, and always
 with HOTCOLD_CPU_STEP=0. The kernels are the module path's own; what differs is the activation's
 float32 rounding (numba's SiLU/GELU against torch's): a block's output within ~1e-7 of the module
 path's (tests/test_cpu_step.py checks 1e-5), which Q8 activations can turn into a flipped rounding
@@ -55,21 +57,19 @@ def _norm(x, w, eps, plus_one, out):
 
 
 @njit(nogil=True, cache=True)
-def _block_step(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh,
-                cos, sin, rotary, k_cache, v_cache, pos, lo, scale, o, gate, up, down, act, buf, y):
-    # x [D] -> y [D]. norm_w: (attn, ffn, post-attn, post-ffn, q, k) norm weights, float32 (the
-    # post-norms only read with sandwich, q/k only with qk_norm); matrices as in _gemv; biases: (q, k,
-    # v) float32, read with has_bias; buf: float32 scratch (see _scratch).
+def _attn_half(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh,
+               cos, sin, rotary, k_cache, v_cache, pos, lo, scale, o, buf, r, f_in):
+    # x [D] -> r = x + attention [D] and f_in = ffn_norm(r) [D]. norm_w: (attn, ffn, post-attn,
+    # post-ffn, q, k) norm weights, float32 (the post-norms only read with sandwich, q/k only with
+    # qk_norm); matrices as in _gemv; biases: (q, k, v) float32, read with has_bias; buf: float32
+    # scratch of at least _attn_scratch(...) entries.
     D = x.shape[0]
     nq, nk = H * Dh, Hkv * Dh
-    I = gate[4].shape[0]
     xn = buf[:D]
     qkv_out = buf[D:D + nq + 2 * nk]
     att = buf[D + nq + 2 * nk:D + 2 * nq + 2 * nk]
-    h = buf[D + 2 * nq + 2 * nk:D + 2 * nq + 2 * nk + D]
-    g = buf[2 * D + 2 * nq + 2 * nk:2 * D + 2 * nq + 2 * nk + I]
-    u = buf[2 * D + 2 * nq + 2 * nk + I:2 * D + 2 * nq + 2 * nk + 2 * I]
-    scores = buf[2 * D + 2 * nq + 2 * nk + 2 * I:]
+    h = buf[D + 2 * nq + 2 * nk:2 * D + 2 * nq + 2 * nk]
+    scores = buf[2 * D + 2 * nq + 2 * nk:]
     _norm(x, norm_w[0], eps, plus_one, xn)
     if fused:
         _gemv(qkv, xn, qkv_out)
@@ -97,17 +97,33 @@ def _block_step(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
     if sandwich:
         _norm(h, norm_w[2], eps, plus_one, h)
     for i in range(D):
-        y[i] = x[i] + h[i]
-    _norm(y, norm_w[1], eps, plus_one, xn)
-    _gemv(gate, xn, g)
-    _gemv(up, xn, u)
+        r[i] = x[i] + h[i]
+    _norm(r, norm_w[1], eps, plus_one, f_in)
+
+
+@njit(nogil=True, cache=True)
+def _ffn_half(f_in, r, norm_w, eps, plus_one, sandwich, gate, up, down, act, buf, y):
+    # y = r + (post_ffn_norm) down(act(gate f_in) * up f_in), all [D]; buf: float32 [2 I + D]
+    D, I = f_in.shape[0], gate[4].shape[0]
+    g, u, h = buf[:I], buf[I:2 * I], buf[2 * I:2 * I + D]
+    _gemv(gate, f_in, g)
+    _gemv(up, f_in, u)
     for i in range(I):
         g[i] = _act(g[i], act) * u[i]
     _gemv(down, g, h)
     if sandwich:
         _norm(h, norm_w[3], eps, plus_one, h)
     for i in range(D):
-        y[i] += h[i]
+        y[i] = r[i] + h[i]
+
+
+@njit(nogil=True, cache=True)
+def _block_step(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh,
+                cos, sin, rotary, k_cache, v_cache, pos, lo, scale, o, abuf, gate, up, down, act, fbuf, r, f_in, y):
+    # the whole block: _attn_half then _ffn_half, in one call
+    _attn_half(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh,
+               cos, sin, rotary, k_cache, v_cache, pos, lo, scale, o, abuf, r, f_in)
+    _ffn_half(f_in, r, norm_w, eps, plus_one, sandwich, gate, up, down, act, fbuf, y)
 
 
 def _mat(lin) -> tuple:
@@ -118,14 +134,15 @@ def _mat(lin) -> tuple:
 
 
 def _parts(block) -> tuple:
-    """(the modules the step reads, the modules and weights its decision was made on): read through
-    the modules' own dicts (nn.Module's __getattr__ costs ~1 µs a name, 30 layers a token)."""
+    """((the block's modules but the FFN's, the FFN's), the modules and weights the decision was made
+    on): read through the modules' own dicts (nn.Module's __getattr__ costs ~1 µs a name, 30 layers a
+    token)."""
     bm = block._modules
     a, f = bm["attn"], bm["ffn"]
     am, fm = a._modules, f._modules
     lins = (am.get("q"), am.get("k"), am.get("v"), am.get("o"), fm.get("gate"), fm.get("up"), fm.get("down"))
-    mods = (block, *bm.values(), *am.values(), *fm.values())
-    return mods, (a, f, a.__dict__.get("qkv"), *lins, *(getattr(lin, "qweight", None) for lin in lins),
+    mods = (block, *(m for n, m in bm.items() if n != "ffn"), *am.values())  # every module but the FFN's
+    return (mods, (f, *fm.values())), (a, f, a.__dict__.get("qkv"), *lins, *(getattr(lin, "qweight", None) for lin in lins),
                   quant.XQ_DEFAULT)
 
 
@@ -144,14 +161,14 @@ class _Plan:
     heads: tuple[int, int, int]
     scale: np.float32
     window: int | None
+    ffn: bool  # the FFN is a GatedFFN of QuantLinears: in the same call (else its module runs between)
 
 
 def _plan(block) -> _Plan | None:
     """The block's _Plan, or None where the fused step does not apply (see the module docstring)."""
     a, f = block.attn, block.ffn
     norms = [block.attn_norm, block.ffn_norm] + ([block.post_attn_norm, block.post_ffn_norm] if block.sandwich else [])
-    if not (block.pre_norm and type(a) is Attention and type(f) is GatedFFN
-            and all(type(n) is RMSNorm for n in norms) and getattr(f, "act_name", None) in ACTS):
+    if not (block.pre_norm and type(a) is Attention and all(type(n) is RMSNorm for n in norms)):
         return None
     qk_norm = hasattr(a, "q_norm")
     if qk_norm and not (type(a.q_norm) is RMSNorm and type(a.k_norm) is RMSNorm):
@@ -162,8 +179,7 @@ def _plan(block) -> _Plan | None:
     if len(kinds) != 1:
         return None
     eps, plus_one = kinds.pop()
-    lins = [a.q, a.k, a.v, a.o, f.gate, f.up, f.down]
-    if not all(type(lin) is QuantLinear for lin in lins) or any(lin.bias is not None for lin in (a.o, f.gate, f.up, f.down)):
+    if not all(type(lin) is QuantLinear for lin in (a.q, a.k, a.v, a.o)) or a.o.bias is not None:
         return None
     biased = [lin.bias is not None and lin.bias.dtype == torch.float32 for lin in (a.q, a.k, a.v)]
     if any(biased) and not all(biased):
@@ -171,14 +187,16 @@ def _plan(block) -> _Plan | None:
     qkv = getattr(a, "qkv", None)
     if qkv is not None and not isinstance(qkv, QuantMatrix):
         return None
+    ffn = (type(f) is GatedFFN and getattr(f, "act_name", None) in ACTS
+           and all(type(lin) is QuantLinear and lin.bias is None for lin in (f.gate, f.up, f.down)))
     return _Plan(np.float32(eps), bool(plus_one), bool(block.sandwich), qk_norm, qkv is not None, all(biased),
-                 ACTS[f.act_name], (a.n_heads, a.n_kv, a.head_dim), np.float32(a.scale), a.window)
+                 ACTS[f.act_name] if ffn else 0, (a.n_heads, a.n_kv, a.head_dim), np.float32(a.scale), a.window, ffn)
 
 
-def _scratch(block, need: int) -> np.ndarray:
-    buf = block.__dict__.get("_cpu_step_buf")
+def _scratch(block, key: str, need: int) -> np.ndarray:
+    buf = block.__dict__.get(key)
     if buf is None or buf.shape[0] < need:
-        buf = block.__dict__["_cpu_step_buf"] = np.empty(max(need, 2 * (0 if buf is None else buf.shape[0])), np.float32)
+        buf = block.__dict__[key] = np.empty(max(need, 2 * (0 if buf is None else buf.shape[0])), np.float32)
     return buf
 
 
@@ -204,8 +222,10 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
         for m in (block.attn, block.ffn):
             m.__dict__.pop("_cpu_args", None)
     plan = cached[1]
-    if plan is None or any(m._forward_hooks or m._forward_pre_hooks for m in mods):
+    hooked = lambda ms: any(m._forward_hooks or m._forward_pre_hooks for m in ms)  # noqa: E731
+    if plan is None or hooked(mods[0]):
         return None
+    whole = plan.ffn and not hooked(mods[1])  # else the FFN runs as a module (its hooks see it)
     a, f = block.attn, block.ffn
     # the weights' kernel arguments, kept on the modules that own them (a replaced FFN takes its own)
     aa = a.__dict__.get("_cpu_args")
@@ -216,9 +236,6 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
             _mat(a.qkv) if plan.fused else q, q, k, v, _mat(a.o),
             tuple(lin.bias.detach().numpy() for lin in (a.q, a.k, a.v)) if plan.has_bias else (w, w, w),
             (_weights(a.q_norm), _weights(a.k_norm)) if plan.qk_norm else (w, w))
-    fa = f.__dict__.get("_cpu_args")
-    if fa is None:
-        fa = f.__dict__["_cpu_args"] = (_mat(f.gate), _mat(f.up), _mat(f.down))
     pos = int(positions[0]) if start is None else start
     H, Hkv, Dh = plan.heads
     if a.rotary is not None:
@@ -234,9 +251,21 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
     w = _weights(block.attn_norm)
     norm_w = (w, _weights(block.ffn_norm), *((_weights(block.post_attn_norm), _weights(block.post_ffn_norm))
                                             if plan.sandwich else (w, w)), *aa[6])
-    buf = _scratch(block, 2 * d + 2 * H * Dh + 2 * Hkv * Dh + 2 * fa[0][4].shape[0] + H * (pos + 1))
+    abuf = _scratch(block, "_cpu_attn_buf", 2 * d + 2 * H * Dh + 2 * Hkv * Dh + H * (pos + 1))
+    r, f_in = np.empty_like(xv), np.empty_like(xv)
+    args = (xv, norm_w, plan.eps, plan.plus_one, plan.sandwich, aa[0], aa[1], aa[2], aa[3], plan.fused, aa[5],
+            plan.has_bias, plan.qk_norm, H, Hkv, Dh, cos, sin, a.rotary is not None, kc, vc, pos, lo, plan.scale, aa[4],
+            abuf)
+    if not whole:  # the attention half in one call, then the FFN's module (MoE, hybrid, hooked)
+        _attn_half(*args, r, f_in)
+        h = f(torch.from_numpy(f_in).reshape(x.shape))
+        if plan.sandwich:
+            h = block.post_ffn_norm(h)
+        return torch.from_numpy(r).reshape(x.shape) + h
+    fa = f.__dict__.get("_cpu_args")
+    if fa is None:
+        fa = f.__dict__["_cpu_args"] = (_mat(f.gate), _mat(f.up), _mat(f.down))
+    fbuf = _scratch(block, "_cpu_ffn_buf", 2 * fa[0][4].shape[0] + d)
     y = np.empty_like(xv)
-    _block_step(xv, norm_w, plan.eps, plan.plus_one, plan.sandwich, aa[0], aa[1], aa[2], aa[3], plan.fused, aa[5],
-                plan.has_bias, plan.qk_norm, H, Hkv, Dh, cos, sin, a.rotary is not None, kc, vc, pos, lo, plan.scale,
-                aa[4], fa[0], fa[1], fa[2], plan.act, buf, y)
+    _block_step(*args, fa[0], fa[1], fa[2], plan.act, fbuf, r, f_in, y)
     return torch.from_numpy(y).reshape(x.shape)

@@ -107,30 +107,68 @@ def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
 
 
 def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
-    """A hook on any of the block's modules (the profiler's probes) sends the step down the module
-    path; a module replaced after the first step (a hybrid split, a new QuantLinear) is seen."""
+    """A hook on an attention-side module (the look-ahead's on ffn_norm, a probe on q) sends the step
+    down the module path; one on the FFN's modules (the profiler's) leaves the attention half fused
+    and runs the FFN as a module, so the hook sees it; a module replaced after the first step (a hybrid
+    split, a new QuantLinear) is seen, and what the block remembers does not keep it alive."""
     lm = _quantised(tiny_dir, "llama", "q8_0")
     blk = lm.model.layers[0]
     cache = KVCache(lm.config, 8).layers[0]
     x, pos = torch.randn(1, 1, lm.config.hidden_size), torch.tensor([0])
     with torch.inference_mode():
-        assert block_step(blk, x, pos, cache, 0) is not None
+        want = block_step(blk, x, pos, cache, 0)
+        assert want is not None
         seen = []
         h = blk.ffn.up.register_forward_hook(lambda *a: seen.append(1))
-        assert block_step(blk, x, pos, cache, 0) is None
-        blk(x, pos, cache, 0)
-        assert seen == [1]
+        got = block_step(blk, x, pos, cache, 0)
+        assert seen == [1] and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
         h.remove()
+        for module in (blk.ffn_norm, blk.attn.q):
+            h = module.register_forward_pre_hook(lambda *a: seen.append(2))
+            assert block_step(blk, x, pos, cache, 0) is None
+            blk(x, pos, cache, 0)
+            h.remove()
+        assert seen == [1, 2, 2]
         assert block_step(blk, x, pos, cache, 0) is not None
         old = blk.__dict__["_cpu_step"]
         blk.ffn.down = copy.deepcopy(blk.ffn.down)
         assert isinstance(blk.ffn.down, QuantLinear)
         assert block_step(blk, x, pos, cache, 0) is not None and blk.__dict__["_cpu_step"] is not old
-        blk.ffn.down = torch.nn.Linear(blk.ffn.down.in_features, blk.ffn.down.out_features, bias=False)
-        assert block_step(blk, x, pos, cache, 0) is None
+        blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=False)
+        assert block_step(blk, x, pos, cache, 0) is None  # float attention weights: the module path
         assert block_step(blk, x.to(torch.bfloat16), pos, cache, 0) is None  # float32 activations only
         # what the block remembers holds no reference to its modules: a replaced FFN is freed
         gone = weakref.ref(blk.ffn)
         blk.ffn = torch.nn.Identity()
         gc.collect()
         assert gone() is None
+
+
+@pytest.mark.parametrize("family, kind", [("qwen3_moe", "q4_0"), ("qwen2_moe", "q8_0"), ("llama", "q8_0")])
+def test_attention_half_before_an_ffn_module(tiny_dir, family, kind):
+    """A block whose FFN is not a GatedFFN of QuantLinears (MoE layers here; the llama FFN's down left
+    float) runs its attention half as one call and its FFN as a module: the block's output equals
+    the module path's at every position of a decode."""
+    lm = _quantised(tiny_dir, family, kind)
+    m = lm.model
+    if family == "llama":
+        for blk in m.layers:
+            blk.ffn.down = torch.nn.Linear(blk.ffn.down.in_features, blk.ffn.down.out_features, bias=False)
+    ca, cb = KVCache(lm.config, 24), KVCache(lm.config, 24)
+    toks = torch.randint(3, 160, (1, 14), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        with _module_path():
+            m(toks[:, :4], 0, ca)
+            m(toks[:, :4], 0, cb)
+        for p in range(4, 14):
+            pos = torch.tensor([p])
+            x = m.embed_tokens(toks[:, p:p + 1], pos)
+            for i, blk in enumerate(m.layers):
+                got = block_step(blk, x, pos, ca.layers[i], p)
+                # (qwen2_moe's layer 1 is a dense GatedFFN: that one runs whole)
+                assert got is not None
+                assert blk.__dict__["_cpu_step"][1].ffn == (type(blk.ffn).__name__ == "GatedFFN" and family != "llama")
+                with _module_path():
+                    want = blk(x, pos, cb.layers[i], p)
+                assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, (family, p, i)
+                x = want
