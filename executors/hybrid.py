@@ -171,9 +171,10 @@ class HybridFFN(FFN):
                     and ffn_node_kind(self.cold) is not None)
 
     def host_node_setup(self) -> None:
-        """Before the first capture: the layer's FFNHostNode over its pinned input, mask and output."""
-        if self._node is None:
-            mask = self.mask_np if self.gpu.mask_fn is not None else None
+        """Before a capture: the layer's FFNHostNode over its pinned input, mask and output (again if
+        a predictor came or went since: the node reads the mask only when there is one)."""
+        mask = self.mask_np if self.gpu.mask_fn is not None else None
+        if self._node is None or (self._node.keep[1] is None) != (mask is None):
             self._node = FFNHostNode(self.decode_io.x_np[0], mask, self.cold, self.decode_io.out_np[0],
                                      self.cpu.threads)
             self._y_node = torch.empty((1, self.dim), dtype=torch.float32, device=self.tier.device)
