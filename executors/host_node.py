@@ -105,11 +105,26 @@ def _now_ns(typingctx):
     return types.int64(), codegen
 
 
-def _host_experts(user):
-    # user: the control block. One token's routed host experts, as MoEJob._run_whole computes them.
+@numba.njit(nogil=True, cache=True)
+def _begin(user):
+    # -> (the control block int64 [N_CTL], the start time); the caller's numba thread count set
     ctl = numba.carray(user, (N_CTL,), np.int64)
     t0 = _now_ns()
     _set_num_threads(ctl[THREADS])
+    return ctl, t0
+
+
+@numba.njit(nogil=True, cache=True)
+def _end(ctl, t0, status):
+    # a completed call: its status (rows or experts computed), counted and timed
+    ctl[STATUS] = status
+    ctl[CALLS] += 1
+    ctl[BUSY_NS] += _now_ns() - t0
+
+
+def _host_experts(user):
+    # user: the control block. One token's routed host experts, as MoEJob._run_whole computes them.
+    ctl, t0 = _begin(user)
     x = numba.carray(_void_ptr(ctl[X]), (ctl[D],), np.float32)
     w = numba.carray(_void_ptr(ctl[W]), (ctl[K],), np.float32)
     ids = numba.carray(_void_ptr(ctl[IDS]), (ctl[K],), np.int32)
@@ -139,21 +154,7 @@ def _host_experts(user):
     if n:
         _qexperts_one_kernel(x, first, coef, ctl[QU], gate, up, ctl[GU_X8] != 0, ctl[QD], down, ctl[D_X8] != 0,
                              ctl[HIDDEN], ctl[ACT], ctl[XQ_UP] != 0, ctl[XQ_DOWN] != 0, out)
-    ctl[STATUS] = n
-    ctl[CALLS] += 1
-    ctl[BUSY_NS] += _now_ns() - t0
-
-
-_CFUNC = None
-
-
-def host_function():
-    """The compiled host function (void(void*), a numba cfunc, cached on disk), built on first use."""
-    global _CFUNC
-    if _CFUNC is None:
-        _launch_threads()  # numba's thread pool and its symbols, which the function links to
-        _CFUNC = numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)(_host_experts)
-    return _CFUNC
+    _end(ctl, t0, n)
 
 
 # ------------------------------------------------------------------ a dense layer's cold FFN rows
@@ -188,10 +189,14 @@ def _ffn_bias(ctl):
 
 
 @numba.njit(nogil=True, cache=True)
-def _ffn_float(ctl, up, gate, down):
-    # up/gate/down_t [C, D] of one storage dtype (float32, uint16 bf16 bits, int16 f16 bits, int8)
+def _ffn_float(ctl, dt):
+    # up/gate/down_t [C, D] stored as dt (float32, uint16 bf16 bits, int16 f16 bits, int8) -> rows computed
     x, rows, out = _ffn_call_args(ctl)
     c = ctl[F_C]
+    shape = (c, ctl[F_D])
+    up = numba.carray(_void_ptr(ctl[F_UP]), shape, dt)
+    gate = numba.carray(_void_ptr(ctl[F_GATE]), shape, dt)
+    down = numba.carray(_void_ptr(ctl[F_DOWN]), shape, dt)
     us = numba.carray(_void_ptr(ctl[F_UP_S]), (c,), np.float32)
     gs = numba.carray(_void_ptr(ctl[F_GATE_S]), (c,), np.float32)
     ds = numba.carray(_void_ptr(ctl[F_DOWN_S]), (c,), np.float32)
@@ -202,58 +207,9 @@ def _ffn_float(ctl, up, gate, down):
     return n
 
 
-def _host_ffn_f32(user):
-    ctl = numba.carray(user, (N_CTL,), np.int64)
-    t0 = _now_ns()
-    _set_num_threads(ctl[THREADS])
-    shape = (ctl[F_C], ctl[F_D])
-    ctl[STATUS] = _ffn_float(ctl, numba.carray(_void_ptr(ctl[F_UP]), shape, np.float32),
-                             numba.carray(_void_ptr(ctl[F_GATE]), shape, np.float32),
-                             numba.carray(_void_ptr(ctl[F_DOWN]), shape, np.float32))
-    ctl[CALLS] += 1
-    ctl[BUSY_NS] += _now_ns() - t0
-
-
-def _host_ffn_u16(user):  # bfloat16 bits
-    ctl = numba.carray(user, (N_CTL,), np.int64)
-    t0 = _now_ns()
-    _set_num_threads(ctl[THREADS])
-    shape = (ctl[F_C], ctl[F_D])
-    ctl[STATUS] = _ffn_float(ctl, numba.carray(_void_ptr(ctl[F_UP]), shape, np.uint16),
-                             numba.carray(_void_ptr(ctl[F_GATE]), shape, np.uint16),
-                             numba.carray(_void_ptr(ctl[F_DOWN]), shape, np.uint16))
-    ctl[CALLS] += 1
-    ctl[BUSY_NS] += _now_ns() - t0
-
-
-def _host_ffn_i16(user):  # float16 bits
-    ctl = numba.carray(user, (N_CTL,), np.int64)
-    t0 = _now_ns()
-    _set_num_threads(ctl[THREADS])
-    shape = (ctl[F_C], ctl[F_D])
-    ctl[STATUS] = _ffn_float(ctl, numba.carray(_void_ptr(ctl[F_UP]), shape, np.int16),
-                             numba.carray(_void_ptr(ctl[F_GATE]), shape, np.int16),
-                             numba.carray(_void_ptr(ctl[F_DOWN]), shape, np.int16))
-    ctl[CALLS] += 1
-    ctl[BUSY_NS] += _now_ns() - t0
-
-
-def _host_ffn_i8(user):
-    ctl = numba.carray(user, (N_CTL,), np.int64)
-    t0 = _now_ns()
-    _set_num_threads(ctl[THREADS])
-    shape = (ctl[F_C], ctl[F_D])
-    ctl[STATUS] = _ffn_float(ctl, numba.carray(_void_ptr(ctl[F_UP]), shape, np.int8),
-                             numba.carray(_void_ptr(ctl[F_GATE]), shape, np.int8),
-                             numba.carray(_void_ptr(ctl[F_DOWN]), shape, np.int8))
-    ctl[CALLS] += 1
-    ctl[BUSY_NS] += _now_ns() - t0
-
-
-def _host_ffn_quant(user):  # GGUF blocks: up/gate of type F_QU, down_t of type F_QD (rows as the file has them)
-    ctl = numba.carray(user, (N_CTL,), np.int64)
-    t0 = _now_ns()
-    _set_num_threads(ctl[THREADS])
+@numba.njit(nogil=True, cache=True)
+def _ffn_quant(ctl):
+    # GGUF blocks: up/gate of type F_QU, down_t of type F_QD (rows as the file has them) -> rows computed
     x, rows, out = _ffn_call_args(ctl)
     c = ctl[F_C]
     up = numba.carray(_void_ptr(ctl[F_UP]), (c, ctl[F_UP_C]), np.uint8)
@@ -264,23 +220,56 @@ def _host_ffn_quant(user):  # GGUF blocks: up/gate of type F_QU, down_t of type 
         _qffn_one_kernel(x, rows, ctl[F_QU], up, gate, ctl[F_QD], down, ctl[F_ACT], ctl[F_GATE] != ctl[F_UP],
                          ctl[F_XQ] != 0, _ffn_bias(ctl), ctl[F_BIAS] != 0, np.zeros(1, np.float32), False,
                          min(ctl[THREADS], n), out)
-    ctl[STATUS] = n
-    ctl[CALLS] += 1
-    ctl[BUSY_NS] += _now_ns() - t0
+    return n
 
 
-_FFN_BODIES = {"quant": _host_ffn_quant, "f32": _host_ffn_f32, "bf16": _host_ffn_u16, "f16": _host_ffn_i16,
+# one host function per storage kind: a cfunc's types are fixed when it compiles
+def _host_ffn_f32(user):
+    ctl, t0 = _begin(user)
+    _end(ctl, t0, _ffn_float(ctl, np.float32))
+
+
+def _host_ffn_bf16(user):  # bfloat16 bits
+    ctl, t0 = _begin(user)
+    _end(ctl, t0, _ffn_float(ctl, np.uint16))
+
+
+def _host_ffn_f16(user):  # float16 bits
+    ctl, t0 = _begin(user)
+    _end(ctl, t0, _ffn_float(ctl, np.int16))
+
+
+def _host_ffn_i8(user):
+    ctl, t0 = _begin(user)
+    _end(ctl, t0, _ffn_float(ctl, np.int8))
+
+
+def _host_ffn_quant(user):
+    ctl, t0 = _begin(user)
+    _end(ctl, t0, _ffn_quant(ctl))
+
+
+_FFN_BODIES = {"quant": _host_ffn_quant, "f32": _host_ffn_f32, "bf16": _host_ffn_bf16, "f16": _host_ffn_f16,
                "i8": _host_ffn_i8}
-_FFN_CFUNCS: dict = {}
+_CFUNCS: dict = {}
+
+
+def _compiled(body):
+    """body as a host function (void(void*), a numba cfunc, cached on disk), built on first use."""
+    if body not in _CFUNCS:
+        _launch_threads()  # numba's thread pool and its symbols, which the function links to
+        _CFUNCS[body] = numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)(body)
+    return _CFUNCS[body]
+
+
+def host_function():
+    """The compiled host function of a MoE layer's CPU experts."""
+    return _compiled(_host_experts)
 
 
 def ffn_host_function(kind: str):
-    """The compiled host function of a cold FFN of storage `kind` ("quant", "f32", "bf16", "f16", "i8"),
-    built on first use and cached on disk like host_function()."""
-    if kind not in _FFN_CFUNCS:
-        _launch_threads()
-        _FFN_CFUNCS[kind] = numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)(_FFN_BODIES[kind])
-    return _FFN_CFUNCS[kind]
+    """The compiled host function of a cold FFN of storage `kind` ("quant", "f32", "bf16", "f16", "i8")."""
+    return _compiled(_FFN_BODIES[kind])
 
 
 _CUDA = None

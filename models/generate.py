@@ -81,7 +81,6 @@ class Generator:
         # the copy's spin-wait, leaving its core to CPU work queued behind the step (a host node's
         # kernels); off until measured (tools/bench_moe_decode.py --wait spin,block)
         self.blocking_wait = False
-        self._wait_event = None
         # on CUDA, sample on the device and queue the next step before the host reads the token, so
         # the host's per-token work (reading the token, detokenising, stop strings, the consumer,
         # the next step's launch) overlaps the GPU's and host nodes' step instead of adding to it;
@@ -89,7 +88,7 @@ class Generator:
         # on any device (on the CPU the order changes nothing: the tests compare both loops there)
         self.pipeline: bool | str = "auto" if os.environ.get("HOTCOLD_PIPELINE", "1") != "0" else False
         self._token_host: torch.Tensor | None = None  # pinned [1] int64: the sampled id's landing place
-        self._token_event, self._token_event_blocking = None, False
+        self._event: tuple | None = None  # (blocking, the torch.cuda.Event the host waits on for a step)
 
     def _ensure_cache(self, needed: int) -> None:
         if self.cache is None or self.cache.max_len < needed:
@@ -173,10 +172,9 @@ class Generator:
                     history = torch.cat([history, token_dev.view(1)])
             else:
                 if self.blocking_wait and logits.is_cuda:
-                    if self._wait_event is None:
-                        self._wait_event = torch.cuda.Event(blocking=True)
-                    self._wait_event.record()
-                    self._wait_event.synchronize()
+                    event = self._step_event()
+                    event.record()
+                    event.synchronize()
                 logits = logits.cpu()
                 token = int(sample_id(penalise(logits, history, sampling), sampling, gen))
             if t_first is None:
@@ -220,11 +218,16 @@ class Generator:
             return int(token_dev), launch() if launch is not None else None
         if self._token_host is None:
             self._token_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        if self._token_event is None or self._token_event_blocking != self.blocking_wait:
-            self._token_event = torch.cuda.Event(blocking=self.blocking_wait)
-            self._token_event_blocking = self.blocking_wait
+        event = self._step_event()
         self._token_host.copy_(token_dev.view(1), non_blocking=True)
-        self._token_event.record()
+        event.record()
         queued = launch() if launch is not None else None
-        self._token_event.synchronize()
+        event.synchronize()
         return int(self._token_host[0]), queued
+
+    def _step_event(self) -> torch.cuda.Event:
+        """The event the host waits on for a step's result: blocking (the thread sleeps) with
+        blocking_wait, else spinning."""
+        if self._event is None or self._event[0] != self.blocking_wait:
+            self._event = (self.blocking_wait, torch.cuda.Event(blocking=self.blocking_wait))
+        return self._event[1]

@@ -48,6 +48,26 @@ def _module_path():
     return Off()
 
 
+def _each_block(lm, toks, prefix: int, ca: KVCache, cb: KVCache):
+    """Prefill toks[:, :prefix] into both caches by the module path; then at each later position feed
+    every block the module path's input, once fused (cache ca), once by the module path (cb). Yields
+    (position, layer, block, the fused step's output or None, the module path's output)."""
+    m = lm.model
+    with torch.inference_mode():
+        with _module_path():
+            m(toks[:, :prefix], 0, ca)
+            m(toks[:, :prefix], 0, cb)
+        for p in range(prefix, toks.shape[1]):
+            pos = torch.tensor([p])
+            x = m.embed_tokens(toks[:, p:p + 1], pos)
+            for i, blk in enumerate(m.layers):
+                got = block_step(blk, x, pos, ca.layers[i], p)
+                with _module_path():
+                    want = blk(x, pos, cb.layers[i], p)
+                yield p, i, blk, got, want
+                x = want
+
+
 @pytest.mark.parametrize("family, kind, fused", [("llama", "q8_0", False), ("llama", "q4_0", True),
                                                  ("qwen2", "q8_0", False), ("qwen3", "q4_0", False),
                                                  ("mistral", "q4_0", False), ("gemma3", "q8_0", False)])
@@ -60,20 +80,9 @@ def test_block_step_equals_the_module_path(tiny_dir, family, kind, fused):
     assert all(getattr(b.attn, "qkv", None) is not None for b in m.layers) == fused
     ca, cb = KVCache(cfg, 32), KVCache(cfg, 32)
     toks = torch.randint(3, 160, (1, 20), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        with _module_path():
-            m(toks[:, :6], 0, ca)
-            m(toks[:, :6], 0, cb)
-        for p in range(6, 20):
-            pos = torch.tensor([p])
-            x = m.embed_tokens(toks[:, p:p + 1], pos)
-            for i, blk in enumerate(m.layers):
-                got = block_step(blk, x, pos, ca.layers[i], p)
-                assert got is not None
-                with _module_path():
-                    want = blk(x, pos, cb.layers[i], p)
-                assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, (family, p, i)
-                x = want
+    for p, i, _, got, want in _each_block(lm, toks, 6, ca, cb):
+        assert got is not None
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, (family, p, i)
     for (ka, va), (kb, vb) in zip(ca.layers, cb.layers):
         assert torch.allclose(ka[:, :, :20], kb[:, :, :20], atol=1e-5) and torch.allclose(va[:, :, :20], vb[:, :, :20], atol=1e-5)
 
@@ -156,19 +165,8 @@ def test_attention_half_before_an_ffn_module(tiny_dir, family, kind):
             blk.ffn.down = torch.nn.Linear(blk.ffn.down.in_features, blk.ffn.down.out_features, bias=False)
     ca, cb = KVCache(lm.config, 24), KVCache(lm.config, 24)
     toks = torch.randint(3, 160, (1, 14), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        with _module_path():
-            m(toks[:, :4], 0, ca)
-            m(toks[:, :4], 0, cb)
-        for p in range(4, 14):
-            pos = torch.tensor([p])
-            x = m.embed_tokens(toks[:, p:p + 1], pos)
-            for i, blk in enumerate(m.layers):
-                got = block_step(blk, x, pos, ca.layers[i], p)
-                # (qwen2_moe's layer 1 is a dense GatedFFN: that one runs whole)
-                assert got is not None
-                assert blk.__dict__["_cpu_step"][1].ffn == (type(blk.ffn).__name__ == "GatedFFN" and family != "llama")
-                with _module_path():
-                    want = blk(x, pos, cb.layers[i], p)
-                assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, (family, p, i)
-                x = want
+    for p, i, blk, got, want in _each_block(lm, toks, 4, ca, cb):
+        # (qwen2_moe's layer 1 is a dense GatedFFN: that one runs whole)
+        assert got is not None
+        assert blk.__dict__["_cpu_step"][1].ffn == (type(blk.ffn).__name__ == "GatedFFN" and family != "llama")
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, (family, p, i)

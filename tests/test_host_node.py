@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from hotcold.executors.host_node import HostNode
 from hotcold.sparse_ops import quant
@@ -89,8 +90,6 @@ def test_host_node_sets_the_thread_count_of_the_thread_that_runs_it():
 
 def _cold_ffn(kind: str, gated: bool, act: str, c: int = 96, d: int = 256, seed: int = 0):
     """A ColdFFN of c rows over d: float storage of `kind`, or GGUF blocks ("Q4_0", "Q4_K"; down_t Q8_0)."""
-    import torch
-
     from hotcold.executors.weights import ColdFFN
     from hotcold.sparse_ops.cpu import HostMatrix
 
@@ -147,7 +146,7 @@ def test_ffn_host_node_refuses_what_it_cannot_compute():
         FFNHostNode(x, np.zeros(8, np.bool_), cold, out, threads=1)
     with pytest.raises(ValueError, match="x and out"):
         FFNHostNode(x[:128], None, cold, out[:128], threads=1)
-    cold.down_t = HostMatrix.from_torch(__import__("torch").zeros(32, 256), "bf16")  # mixed kinds
+    cold.down_t = HostMatrix.from_torch(torch.zeros(32, 256), "bf16")  # mixed kinds
     assert ffn_node_kind(cold) is None
     with pytest.raises(ValueError, match="no host function"):
         FFNHostNode(x, None, cold, out, threads=1)
