@@ -20,7 +20,8 @@ Python thread hand-off; it is paid once per CPU segment of a layer, only when th
 
   * GPU FFN rows are computed densely: every GPU-resident row of a dense/gated layer is read every
     step (a masked dense product over the hot slice; cheaper than gathering at GPU bandwidth and what
-    the GPU executor does). GPU experts are read only when routed (probability expert_freq).
+    the GPU executor does). GPU experts are read only when routed (probability expert_freq), all of a
+    token's routed GPU experts by one pair of kernels: a fixed number of launches per MoE layer.
   * CPU rows are read only when predicted active: a neuron with activation frequency f costs
     P(active in at least one of B tokens) = 1 - (1 - f')^B rows, f' = f inflated by the predictor's
     over-selection (profile.json `predicted_active_fraction` / mean f) when predictor stats exist.
@@ -66,7 +67,8 @@ class Constants:
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
     attn_gpu_kernels: int = 12  # norm, q/k/v, rope x2, cache write, sdpa, o, residual, ...
     ffn_gpu_kernels: int = 5  # norm, gate+up, act*mul, down, residual (dense/gated FFN with any GPU rows)
-    expert_gpu_kernels: int = 4  # per routed GPU expert: gate, up, act*mul, down
+    moe_gpu_kernels: int = 3  # a MoE layer with GPU experts: gate+up+act, down, add (every routed GPU
+    #                           expert of a token in one pair of kernels: sparse_ops/moe_gpu.py)
     hybrid_gpu_kernels: int = 4  # a layer with CPU work: D2H copy, wait, H2D copy, add
     predictor_gpu_kernels: int = 3  # two small matmuls and a threshold
     head_gpu_kernels: int = 3  # final norm, lm_head, sampling
@@ -270,7 +272,7 @@ class LayerCosts:
     pred_bytes: float  # 0 for MoE layers
     pred_gpu_s: float
     pred_cpu_s: float
-    ffn_gpu_fixed_s: float  # launches when any unit is on the GPU (dense/gated)
+    ffn_gpu_fixed_s: float  # launches when any unit (neuron block or expert) is on the GPU
     ffn_cpu_fixed_s: float  # calls when any unit is on the CPU
     hybrid_gpu_s: float  # GPU-side extra when the layer has CPU FFN work (hybrid plans)
     ffn_sync_s: float  # CPU-side sync when the layer has CPU FFN work (hybrid plans)
@@ -446,11 +448,11 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             q = 1.0 - (1.0 - np.minimum(1.0, f_sorted)) ** B  # routed for at least one token of the batch
             unit_bytes = np.full(n_items, eb)
             unit_host_bytes = np.full(n_items, eb_host)
-            unit_gpu_s = q * (eb_t / gbw + c.expert_gpu_kernels * launch)
+            unit_gpu_s = q * eb_t / gbw  # a routed GPU expert costs its bytes: no launches of its own
             unit_cpu_s = q * (eb_host / expert_bps + c.expert_cpu_calls * call)
             unit_freq = f_sorted.copy()
             pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
-            ffn_gpu_fixed_s = 0.0
+            ffn_gpu_fixed_s = c.moe_gpu_kernels * launch
             ffn_cpu_fixed_s = 0.0
             mask_bytes = B * cfg.top_k * 8
         else:

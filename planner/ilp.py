@@ -152,7 +152,7 @@ def _solve(costs, vram, ram, solver, time_limit, gap, threads, objective, warm) 
             options[l] = opts
             key = (lc.n_units,) + tuple(np.round(np.concatenate([o[1] * US, o[2], o[3]]), 6).tobytes() for o in opts)
             groups.setdefault(key, []).append(l)
-    layer_vars: list = [None] * len(costs.layers)  # ("dense", group id) or ("moe", a, ys, c, u)
+    layer_vars: list = [None] * len(costs.layers)  # ("dense", group id) or ("moe", a, ys, c, g, u)
     group_vars: list = []  # per group: (layers, [(a, n, w)])
     start: dict = {}  # variable -> initial value
     for l, lc in enumerate(costs.layers):
@@ -245,11 +245,14 @@ def _moe_layer(prob, m: _Model, l: int, lc: LayerCosts):
     ys = [pulp.LpVariable(f"y_{l}_{k}", cat="Binary") for k in range(K)]
     a = pulp.LpVariable(f"a_{l}", cat="Binary")
     c = pulp.LpVariable(f"c_{l}", cat="Binary")  # binary, although implied: a strong variable to branch on
+    g = pulp.LpVariable(f"g_{l}", cat="Binary")  # any expert on the GPU (its kernels' launches)
     u = pulp.LpVariable(f"u_{l}", lowBound=0)
     for k in range(K):
         prob += pulp.LpAffineExpression([(c, 1), (ys[k], 1)]) >= 1, f"cpu_{l}_{k}"
-    # u >= sum_k y_k G_k + hybrid * c
-    gpu_side = [(ys[k], float(lc.unit_gpu_s[k]) * US) for k in range(K)] + [(c, lc.hybrid_gpu_s * US)]
+        prob += pulp.LpAffineExpression([(g, 1), (ys[k], -1)]) >= 0, f"gpu_{l}_{k}"
+    # u >= sum_k y_k G_k + fixed * g + hybrid * c
+    gpu_side = [(ys[k], float(lc.unit_gpu_s[k]) * US) for k in range(K)] + [(c, lc.hybrid_gpu_s * US),
+                                                                            (g, lc.ffn_gpu_fixed_s * US)]
     prob += _expr([(u, 1)] + [(v, -w) for v, w in gpu_side]) >= 0, f"u_gpu_{l}"
     # u >= sum_k (1 - y_k) C_k + (calls + sync) * c
     cpu_side = [(ys[k], -float(lc.unit_cpu_s[k]) * US) for k in range(K)] + \
@@ -264,7 +267,7 @@ def _moe_layer(prob, m: _Model, l: int, lc: LayerCosts):
     m.gpu += [(a, ab)] + [(ys[k], float(lc.unit_bytes[k]) / MB) for k in range(K)]
     m.host += [(a, -abh)] + [(ys[k], -float(lc.unit_host_bytes[k]) / MB) for k in range(K)]
     m.host_c += abh + float(lc.unit_host_bytes.sum()) / MB
-    return ("moe", a, ys, c, u)
+    return ("moe", a, ys, c, g, u)
 
 
 def _placement(costs: ModelCosts, layer_vars, group_vars, hd) -> Placement:
@@ -283,7 +286,7 @@ def _placement(costs: ModelCosts, layer_vars, group_vars, hd) -> Placement:
             attn.append(bool(a))
             on.append(np.arange(lc.n_units) < n)
         else:
-            _, a, ys, _, _ = lv
+            _, a, ys, _, _, _ = lv
             attn.append((a.value() or 0.0) > 0.5)
             on.append(np.array([(y.value() or 0.0) > 0.5 for y in ys], bool))
     return Placement("hybrid", attn, on, (hd.value() or 0.0) > 0.5)
@@ -306,11 +309,12 @@ def _start_values(costs: ModelCosts, warm: Placement, layer_vars, group_vars, hd
     for l, lv in enumerate(layer_vars):
         if lv[0] == "moe":
             on = np.asarray(warm.on_gpu[l], bool)
-            _, av, ys, c, u = lv
+            _, av, ys, c, g, u = lv
             vals[av] = int(bool(warm.attn_gpu[l]))
             for k, y in enumerate(ys):
                 vals[y] = int(on[k])
             vals[c] = int((~on).any())
+            vals[g] = int(on.any())
             le = ev.layers[l]
             vals[u] = max(le.ffn_gpu_s, le.ffn_cpu_s) * US * (1 + 1e-9)
     return vals

@@ -119,7 +119,7 @@ class HardwareProfile:
         (a compile, say) come out low, and the plan's placement and prediction with them (an H200
         host probed beside a 10-job build measured every kernel at one call per scheduler quantum,
         and its plan predicted 5.3 tok/s where the idle probe's predicted 422)."""
-        cpus = os.cpu_count() or 1
+        cpus = self.cpu_threads or os.cpu_count() or 1  # the measured machine's, not the planning one's
         if self.source != "measured" or self.load_before is None or self.load_before < 0.5 * cpus:
             return None
         return (f"this machine was busy when it was measured (load average {self.load_before:.1f} on {cpus} CPUs): "

@@ -534,11 +534,18 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     # a profile measured on a busy machine (a compile beside the probe) is said to be so, at every plan
     busy = tmp_path / "busy.json"
     busy.write_text(dataclasses.replace(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6),
-                                        source="measured", load_before=10.0 * (os.cpu_count() or 1)).to_json())
+                                        source="measured", load_before=1.5).to_json())  # toy: 2 CPUs
     r = _cli("plan", model, "--vram", "120KiB", "--workspace", "16KiB", "--hardware", busy, "--ctx", "128",
              "--out", tmp_path / "busy-plan")
     flat = " ".join(r.output.split())  # the console wraps the line
     assert r.exit_code == 0 and "was busy when it was measured" in flat and "hotcold probe --force" in flat
+    # ... against the CPUs of the machine it measured, not of the one planning: 1.5 is idle for 16
+    idle16 = tmp_path / "idle16.json"
+    idle16.write_text(dataclasses.replace(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6), source="measured",
+                                          cpu_threads=16, load_before=1.5).to_json())
+    r = _cli("plan", model, "--vram", "120KiB", "--workspace", "16KiB", "--hardware", idle16, "--ctx", "128",
+             "--out", tmp_path / "idle16-plan")
+    assert r.exit_code == 0 and "busy" not in r.output
     # a budget for the whole model: all on the GPU; --vram 0: all on the CPU
     r = _cli("plan", model, "--vram", "1GiB", "--hardware", "h200", "--json")
     assert r.exit_code == 0 and json.loads(r.output)["mode"] == "gpu"
@@ -816,9 +823,10 @@ def test_gpu_int4_experts_cost_their_int4_bytes():
         np.testing.assert_allclose(lq.unit_bytes, 3 * h * inter * b4)
         np.testing.assert_allclose(lg.unit_bytes, h * inter * (2 * b4 + 2.0))
         np.testing.assert_allclose(lq.unit_host_bytes, lp.unit_host_bytes)
-        # time: the int4 bytes at the kernels' share of the GEMV rate (+ launches, the same in both)
+        # time: the int4 bytes at the kernels' share of the GEMV rate (the launches are per layer, the same in both)
         extra = lq.unit_gpu_s - lp.unit_gpu_s
-        q = lp.unit_gpu_s / (3 * h * inter * 2.0 / hw.gpu_gemv_Bps + TOY_CONSTANTS.expert_gpu_kernels * hw.launch_s)
+        q = lp.unit_gpu_s / (3 * h * inter * 2.0 / hw.gpu_gemv_Bps)
+        assert lq.ffn_gpu_fixed_s == lp.ffn_gpu_fixed_s == TOY_CONSTANTS.moe_gpu_kernels * hw.launch_s
         np.testing.assert_allclose(extra, q * 3 * h * inter * (b4 / INT4_EXPERT_SPEED - 2.0) / hw.gpu_gemv_Bps,
                                    rtol=1e-9, atol=1e-15)
     fixed = costs["q4"].gpu_fixed_bytes + costs["q4"].head_bytes + sum(l.attn_bytes + l.kv_bytes + l.pred_bytes
