@@ -46,7 +46,7 @@ from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_mod
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
-from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts
+from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts, triton_available
 from hotcold.sparse_ops.quant import (GEMM_BF16, check_expert_stacks, qdequantize, qexpert_batch, qexperts_tokens,
                                      qexperts_trusted)
 
@@ -233,6 +233,10 @@ def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]
             tok, slot = np.nonzero(ids == e)
             yield e, tok, slot
 
+
+# kernel launches of a chunk's GPU experts (HybridMoE._token_by_token): per token through the decode
+# kernels (two, and the token's rows), per routed expert through its dequantised weights
+TOKEN_LAUNCHES, EXPERT_LAUNCHES_INT4, EXPERT_LAUNCHES = 6, 40, 10
 
 EXPERT_BATCH_TOKENS = 48 if GEMM_BF16 else 256  # tokens of a chunk routed to one quantised CPU expert
 # from which it is decoded once for a torch GEMM (qexpert_batch) rather than computed from its blocks
@@ -444,7 +448,7 @@ class HybridMoE(FFN):
             if ready is not None:
                 ready.synchronize()  # the routing on the host; the shared expert runs meanwhile
             book.add(phase, wait_s=now() - w0)
-            y = self._gpu_experts(x2, weights, routing.ids_np[:n], y, phase)
+            y = self._gpu_experts(x2, weights, routing.ids_np[:n], y, phase, ids)
         book.span(phase, "gpu_s", g0, tier.mark())
         book.add(phase, layer_calls=1)
         if job is not None:
@@ -687,7 +691,7 @@ class HybridMoE(FFN):
         if regime == "cpu" and not late:
             self.cpu.submit(job)
         if self.fast.ids:
-            y = self._gpu_experts(x2, weights, ids_np, y, "prefill")
+            y = self._gpu_experts(x2, weights, ids_np, y, "prefill", ids)
         if regime == "cpu" and late:
             self.cpu.submit(job)
         if regime == "stream":
@@ -740,9 +744,16 @@ class HybridMoE(FFN):
         return routed_experts(x2[0], ids[0], weights[0], f.slot_of, f.gate, f.up, f.down, f.act_name)[None]
 
     def _gpu_experts(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, y: torch.Tensor,
-                     phase: str) -> torch.Tensor:
+                     phase: str, ids_dev: torch.Tensor | None = None) -> torch.Tensor:
         """y + the routed GPU experts' outputs, each scaled by its routing weight, as MoEFFN.mix sums
-        them. x2, y: [N, D]; weights: [N, k] on the fast tier; ids: int64 [N, k] on the host."""
+        them. x2, y: [N, D]; weights: [N, k] on the fast tier; ids: int64 [N, k] on the host, and
+        ids_dev the same on the fast tier (several tokens: token by token when that is fewer launches)."""
+        if ids_dev is not None and len(x2) > 1 and self._token_by_token(ids):
+            f = self.fast
+            out = torch.stack([routed_experts(x2[i], ids_dev[i], weights[i], f.slot_of, f.gate, f.up, f.down,
+                                              f.act_name) for i in range(len(x2))])  # float32 [N, D]
+            self.book.add(phase, experts_gpu=int((self.pos[ids] < 0).sum()))
+            return y + out.to(y.dtype)
         out = torch.zeros_like(x2)
         pairs = 0
         for e, tok, slot in routed(ids, self.slot.__contains__):
@@ -755,6 +766,23 @@ class HybridMoE(FFN):
             pairs += len(tok)
         self.book.add(phase, experts_gpu=pairs)
         return out + y
+
+    def _token_by_token(self, ids: np.ndarray) -> bool:
+        """Whether a chunk's GPU experts (routed ids [N, k] on the host) run token by token through the
+        decode kernels (sparse_ops/moe_gpu.py: two launches a token, reading its routed experts) rather
+        than expert by expert (each routed expert dequantised, then its three products: ~40 launches
+        for a 4-bit one, ~10 for a float one): a short prompt routes to most of the GPU's experts."""
+        f = self.fast
+        if not self.device_kernels():
+            return False
+        routed_here = len(np.unique(ids[self.pos[ids] < 0]))
+        per_expert = EXPERT_LAUNCHES_INT4 if f.int4 else EXPERT_LAUNCHES
+        return len(ids) * TOKEN_LAUNCHES < routed_here * per_expert
+
+    def device_kernels(self) -> bool:
+        """Whether the fast tier runs routed_experts' Triton kernels (CUDA, contiguous stacks)."""
+        f = self.fast
+        return triton_available(self.tier.device) and all(t.is_contiguous() for t in (f.gate, f.up, f.down))
 
     # ------------------------------------------------------------------ the CPU side
 
