@@ -62,17 +62,26 @@ def ensure_profile(model: Path, out: Path, tokens: int, threads: int) -> None:
     subprocess.run(cmd, check=True)
 
 
-def retrain(model: Path, art: Path, threads: int, recall: float, budget: float) -> None:
-    """Train the predictors of an existing profile again (current defaults), as `hotcold profile` would."""
+def retrain(model: Path, art: Path, threads: int, recall: float, budget: float | None) -> None:
+    """Train the predictors of an existing profile again (current defaults), as `hotcold profile` would:
+    budget None tries the default sizes against the profile's held-out perplexity (the calibration
+    text's tail, as the profile cut it)."""
     from rich.console import Console
 
     from hotcold.models.loader import load_model
+    from hotcold.models.perplexity import calibration_text
     from hotcold.profiler.command import _train_predictors
 
     torch.set_num_threads(threads)
     lm = load_model(model, "cpu", "float32")
+    meta = json.loads((art / "profile.json").read_text())
+    check = None
+    if meta.get("heldout_tokens") and meta.get("dense_ppl"):
+        ids = lm.tokenizer.encode(calibration_text(), add_special_tokens=False)
+        check = (ids[len(ids) - meta["heldout_tokens"]:], meta["seq_len"], meta.get("ppl_budget") or 0.01)
     print(f"retraining the predictors of {art}", file=sys.stderr)
-    _train_predictors(lm, [art / "profile.safetensors", art / "profile.json"], recall, budget, Console(stderr=True))
+    _train_predictors(lm, [art / "profile.safetensors", art / "profile.json"], recall, budget, Console(stderr=True),
+                      check)
 
 
 def evaluate(model: Path, art: Path, eval_tokens: int, ctx: int) -> dict:
@@ -122,7 +131,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--retrain", action="store_true", help="train the predictors again from existing profiles")
     ap.add_argument("--recall", type=float, default=0.95, help="with --retrain: the predictors' target recall")
-    ap.add_argument("--budget", type=float, default=0.04, help="with --retrain: predictor size / FFN parameters")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="with --retrain: predictor size / FFN parameters (default: as `hotcold profile` chooses)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
