@@ -11,8 +11,6 @@ import typer
 
 from hotcold.errors import HotcoldError
 
-AUTO_BUDGETS = (0.04, 0.08)  # predictor sizes tried by default, as fractions of the FFN parameters (issue 4: <= 8%)
-
 
 def profile(
     model: Optional[Path] = typer.Argument(None, help="HF model folder or .gguf file (default: the embedded Gemma 3 270M)"),
@@ -32,11 +30,9 @@ def profile(
     predictors: bool = typer.Option(True, "--predictors/--no-predictors",
                                     help="Train the activation predictors (and MoE look-ahead) after profiling."),
     recall: float = typer.Option(0.95, "--recall", min=0.5, max=1.0, help="Predictors: target recall per layer."),
-    predictor_budget: Optional[float] = typer.Option(
-        None, "--predictor-budget", min=0.001, max=1.0,
-        help="Predictors: total size as a fraction of the FFN parameters (every byte of it is read per token). "
-             f"Default: {AUTO_BUDGETS[0]:g}, retrained at {AUTO_BUDGETS[1]:g} when a gated model's "
-             "predictor-sparse held-out perplexity exceeds the perplexity budget."),
+    predictor_budget: float = typer.Option(0.04, "--predictor-budget", min=0.001, max=1.0,
+                                           help="Predictors: total size as a fraction of the FFN parameters "
+                                                "(every byte of it is read per token)."),
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
@@ -121,36 +117,26 @@ def _sample_cap(lm, samples: int, console) -> int:
     return samples
 
 
-def _train_predictors(lm, paths, recall: float, budget: float | None, console, check=None) -> list[Path]:
+def _train_predictors(lm, paths, recall: float, budget: float, console, check=None) -> list[Path]:
     """Train predictors from the profile just written; save them and add their metrics to profile.json.
     check: (held-out ids, window, perplexity budget) of a gated model: the predictor-sparse held-out
-    perplexity is measured and recorded; with the default budget (None), predictors whose perplexity
-    rises past the budget are trained again at the larger default size, and the better set is kept."""
+    perplexity is measured, recorded and printed beside the dense one."""
     from hotcold.artifacts import atomic_path
     from hotcold.predictors.artifact import save_predictors
     from hotcold.predictors.train import train_predictors
     from hotcold.profiler.artifact import load_profile
 
     profile = load_profile(paths[0], lm.fingerprint)
-    best, tries = None, []
-    for b in AUTO_BUDGETS if budget is None else (budget,):
-        with _progress(console) as update:
-            preds, metrics = train_predictors(lm, profile, recall=recall, budget=b, device=lm.device, progress=update)
-        if check is None:
-            best = (preds, metrics)
-            break
+    with _progress(console) as update:
+        preds, metrics = train_predictors(lm, profile, recall=recall, budget=budget, device=lm.device, progress=update)
+    if check is not None:
+        dense = profile.meta["dense_ppl"]
         ppl = _sparse_ppl(lm, preds, *check[:2])
-        rise = ppl / profile.meta["dense_ppl"] - 1.0
-        tries.append({"budget": b, "heldout_ppl": ppl, "rise": rise})
-        console.print(f"predictors at {b:g} of the FFN parameters: held-out perplexity "
-                      f"{profile.meta['dense_ppl']:.3f} -> {ppl:.3f} ({rise:+.2%})")
-        if best is None or ppl < best[1]["heldout_ppl"]:
-            best = (preds, dict(metrics, heldout_ppl=ppl, heldout_ppl_rise=rise))
-        if rise <= check[2]:
-            break
-    preds, metrics = best
-    if tries:
-        metrics["budget_tries"] = tries
+        rise = ppl / dense - 1.0
+        metrics.update(heldout_ppl=ppl, heldout_ppl_rise=rise)
+        hint = (f"; above the {check[2]:.0%} budget: a larger --predictor-budget (up to 0.08) or --recall may help"
+                if rise > check[2] else "")
+        console.print(f"predictor-sparse held-out perplexity {dense:.3f} -> {ppl:.3f} ({rise:+.2%}){hint}")
     out = save_predictors(paths[0].with_name("predictors.safetensors"), preds)
     meta = dict(profile.meta, predictors=metrics)
     with atomic_path(paths[1]) as tmp:

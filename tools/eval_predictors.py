@@ -62,10 +62,9 @@ def ensure_profile(model: Path, out: Path, tokens: int, threads: int) -> None:
     subprocess.run(cmd, check=True)
 
 
-def retrain(model: Path, art: Path, threads: int, recall: float, budget: float | None) -> None:
-    """Train the predictors of an existing profile again (current defaults), as `hotcold profile` would:
-    budget None tries the default sizes against the profile's held-out perplexity (the calibration
-    text's tail, as the profile cut it)."""
+def retrain(model: Path, art: Path, threads: int, recall: float, budget: float) -> None:
+    """Train the predictors of an existing profile again (current defaults), as `hotcold profile` would,
+    measuring their held-out perplexity on the profile's held-out tail."""
     from rich.console import Console
 
     from hotcold.models.loader import load_model
@@ -131,8 +130,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--retrain", action="store_true", help="train the predictors again from existing profiles")
     ap.add_argument("--recall", type=float, default=0.95, help="with --retrain: the predictors' target recall")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="with --retrain: predictor size / FFN parameters (default: as `hotcold profile` chooses)")
+    ap.add_argument("--budget", type=float, default=0.04, help="with --retrain: predictor size / FFN parameters")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
