@@ -703,3 +703,16 @@ def test_decode_timeline_reports_the_host_calls_of_a_moe_decode(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "tools" / "decode_timeline.py"), str(tmp_path / "none.gguf"),
                           "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().count("\n") == 0 and "no such file" in bad.stderr
+
+
+def test_moe_cpu_bench_times_calls_after_idle_gaps():
+    """tools/bench_moe_cpu.py --gap-us: one row per gap, each a positive time and rate over the k experts'
+    bytes (4 experts of [256 x 64] Q4_0: tiny, so the test is quick)."""
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "bench_moe_cpu.py"), "--experts", "4", "--k", "2",
+                          "--hidden", "256", "--inter", "64", "--iters", "3", "--threads", "2", "--gap-us", "0,50"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("|") and "--" not in line][1:]
+    assert [float(r[0]) for r in rows] == [0.0, 50.0]
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
+    assert "2 of 4 experts per call (0.06 MB)" in run.stdout  # 2 x 3 x 64 x 256 weights at 18 bytes per 32

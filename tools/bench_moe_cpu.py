@@ -23,6 +23,13 @@ torch GEMM over its tokens (`qexpert_batch`: bfloat16 where the CPU has it, else
 in one `qexperts_tokens` call (each expert's blocks read once for its tokens). Median of --iters / 10.
 
     python tools/bench_moe_cpu.py --prompt 8,64,256,1024
+
+--gap-us G,...: instead, the interleaved `qexperts` call with the calling thread busy for G µs between
+calls (the numba workers idle meanwhile, as in a decode, where a layer's GPU half and the copies come
+between two layers' CPU experts): the median time of a call after each gap, so the cost of waking
+the thread team shows against back-to-back calls (G = 0).
+
+    python tools/bench_moe_cpu.py --k 2 --experts 128 --gap-us 0,100,400,2000
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--prompt", default=None, help="prompt chunks of T tokens instead, comma-separated (e.g. 64,256)")
+    ap.add_argument("--gap-us", default=None, help="idle gaps between calls instead, in µs, comma-separated")
     args = ap.parse_args(argv)
     E, k, D, I = args.experts, args.k, args.hidden, args.inter
     dq = args.down_qtype or args.qtype
@@ -69,6 +77,8 @@ def main(argv=None) -> int:
     x = rng.standard_normal(D).astype(np.float32)
     out = np.zeros(D, np.float32)
     scale = np.zeros(E * I, np.float32)
+    if args.gap_us:
+        return gap_table(args, packed, x, out, rng)
 
     def whole(mats):
         def call(ex, coef):
@@ -104,6 +114,32 @@ def main(argv=None) -> int:
         t, per = times[name], nbytes / E
         print(f"| {name:<20} | {t * 1e3:>10.3f} | {k * per / 1e6:>8.2f} | {k * per / t / 1e9:>6.1f} | "
               f"{per / 1e6:>11.2f} | {ref / t:>5.2f}x |")
+    return 0
+
+
+def gap_table(args, mats, x, out, rng) -> int:
+    """Median time of one interleaved `qexperts` call (k of E experts) after each idle gap."""
+    E, k = args.experts, args.k
+    expert_bytes = sum(m.nbytes for m in mats) / E
+    coef = np.full(k, 1.0 / k, np.float32)
+    qexperts(x, rng.choice(E, k, replace=False), coef, *mats, "silu", out=out)  # compiled, threads started
+    print(f"\n{get_threads()} threads, {k} of {E} experts per call ({k * expert_bytes / 1e6:.2f} MB)\n")
+    print(f"| {'gap µs':>7} | {'µs / call':>9} | {'p10 µs':>7} | {'GB/s':>6} |")
+    print(f"|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 8}|")
+    for gap in (float(g) * 1e-6 for g in args.gap_us.split(",")):
+        ts = []
+        for _ in range(args.iters + 5):
+            ex = rng.choice(E, k, replace=False)
+            end = time.perf_counter() + gap
+            while time.perf_counter() < end:  # the calling thread busy, the workers idle
+                pass
+            t0 = time.perf_counter()
+            qexperts(x, ex, coef, *mats, "silu", out=out)
+            ts.append(time.perf_counter() - t0)
+        t = np.asarray(ts[5:])
+        med = float(np.median(t))
+        print(f"| {gap * 1e6:>7.0f} | {med * 1e6:>9.1f} | {np.percentile(t, 10) * 1e6:>7.1f} | "
+              f"{k * expert_bytes / med / 1e9:>6.1f} |")
     return 0
 
 
