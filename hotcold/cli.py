@@ -192,6 +192,9 @@ def _print_stats(setup, gen_stats) -> None:
         if measured == measured and measured > 0:  # idle: the token's time outside the GPU spans / the worker's compute
             line += (f"; idle GPU {max(0.0, 1 - t['gpu_ms'] / measured):.0%}, "
                      f"CPU worker {max(0.0, 1 - (t['cpu_ms'] + t['host_ms']) / measured):.0%}")
+        eng = setup.engine
+        if eng.tier.cuda and any(getattr(f, "host_nodes", False) for f in (*eng.moe.values(), *eng.layers.values())):
+            line += "; timed on the split graphs (without --stats the CPU parts run as CUDA host nodes, faster)"
     else:
         line += " (dense: no GPU/CPU split)"
     if setup.predicted_ms_per_token is not None:
