@@ -46,7 +46,7 @@ from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_mod
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
-from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts, triton_available
+from hotcold.sparse_ops.moe_gpu import Q4Stack, kernels_ready, routed_experts
 from hotcold.sparse_ops.quant import (GEMM_BF16, check_expert_stacks, qdequantize, qexpert_batch, qexperts_tokens,
                                      qexperts_trusted)
 
@@ -782,7 +782,7 @@ class HybridMoE(FFN):
     def device_kernels(self) -> bool:
         """Whether the fast tier runs routed_experts' Triton kernels (CUDA, contiguous stacks)."""
         f = self.fast
-        return triton_available(self.tier.device) and all(t.is_contiguous() for t in (f.gate, f.up, f.down))
+        return kernels_ready(self.tier.device, f.gate, f.up, f.down, f.slot_of)
 
     # ------------------------------------------------------------------ the CPU side
 

@@ -121,6 +121,13 @@ def routed_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     return torch.matmul(wd, h).float().sum(0).reshape(-1)  # [D]
 
 
+def kernels_ready(device, gate, up, down, slot_of) -> bool:
+    """Whether routed_experts runs its Triton kernels on these stacks (else its torch twin): CUDA,
+    at least one expert, every stack contiguous (the kernels index them as such)."""
+    return (triton_available(device) and gate.shape[0] > 0
+            and all(t.is_contiguous() for t in (gate, up, down, slot_of)))
+
+
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
                    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     """One token's routed fast-tier experts (see the module docstring). x: [D]; ids: int [k];
@@ -131,8 +138,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sl
     q4_gu = isinstance(gate, Q4Stack)
     if q4_gu != isinstance(up, Q4Stack):
         raise ValueError("gate and up must both be Q4Stack or both tensors")
-    if not triton_available(x.device) or gate.shape[0] == 0 or not all(
-            t.is_contiguous() for t in (gate, up, down, slot_of)):  # the kernels index contiguous stacks
+    if not kernels_ready(x.device, gate, up, down, slot_of):
         return routed_experts_torch(x, ids, weights, slot_of, gate, up, down, act)
     G, I, D = gate.shape
     k = ids.numel()
