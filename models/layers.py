@@ -8,6 +8,7 @@ without touching attention code.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from hotcold.models.config import ModelConfig, MoEConfig
 from hotcold.sparse_ops.attention import decode_attention
+from hotcold.sparse_ops.cpu import HostMatrix, gemv
 from hotcold.sparse_ops.fused_gpu import fused_ready, rms_norm_cuda, rope_cuda
 from hotcold.sparse_ops.norm import rms_norm
 from hotcold.sparse_ops.quant import qgemv
@@ -141,14 +143,46 @@ def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch
     return mask
 
 
+_HALF = (torch.float16, torch.bfloat16)
+_HOST: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its data_ptr, HostMatrix over its memory)
+
+
+def half_gemv_ready(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether x @ w.T takes `half_gemv`: one token, on the CPU, w a contiguous float16/bfloat16 matrix,
+    and no autograd to record."""
+    return (x.device.type == "cpu" and x.numel() == x.shape[-1] and w.dtype in _HALF and w.device.type == "cpu"
+            and w.dim() == 2 and w.is_contiguous() and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+
+
+def half_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for one token over w's float16/bfloat16 memory in numba's GEMV (sparse_ops.cpu.gemv:
+    the weights widened in registers, float32 sums), where torch's float16 GEMV on the CPU reads at
+    half the rate (2-core AVX-512 Xeon, 4096 x 4096: 12 against 25 GB/s; bfloat16 23 against 26).
+    w: [N, D] (see half_gemv_ready); x: [..., D] with one token -> float32 [..., N]."""
+    entry = _HOST.get(id(w))
+    if entry is None or entry[0]() is not w or entry[1] != w.data_ptr():  # (rebuilt if w's memory is replaced)
+        if entry is None:
+            weakref.finalize(w, _HOST.pop, id(w), None)
+        entry = _HOST[id(w)] = (weakref.ref(w), w.data_ptr(), HostMatrix.from_torch(w.detach()))
+    y = gemv(entry[2], np.ascontiguousarray(x.reshape(-1).float().numpy()))  # [N]
+    return torch.from_numpy(y).reshape(*x.shape[:-1], -1)
+
+
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """linear(x); several float16 tokens on the CPU are multiplied in float32 instead (CPU float16
-    GEMM ran at 47 GFLOP/s against 120 in float32 on a 2-core AVX-512 machine; one token, a
-    memory-bound GEMV, stays in float16, which reads half the bytes)."""
-    if x.dtype != torch.float16 or x.device.type != "cpu" or x.numel() == x.shape[-1] or not isinstance(linear, nn.Linear):
+    """linear(x). On the CPU with float16/bfloat16 weights: one token, a memory-bound GEMV, through
+    `half_gemv`; several float16 tokens in float32 (CPU float16 GEMM ran at 47 GFLOP/s against 120
+    in float32 on a 2-core AVX-512 machine). A linear with hooks is always called."""
+    if x.device.type != "cpu" or not isinstance(linear, nn.Linear) or linear._forward_hooks or linear._forward_pre_hooks:
         return linear(x)
-    bias = None if linear.bias is None else linear.bias.float()
-    return F.linear(x.float(), linear.weight.float(), bias).to(x.dtype)
+    w, b = linear.weight, linear.bias
+    if half_gemv_ready(w, x):
+        y = half_gemv(w, x)
+        if b is not None:
+            y += b.float()
+        return y.to(x.dtype)
+    if x.dtype != torch.float16 or x.numel() == x.shape[-1]:
+        return linear(x)
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -280,10 +314,10 @@ class DenseFFN(FFN):
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input h: [B, T, I]."""
-        return self.act(self.up(x))
+        return self.act(project(self.up, x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.activations(x))
+        return project(self.down, self.activations(x))
 
 
 class GatedFFN(FFN):
@@ -301,10 +335,10 @@ class GatedFFN(FFN):
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input h: [..., I]."""
-        return self.act(self.gate(x)) * self.up(x)
+        return self.act(project(self.gate, x)) * project(self.up, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.activations(x))
+        return project(self.down, self.activations(x))
 
 
 class Experts(nn.Module):

@@ -7,7 +7,7 @@ from torch import nn
 
 from hotcold.models.config import Gemma3Config, ModelConfig, OPTConfig
 from hotcold.models.cpu_step import block_step
-from hotcold.models.layers import FFN, Attention, make_ffn, make_norm
+from hotcold.models.layers import FFN, Attention, half_gemv, half_gemv_ready, make_ffn, make_norm, project
 
 
 def kv_dtype(device, dtype: torch.dtype) -> torch.dtype:
@@ -113,9 +113,11 @@ class Transformer(nn.Module):
         if hasattr(self, "project_out"):
             x = self.project_out(x)
         if not self.config.tie_word_embeddings:
-            logits = self.lm_head(x).float()
+            logits = project(self.lm_head, x).float()
         elif hasattr(self.embed, "logits"):  # QuantEmbedding: the tied head multiplies from its blocks
             logits = self.embed.logits(x)
+        elif half_gemv_ready(self.embed.weight, x):  # one token, a half-precision table on the CPU
+            logits = half_gemv(self.embed.weight, x)
         else:
             logits = (x @ self.embed.weight.T).float()
         if self.softcap:

@@ -159,3 +159,41 @@ def test_route_pack_cuda_matches_route(E, k, renormalise, dtype):
     assert torch.equal(packed[D + k:D + 2 * k], ids[0].to(torch.int32))
     with pytest.raises(ValueError, match="top_k"):
         route_pack_cuda(logits, x, E + 1, renormalise)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_project_half_one_token_matches_float32(dtype, bias):
+    """One token through a half-precision nn.Linear on the CPU takes numba's GEMV (half_gemv): equal to
+    the float32 product of the same (rounded) weights within float32 summation error, rounded once to
+    the half dtype; several tokens and a linear with a hook take torch's path."""
+    from hotcold.models.layers import _HOST, half_gemv_ready, project
+
+    gen = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(40, generator=gen))
+    x = torch.randn(1, 1, 96, generator=gen).to(dtype)
+    want = (x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)).to(dtype)  # [1, 1, 40]
+    with torch.inference_mode():
+        assert half_gemv_ready(lin.weight, x)
+        got = project(lin, x)
+        assert id(lin.weight) in _HOST  # the kernel ran, over the weight's own memory
+        assert _HOST[id(lin.weight)][2].data.ctypes.data == lin.weight.data_ptr()
+        assert got.shape == (1, 1, 40) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        with torch.no_grad():
+            lin.weight.mul_(2)  # in place: the cached matrix sees it
+        torch.testing.assert_close(project(lin, x).float(), (2 * want.float() - (lin.bias.float() if bias else 0)),
+                                   rtol=2e-2, atol=5e-2)
+        X = torch.randn(1, 3, 96, generator=gen).to(dtype)  # several tokens: torch (float32 for float16)
+        assert not half_gemv_ready(lin.weight, X)
+        torch.testing.assert_close(project(lin, X).float(), (X.float() @ lin.weight.float().T +
+                                   (lin.bias.float() if bias else 0)), rtol=2e-2, atol=5e-2)
+        seen = []
+        lin.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        project(lin, x)
+        assert seen == [(1, 1, 40)]  # a hooked linear is called, so its hooks fire
+    assert not half_gemv_ready(lin.weight, x)  # autograd on: torch records the product
