@@ -113,7 +113,7 @@ class Transformer(nn.Module):
         if hasattr(self, "project_out"):
             x = self.project_out(x)
         if not self.config.tie_word_embeddings:
-            logits = project(self.lm_head, x).float()
+            logits = project(self.lm_head, x, widen=False).float()
         elif hasattr(self.embed, "logits"):  # QuantEmbedding: the tied head multiplies from its blocks
             logits = self.embed.logits(x)
         elif half_gemv_ready(self.embed.weight, x):  # one token, a half-precision table on the CPU
