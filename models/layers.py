@@ -145,6 +145,8 @@ def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch
 
 _HALF = (torch.float16, torch.bfloat16)
 _HOST: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its data_ptr, HostMatrix over its memory)
+# (an entry keeps the memory it views alive until the weight dies or is next used on the CPU: a weight
+# moved in place to the GPU after a one-token CPU product holds its old host copy until then)
 
 
 def half_gemv_ready(w: torch.Tensor, x: torch.Tensor) -> bool:
