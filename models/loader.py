@@ -68,14 +68,21 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def stored_half_dtype(path: str | Path) -> torch.dtype | None:
-    """float16 / bfloat16 when every matrix of an HF folder is stored so (headers only); else None
-    (float32 checkpoints, mixed ones, GGUF files: their blocks compute in float32 on the CPU)."""
+    """float16 / bfloat16 when every matrix of an HF folder or a GGUF file is stored so (headers
+    only); else None (float32 checkpoints, mixed ones, quantised GGUF files: their blocks compute in
+    float32 on the CPU)."""
     path = Path(path)
-    if not path.is_dir():
-        return None
-    from hotcold.models import hf_loader
+    if path.is_dir():
+        from hotcold.models import hf_loader
 
-    kinds = {dt for _, shape, dt in hf_loader.tensor_inventory(path) if len(shape) >= 2}
+        inventory = hf_loader.tensor_inventory(path)
+    elif path.suffix == ".gguf" and path.is_file():
+        from hotcold.models.gguf_loader import GGUFFile
+
+        inventory = GGUFFile(path).tensor_inventory()
+    else:
+        return None
+    kinds = {dt for _, shape, dt in inventory if len(shape) >= 2}
     return {frozenset({"F16"}): torch.float16, frozenset({"BF16"}): torch.bfloat16}.get(frozenset(kinds))
 
 

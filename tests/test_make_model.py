@@ -137,6 +137,13 @@ def test_files_and_metadata(models):
     assert g.metadata["general.architecture"] == "llama" and g.metadata["hotcold.hidden_act"] == "relu"
     assert g.hf_config()["hidden_act"] == "relu"
     assert {t[2] for t in g.tensor_inventory()} == {"F16", "F32"}  # matrices F16, norms F32
+    # `run` on the CPU computes such a file in float16 (float32 would need twice the RAM: a 32-layer
+    # 7B shape was killed for memory on a 23 GB machine); float32 and quantised files stay float32
+    from hotcold.executors.from_plan import run_dtype
+
+    cpu = torch.device("cpu")
+    assert run_dtype(folder / "model.gguf", None, cpu) == torch.float16
+    assert run_dtype(models["tiny-llama"] / "model.gguf", None, cpu) == torch.float32
     info = json.loads((folder / "make_model.json").read_text())
     assert info["preset"] == "tiny-llama" and info["targets"]["sparsity"] == 0.89
 
@@ -149,6 +156,9 @@ def test_shards_and_bf16(tmp_path):
     a, b = logits(out / "hf", ids), logits(out / "model.gguf", ids)
     assert (a - b).abs().max() < 1e-4
     assert load_model(out / "hf", device="cpu", dtype="float32").model.embed.weight.dtype == torch.float32
+    from hotcold.executors.from_plan import run_dtype
+
+    assert run_dtype(out / "model.gguf", None, torch.device("cpu")) == torch.bfloat16
 
 
 # ----------------------------------------------------------------------------- llama.cpp
