@@ -136,10 +136,9 @@ def fit_predictor(x: torch.Tensor, active: torch.Tensor, rank: int, weight: torc
     """Train a predictor with class-weighted BCE. x: [S, D] float, active: [S, I] bool; weight: [S, I]
     per-sample loss weights of the positives (see magnitude_loss_weight), or None."""
     torch.manual_seed(seed)
-    y = active.float()
     model = NeuronPredictor(x.shape[1], active.shape[1], rank).to(x.device)
     # Class weights: a neuron that is rarely active gets its positives weighted up (capped).
-    p = y.mean(0).clamp(1e-3, 1 - 1e-3)
+    p = (active.sum(0, dtype=torch.float32) / max(1, len(active))).clamp(1e-3, 1 - 1e-3)  # [I]
     pos_weight = ((1 - p) / p).clamp(max=20.0)  # [I]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     steps = epochs * max(1, math.ceil(len(x) / batch))
@@ -149,7 +148,7 @@ def fit_predictor(x: torch.Tensor, active: torch.Tensor, rank: int, weight: torc
     for _ in range(epochs):
         for idx in torch.randperm(len(x), generator=gen).split(batch):
             opt.zero_grad(set_to_none=True)
-            yb = y[idx]
+            yb = active[idx].float()  # per batch: float targets for all samples would be 4x the mask
             pw = pos_weight if weight is None else pos_weight * weight[idx].float()  # [I] or [B, I]
             nn.functional.binary_cross_entropy_with_logits(model(x[idx]), yb, pos_weight=pw).backward()
             opt.step()

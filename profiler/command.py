@@ -25,7 +25,7 @@ def profile(
                                                     "by at most this fraction (default 0.01)."),
     samples: int = typer.Option(16384, "--samples", min=0,
                                 help="Predictor-training samples kept per layer (fewer if all layers' samples "
-                                     "would take over a quarter of the free RAM)."),
+                                     "would take over a third of the free RAM)."),
     heldout: int = typer.Option(2048, "--heldout-tokens", min=0, help="Held-out tokens for perplexity."),
     predictors: bool = typer.Option(True, "--predictors/--no-predictors",
                                     help="Train the activation predictors (and MoE look-ahead) after profiling."),
@@ -90,28 +90,25 @@ def profile(
     sys.stdout.flush()
 
 
-def sample_row_bytes(config) -> int:
+def sample_row_bytes(config) -> tuple[int, int]:
     """Host bytes one reservoir row takes in every layer together (FFN input in float16 plus the packed
-    mask, or for MoE the look-ahead residual plus the next layer's experts), doubled for the copy made
-    while a reservoir is updated."""
-    total = 0
-    for l in range(config.num_layers):
-        if config.ffn_kind(l) == "moe":
-            total += 2 * config.hidden_size + 4 * config.top_k
-        else:
-            total += 2 * config.hidden_size + -(-config.intermediate_size // 8)
-    return 2 * total
+    mask, or for MoE the look-ahead residual plus the next layer's experts), and in the largest layer
+    alone (a reservoir's update copies one layer's rows at a time)."""
+    rows = [2 * config.hidden_size + (4 * config.top_k if config.ffn_kind(l) == "moe"
+                                      else -(-config.intermediate_size // 8)) for l in range(config.num_layers)]
+    return sum(rows), max(rows, default=0)
 
 
 def _sample_cap(lm, samples: int, console) -> int:
-    """`samples`, lowered so that the reservoirs of all layers fit in a quarter of the free RAM."""
+    """`samples`, lowered so that the reservoirs of all layers, with one layer's update copy, fit in
+    a third of the free RAM (the model is loaded by then)."""
     import psutil
 
-    per_row = sample_row_bytes(lm.config)
-    cap = int(psutil.virtual_memory().available // 4 // max(per_row, 1))
+    total, largest = sample_row_bytes(lm.config)
+    cap = int(psutil.virtual_memory().available // 3 // max(total + largest, 1))
     if samples > cap:
         console.print(f"note: keeping {cap} predictor-training samples per layer instead of {samples}: "
-                      f"{samples} would take {samples * per_row / 2**30:.1f} GiB of RAM "
+                      f"{samples} would take {samples * (total + largest) / 2**30:.1f} GiB of RAM "
                       f"(fewer samples give less precise predictors)")
         return cap
     return samples

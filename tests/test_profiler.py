@@ -169,6 +169,26 @@ def test_reservoir_is_bounded_and_uniform():
     assert 3000 < float(r.fields["id"].float().mean()) < 7000  # not just the first or last batch
 
 
+def test_sample_cap_fits_a_third_of_free_ram(tiny, monkeypatch):
+    """--samples is lowered, with a note, so that every layer's reservoir plus one layer's update copy
+    fit in a third of the available RAM; it is kept when they fit."""
+    import psutil
+    from rich.console import Console
+
+    from hotcold.profiler.command import _sample_cap, sample_row_bytes
+
+    lm = load_model(tiny("llama"), device="cpu", dtype="float32")
+    c = lm.config
+    total, largest = sample_row_bytes(c)
+    assert total == c.num_layers * (2 * c.hidden_size + -(-c.intermediate_size // 8)) and largest == total // c.num_layers
+    avail = 3 * 1000 * (total + largest)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": avail})())
+    console = Console(record=True, width=200)
+    assert _sample_cap(lm, 16384, console) == 1000
+    assert "keeping 1000 predictor-training samples" in console.export_text()
+    assert _sample_cap(lm, 999, console) == 999
+
+
 def test_pack_bits_round_trip():
     active = torch.rand(5, 21) > 0.5
     assert torch.equal(unpack_bits(pack_bits(active), 21), active)
