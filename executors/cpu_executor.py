@@ -3,7 +3,8 @@
 The main thread submits a `ColdJob` (the layer's cold weights, host views of the FFN input and of
 the cold part of the active mask, an output buffer, and the event that says the D2H copy has
 landed) and goes on queueing fast-tier work; the worker waits for the event, turns the mask into
-rows and runs `ffn_rows` (one token) or `ffn_rows_batch` (several tokens sharing one selection).
+rows and runs `ffn_rows` (one token) or `ffn_rows_batch` (several tokens sharing one selection),
+or for a long prompt chunk `ffn_dense` (GEMMs over all rows, masked).
 numba's thread count is per calling thread, so the worker sets it itself, once, at start.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from hotcold.executors.stats import now
 from hotcold.executors.weights import ColdFFN
-from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch, get_threads, set_threads
+from hotcold.sparse_ops.cpu import ffn_dense, ffn_rows, ffn_rows_batch, get_threads, set_threads
 
 
 def default_threads(cuda: bool) -> int:
@@ -47,6 +48,7 @@ class ColdJob:
     io: object = None  # the HostRows that x and out view (the receiver copies out from it)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    dense: bool = False  # several tokens as torch GEMMs over all rows, masked (prefill's "dense" regime)
     rows: int = 0  # cold neurons computed
     cpu_s: float = 0.0  # mask -> rows + kernel
     input_wait_s: float = 0.0  # blocked on `ready`
@@ -61,6 +63,8 @@ class ColdJob:
         self.out.fill(0.0)
         if len(self.x) == 1:
             ffn_rows(self.x[0], rows, c.up, c.down_t, c.act, c.gate, c.up_bias, out=self.out[0])
+        elif self.dense:
+            ffn_dense(self.x, self.mask, c.up, c.down_t, c.act, c.gate, c.up_bias, out=self.out)
         else:
             ffn_rows_batch(self.x, rows, c.up, c.down_t, c.act, c.gate, c.up_bias, out=self.out)
         self.rows, self.input_wait_s, self.cpu_s = len(rows), t1 - t0, now() - t1

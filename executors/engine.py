@@ -11,6 +11,7 @@ LoadedModel, now on `device`: pass it to `hotcold.models.generate.Generator`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from typing import Literal
@@ -25,7 +26,8 @@ from hotcold.executors.host_attention import HostAttention, HostEmbedding, HostH
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.expert_cache import ExpertCache, slot_kind
 from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_experts, split_moe
-from hotcold.executors.prefill import REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, pin_host, unpin_host
+from hotcold.executors.prefill import (REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, measure_cpu_flops,
+                                      pin_host, unpin_host)
 from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn, whole_int4, whole_int4_reason
@@ -34,6 +36,7 @@ from hotcold.models.loader import LoadedModel
 from hotcold.models.quantized import (HalfEmbedding, QuantEmbedding, QuantLinear, dequantize_model,
                                       drop_module_pages, pack_for_decode, quant_bytes)
 from hotcold.predictors.artifact import PredictorSet
+from hotcold.sparse_ops.cpu import torch_view
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
 
@@ -143,7 +146,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     device / dtype: the fast tier (default: lm's). cpu_dtype: storage of cold rows, f32 | bf16 | f16 | i8
       (a quantised model's cold rows keep their GGUF blocks, W_down transposed as Q8_0: cpu_dtype does not apply).
     threads: numba threads of the CPU worker. prefill: "auto" (prefill_regime decides per layer and
-      prompt length), "cpu" or "stream". costs: the rates prefill_regime weighs (default: H200 host).
+      prompt length), "cpu", "dense" or "stream". costs: the rates prefill_regime weighs (default:
+      H200 host); without a cpu_flops figure, torch's CPU GEMM is timed here (about 10 ms).
     stats: time GPU work and transfers with CUDA events (worker times and CPU rows are always kept).
     pin_cold: page-lock cold weights for streaming (default: on CUDA unless prefill="cpu").
     attention_cpu: layers whose attention (weights and KV cache) stays in host memory and runs on the CPU.
@@ -296,7 +300,13 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
 
     colds = {l: c for l, (_, c) in parts.items() if c.n and not c.quantized}  # quantised: never streamed
     colds.update({l: mp.cold for l, mp in moe_parts.items() if mp.cold is not None and not mp.cold.quantized})
-    streamer = ColdStreamer(tier, colds, sorted(colds), stream_slots_bytes) if colds and prefill != "cpu" else None
+    streamer = ColdStreamer(tier, colds, sorted(colds), stream_slots_bytes) \
+        if colds and prefill in ("auto", "stream") else None
+    costs = costs or PrefillCosts()
+    gemm = [c for _, c in parts.values() if c.n and c.gemm_ready]
+    if costs.cpu_flops is None and prefill == "auto" and gemm:  # the "dense" regime's rate, in the rows' dtype
+        costs = dataclasses.replace(costs, cpu_flops=measure_cpu_flops(torch_view(gemm[0].up).dtype,
+                                                                       lm.config.hidden_size, cpu_threads))
     pinned: list[int] = []
     if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
         for c in colds.values():

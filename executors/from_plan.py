@@ -91,6 +91,19 @@ def dense_int4_default(path: Path, quantize: str | None, device: torch.device) -
     return any(kept and qtype in INT4_QTYPES for _, qtype, _, _, kept in GGUFFile(path).tensor_storage())
 
 
+def _prefill_costs(kind: str):
+    """This machine's rates for prefill's cost rule, from its cached hardware profile (`hotcold
+    probe`, or the one `hotcold plan` made); None (the defaults) when there is none."""
+    from hotcold.executors.prefill import PrefillCosts
+    from hotcold.planner.probe import hardware_path, read_hardware
+
+    path = hardware_path()
+    try:
+        return PrefillCosts.from_hardware(read_hardware(path), kind) if path.is_file() else None
+    except HotcoldError:
+        return None
+
+
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
                  quantize: str | None = None, gpu_int4: bool | None = None) -> RunSetup:
@@ -166,6 +179,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         else:
             notes.append(f"expert cache: {cache_bytes // one} experts on the GPU, filled by look-ahead prefetch")
     engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
+                         costs=_prefill_costs(cpu_dtype),
                          attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts,
                          expert_cache_bytes=cache_bytes, gpu_int4=gpu_int4,
                          # the planner counts the embedding in host memory, and the LM head where it put it

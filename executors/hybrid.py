@@ -9,7 +9,8 @@ copy event; the main thread blocks only when it needs the CPU result, then queue
 the sum on the compute stream. With CUDA graphs (graphs.py) the order is the same: the predictor is
 replayed in one graph, the copies queued, the hot FFN replayed in a second. Prefill (N > 1 tokens)
 uses the union of the tokens' masks on both sides (see prefill.py) so the result does not depend on
-which neurons are hot.
+which neurons are hot; its cold part runs in the regime prefill.py's cost rule picks ("cpu" rows,
+"dense" GEMMs on the CPU, or "stream" to the fast tier).
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ class HybridFFN(FFN):
             mask = mask.any(0)  # [I]: the union over the chunk
         hot_mask = None if mask is None else mask[..., :H]
         cold_mask = None if mask is None else mask[..., H:].reshape(-1)  # [C]
-        regime = self.regime(n) if self.cold.n else None
+        regime = self.regime(n, cold_mask) if self.cold.n else None
         late = self.cpu.inline  # an inline job runs when submitted: queue the fast tier's work first
-        job = self._send(x2, cold_mask, phase, submit=not late) if regime == "cpu" else None
+        job = self._send(x2, cold_mask, phase, submit=not late, dense=regime == "dense") \
+            if regime in ("cpu", "dense") else None
         y = self.gpu.compute(x2, hot_mask)  # [N, D]
         if regime == "stream":
             y = y + self._streamed(x2, cold_mask, phase)
@@ -89,17 +91,23 @@ class HybridFFN(FFN):
             y = self._receive(job, y, phase)
         return y.reshape(shape)
 
-    def regime(self, n: int) -> str:
-        """Where the cold part runs for n tokens: always "cpu" for one token, and for a quantised
-        cold part (not streamed, see prefill.py)."""
-        if n == 1 or self.streamer is None or self.prefill == "cpu" or not self.streamer.streams(self.layer):
+    def regime(self, n: int, cold_mask: torch.Tensor | None = None) -> str:
+        """Where the cold part runs for n tokens (see prefill.py): always "cpu" for one token; "dense"
+        only for float cold rows (not GGUF blocks nor int8), "stream" only for streamed ones.
+        cold_mask: the chunk's union [C]; on a CPU tier its share of rows is weighed (on CUDA
+        counting it would synchronise, so all rows are assumed)."""
+        if n == 1 or self.prefill == "cpu":
             return "cpu"
-        if self.prefill == "stream":
-            return "stream"
+        streams = self.streamer is not None and self.streamer.streams(self.layer)
+        gemm = self.cold.gemm_ready
+        if self.prefill in ("stream", "dense"):
+            return self.prefill if (streams if self.prefill == "stream" else gemm) else "cpu"
         c = self.costs
+        selected = 1.0 if cold_mask is None or self.tier.cuda else float(cold_mask.float().mean())
         return prefill_regime(n, self.cold.nbytes, c.cpu_bw, c.pcie_bw, c.gpu_flops,
                               cold_params=self.cold.n * len(self.cold.mats) * self.dim,
-                              tokens_per_pass=cpu_tokens_per_pass(self.dim), cuda=self.tier.cuda)
+                              tokens_per_pass=cpu_tokens_per_pass(self.dim), cuda=self.tier.cuda and streams,
+                              cpu_flops=c.cpu_flops if gemm else None, selected=selected)
 
     # ------------------------------------------------------------------ one token, its device half in a CUDA graph
 
@@ -198,8 +206,10 @@ class HybridFFN(FFN):
 
     # ------------------------------------------------------------------ CPU regime
 
-    def _send(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str, submit: bool = True) -> ColdJob:
-        """Queue the D2H copies of x and the cold mask, and hand the job to the worker (or return it unsubmitted)."""
+    def _send(self, x2: torch.Tensor, cold_mask: torch.Tensor | None, phase: str, submit: bool = True,
+              dense: bool = False) -> ColdJob:
+        """Queue the D2H copies of x and the cold mask, and hand the job to the worker (or return it
+        unsubmitted); dense: the worker computes it as GEMMs (the "dense" regime)."""
         n, tier = x2.shape[0], self.tier
         io = self.decode_io if n == 1 else self.prefill_io.ensure(n)
         xf = x2.float()  # on the compute stream
@@ -211,7 +221,7 @@ class HybridFFN(FFN):
             self.book.span(phase, "transfer_s", t0, tier.mark(tier.copy))
             ready = tier.event(tier.copy)
         job = ColdJob(self.cold, io.x_np[:n], None if cold_mask is None else self.mask_np, io.out_np[:n],
-                      ready=ready, keep=(xf, cold_mask), io=io)
+                      ready=ready, keep=(xf, cold_mask), io=io, dense=dense)
         return self.cpu.submit(job) if submit else job
 
     def _receive(self, job: ColdJob, y: torch.Tensor, phase: str) -> torch.Tensor:

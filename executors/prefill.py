@@ -1,17 +1,20 @@
 """Prefill (many tokens at once): where a layer's cold neurons are computed, and the weight streamer.
 
 Over a prompt, the union of the tokens' active neurons is nearly dense, so the cold part is
-computed for the union of the predicted masks (every token the same rows), in one of two regimes:
-  "cpu"     the worker runs `ffn_rows_batch` over the union's cold rows for the whole chunk;
+computed for the union of the predicted masks (every token the same rows), in one of three regimes:
+  "cpu"     the worker runs `ffn_rows_batch` over the union's cold rows for the whole chunk (it
+            reads the rows once per tile of a few tokens);
+  "dense"   the worker runs `ffn_dense`: torch GEMMs over all the cold rows at once, masked to the
+            union after the activation (reads them once; compute-bound for long chunks);
   "stream"  the layer's cold weights are copied to the fast tier in chunks of rows through two
             fixed slots (the next chunk's copy overlapping this one's compute), and the fast tier
             computes them.
 `prefill_regime` is the one cost function that chooses; the planner's cost model replaces it later.
-On the CPU device streaming is meaningless: always "cpu" (a test may still force "stream").
+On the CPU device streaming is meaningless: "cpu" or "dense" (a test may still force "stream").
 MoE layers stream their host experts the same way (`moe_prefill_regime` decides from the chunk's
 routing; the fast tier computes each routed expert's rows of a chunk for its tokens).
-Quantised cold parts (GGUF blocks, `ColdFFN.quantized`) are not streamed: the fast tier has no
-block kernels, so they always take the "cpu" regime (the worker decodes each block once per chunk
+Quantised cold parts (GGUF blocks, `ColdFFN.quantized`) and int8 ones are not streamed nor GEMM'd:
+the fast tier has no block kernels, so they always take the "cpu" regime (the worker decodes each block once per chunk
 of tokens, `qffn_rows_batch`); the streamer leaves them out (`ColdStreamer.streams`).
 """
 
@@ -28,16 +31,18 @@ from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import ColdFFN
 from hotcold.sparse_ops import cpu as cpu_ops
 
-REGIMES = ("cpu", "stream")
+REGIMES = ("cpu", "dense", "stream")
 
 
 @dataclass
 class PrefillCosts:
-    """Measured rates (bytes/s, FLOP/s). Defaults: the H200 host of DESIGN.md (16 threads)."""
+    """Measured rates (bytes/s, FLOP/s). Defaults: the H200 host of DESIGN.md (16 threads); cpu_flops
+    None: unknown, the "dense" regime is not considered (`measure_cpu_flops` measures it)."""
 
     cpu_bw: float = 73e9  # weight bytes/s the numba kernels read
     pcie_bw: float = 52e9  # pinned host -> device bytes/s
     gpu_flops: float = 400e12  # effective dense FLOP/s of the fast tier on these shapes
+    cpu_flops: float | None = None  # torch GEMM FLOP/s on the CPU in the cold rows' dtype
 
     @classmethod
     def from_hardware(cls, hw, kind: str = "bf16") -> "PrefillCosts":
@@ -49,25 +54,54 @@ class PrefillCosts:
                    gpu_flops=d.gpu_flops)
 
 
+def measure_cpu_flops(dtype: torch.dtype, dim: int, threads: int | None = None, tokens: int = 64) -> float:
+    """FLOP/s of torch's CPU GEMM [tokens, dim] x [dim, 4 dim] in dtype, in the calling thread (best
+    of three after a warm-up; about 10 ms for dim 4096 on 2 cores)."""
+    import time
+
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        x = torch.randn(tokens, dim).to(dtype)
+        w = torch.randn(4 * dim, dim).to(dtype)
+        best = float("inf")
+        for _ in range(4):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+        return 2.0 * tokens * dim * 4 * dim / max(best, 1e-9)
+    finally:
+        torch.set_num_threads(old)
+
+
 def cpu_tokens_per_pass(dim: int) -> int:
     """Tokens `ffn_rows_batch` computes per read of the weights (its token tile)."""
     return max(1, getattr(cpu_ops, "_TILE_BYTES", 1 << 16) // (4 * dim))
 
 
 def prefill_regime(T: int, cold_bytes: int, cpu_bw: float, pcie_bw: float, gpu_flops: float, *,
-                   cold_params: int | None = None, tokens_per_pass: int = 4, cuda: bool = True) -> str:
-    """"cpu" or "stream" for a layer whose cold part is cold_bytes (cold_params weights) over T tokens.
+                   cold_params: int | None = None, tokens_per_pass: int = 4, cuda: bool = True,
+                   cpu_flops: float | None = None, selected: float = 1.0) -> str:
+    """"cpu", "dense" or "stream" for a layer whose cold part is cold_bytes (cold_params weights) over
+    T tokens, the cheapest of:
 
-    cpu:    the kernel re-reads the cold weights once per token tile: ceil(T / tokens_per_pass) passes.
+    cpu:    the rows kernel re-reads the selected share of the cold weights once per token tile:
+            ceil(T / tokens_per_pass) passes over selected * cold_bytes.
+    dense:  one read of all the cold weights, or 2·T·params FLOPs at cpu_flops if slower (only with
+            a cpu_flops figure).
     stream: copy once over PCIe, overlapped with the previous layer, so the slower of the copy and
-            the fast tier's 2·T·params FLOPs.
+            the fast tier's 2·T·params FLOPs (only on CUDA).
     """
-    if not cuda or cold_bytes == 0:
+    if cold_bytes == 0:
         return "cpu"
     params = cold_params if cold_params is not None else cold_bytes // 2
-    t_cpu = math.ceil(T / max(1, tokens_per_pass)) * cold_bytes / cpu_bw
-    t_stream = max(cold_bytes / pcie_bw, 2.0 * T * params / gpu_flops)
-    return "stream" if t_stream < t_cpu else "cpu"
+    cost = {"cpu": math.ceil(T / max(1, tokens_per_pass)) * selected * cold_bytes / cpu_bw}
+    if cpu_flops:
+        cost["dense"] = max(cold_bytes / cpu_bw, 2.0 * T * params / cpu_flops)
+    if cuda:
+        cost["stream"] = max(cold_bytes / pcie_bw, 2.0 * T * params / gpu_flops)
+    return min(cost, key=cost.get)
 
 
 def moe_prefill_regime(counts: list[int], expert_bytes: float, n_experts: int, expert_params: int, cpu_bw: float,

@@ -95,6 +95,11 @@ class ColdFFN:
         return len(self.idx)
 
     @property
+    def gemm_ready(self) -> bool:
+        """Whether torch GEMMs can read the rows as they are (f32, f16, bf16: prefill's "dense" regime)."""
+        return not self.quantized and self.down_t is not None and all(m.kind != "i8" for m in self.mats)
+
+    @property
     def mats(self) -> list[HostMatrix | QuantMatrix]:
         return [m for m in (self.up, self.gate, self.down_t, self.down) if m is not None]
 

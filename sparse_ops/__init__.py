@@ -3,7 +3,8 @@
 cpu  numba kernels over a *selected subset of rows* of a host matrix (`HostMatrix`: f32, fp16/bf16
      bits, or int8 with per-row scale): `gemv_rows` (out[j] = m[rows[j]]·x), `axpy_rows`
      (out += Σ coeff[j]·m[rows[j]]), the fused FFN `ffn_rows` / `ffn_rows_batch` (gated or
-     ungated+bias; relu | silu | gelu_tanh), dense `gemv`, `set_threads`, and numpy selection
+     ungated+bias; relu | silu | gelu_tanh), dense `gemv`, `ffn_dense` (a prompt chunk's FFN over
+     all rows as torch GEMMs, masked after the activation), `set_threads`, and numpy selection
      helpers (`mask_to_rows`, `index_map`, `split_rows`). All release the GIL.
 attention  `decode_attention`: one token's rotary, KV-cache write and attention on the CPU in one
      numba call (float32 or float16 cache).

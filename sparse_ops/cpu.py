@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 
 __all__ = [
     "HostMatrix", "quantize_i8", "gemv_rows", "gemv", "axpy_rows", "ffn_rows", "ffn_rows_batch",
-    "set_threads", "get_threads", "mask_to_rows", "index_map", "split_rows", "ACTS", "KINDS",
+    "ffn_dense", "torch_view", "set_threads", "get_threads", "mask_to_rows", "index_map", "split_rows", "ACTS", "KINDS",
 ]
 
 KINDS = ("f32", "f16", "bf16", "i8")
@@ -577,6 +577,50 @@ def ffn_rows(x: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: HostMatrix
     out2 = None if out is None else _check_out(out, (d,)).reshape(1, d)
     res = ffn_rows_batch(x.reshape(1, d), rows, up, down_t, act, gate, up_bias, out2, row_scale)
     return res.reshape(d) if out is None else out
+
+
+_TORCH_ACT = {"relu": torch.relu, "silu": torch.nn.functional.silu,
+              "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh")}
+
+
+def torch_view(m: HostMatrix) -> torch.Tensor:
+    """The matrix as a torch tensor of its own dtype, sharing its memory (f32, f16, bf16; not i8)."""
+    if m.kind == "i8":
+        raise ValueError("i8 rows have no torch dtype of their own")
+    if m.kind == "f32":
+        return torch.from_numpy(m.data)
+    return torch.from_numpy(m.data.view(np.int16)).view(_TO_DTYPE[m.kind])
+
+
+def ffn_dense(X: np.ndarray, mask: np.ndarray | None, up: HostMatrix, down_t: HostMatrix, act: str,
+              gate: HostMatrix | None = None, up_bias: np.ndarray | None = None,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """The FFN over all N rows for T tokens at once, as three torch GEMMs in the weights' own dtype
+    (f32, f16, bf16): for a prompt chunk, where `ffn_rows_batch` would read the rows once per token
+    tile. h as in ffn_rows_batch, zeroed where mask [N] is False (None: every row); out float32
+    [T, D] += h @ down_t. X: float32 [T, D]."""
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    n, d = up.shape
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != d:
+        raise ValueError(f"X must be [T, {d}], got {X.shape}")
+    out = np.zeros(X.shape, np.float32) if out is None else _check_out(out, X.shape)
+    if X.shape[0] == 0 or (mask is not None and not mask.any()):
+        return out
+    U = torch_view(up)  # [N, D]
+    x = torch.from_numpy(X).to(U.dtype)  # [T, D]
+    z = torch.nn.functional.linear(x, U)  # [T, N]
+    if gate is not None:
+        h = _TORCH_ACT[act](torch.nn.functional.linear(x, torch_view(gate))) * z
+    else:
+        if up_bias is not None:
+            z = z + torch.from_numpy(_as_f32(up_bias, (n,), "up_bias")).to(z.dtype)
+        h = _TORCH_ACT[act](z)
+    if mask is not None:
+        h *= torch.from_numpy(np.asarray(mask, dtype=bool)).to(h.dtype)  # [N]
+    torch.from_numpy(out).add_((h @ torch_view(down_t)).float())  # [T, D]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

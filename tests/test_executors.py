@@ -408,15 +408,20 @@ def test_cpu_storage_kinds_and_streaming(folder, family, kind):
     with torch.inference_mode():
         dense = ref.model(toks)
     outs = {}
-    for regime in ("cpu", "stream"):
+    for regime in ("cpu", "stream", "dense"):
         lm = fresh(folder, family)
-        with make_hybrid(lm, random_hot(lm, 0.3), "oracle", cpu_dtype=kind, threads=2, prefill=regime):
+        with make_hybrid(lm, random_hot(lm, 0.3), "oracle", cpu_dtype=kind, threads=2, prefill=regime) as eng:
             with torch.inference_mode():
                 outs[regime] = lm.model(toks)
             if regime == "cpu":
                 assert_close(decode_logits(lm, toks), dense, {"bf16": 3e-2, "f16": 5e-3, "i8": 5e-2}[kind])
+            # int8 rows have no GEMM: "dense" falls back to the rows kernel
+            want = "cpu" if regime == "dense" and kind == "i8" else regime
+            assert set(eng.stats()["prefill"]["regimes"]) == {want}
     assert_close(outs["cpu"], dense, {"bf16": 3e-2, "f16": 5e-3, "i8": 5e-2}[kind])
     assert_close(outs["stream"], outs["cpu"], 1e-4)
+    # GEMMs in the rows' dtype round the activations too
+    assert_close(outs["dense"], outs["cpu"], {"bf16": 3e-2, "f16": 5e-3, "i8": 1e-6}[kind])
 
 
 def test_prefill_regime_rule():
@@ -428,18 +433,39 @@ def test_prefill_regime_rule():
     assert prefill_regime(512, 0, **kw) == "cpu"
     assert prefill_regime(8, gb, **kw, tokens_per_pass=8) == "cpu"
     assert prefill_regime(8, gb, **dict(kw, pcie_bw=200e9), tokens_per_pass=8) == "stream"
+    # the CPU's GEMMs: one read of all the rows, or their FLOPs at cpu_flops if slower
+    cpu = dict(kw, cpu_bw=25e9, cuda=False)
+    assert prefill_regime(64, gb, **cpu, cpu_flops=200e9) == "dense"  # 16 passes of the rows kernel cost more
+    assert prefill_regime(64, gb, **cpu, cpu_flops=1e9) == "cpu"  # a slow GEMM
+    assert prefill_regime(64, gb, **cpu) == "cpu"  # no GEMM rate: not considered
+    assert prefill_regime(4, gb, **cpu, cpu_flops=200e9, selected=0.2) == "cpu"  # one pass over a fifth of the rows
+    assert prefill_regime(64, gb, **cpu, cpu_flops=200e9, selected=0.05) == "cpu"  # 16 passes over 5% < one read
+    assert prefill_regime(512, gb, **dict(kw, cpu_flops=1e15)) == "dense"  # a CPU faster than PCIe
     from types import SimpleNamespace
 
     costs = PrefillCosts.from_hardware(SimpleNamespace(cpu_ffn_Bps={"bf16": 30e9}, h2d_pinned_Bps=None))
     assert costs.cpu_bw == 30e9 and costs.pcie_bw == PrefillCosts().pcie_bw
 
 
-def test_auto_regime_is_cpu_without_cuda(folder):
+@pytest.mark.parametrize("cpu_flops, want", [(1e3, "cpu"), (1e15, "dense"), (None, None)])
+def test_auto_regime_without_cuda_never_streams(folder, monkeypatch, cpu_flops, want):
+    """On a CPU tier "auto" picks the rows kernel or GEMMs by their costs, never streaming; without a
+    GEMM rate the engine times one (the regime is then this machine's choice, one per layer). The
+    rows kernel's token tile is cut to 4 tokens, as at D = 4096 (at D = 64 it would be 256)."""
+    from hotcold.sparse_ops import cpu as cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "_TILE_BYTES", 4 * 4 * 64)
     lm = fresh(folder, "llama")
-    with make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=2) as eng:
+    costs = PrefillCosts(cpu_bw=25e9, cpu_flops=cpu_flops)
+    with make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=2, costs=costs) as eng:
         with torch.inference_mode():
             lm.model(tokens(40))
-        assert eng.stats()["prefill"]["regimes"] == {"cpu": 3}
+        regimes = eng.stats()["prefill"]["regimes"]
+        assert sum(regimes.values()) == 3 and "stream" not in regimes
+        if want:
+            assert regimes == {want: 3}
+        else:
+            assert eng.layers[0].costs.cpu_flops > 1e8  # measured (a 2-core machine: ~1e11)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -257,6 +257,39 @@ def test_ffn_rows_selection_edges(kind, how):
     assert_close(got_b[0], got, 1e-6)
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("variant", ["gated", "bias", "nobias"])
+@pytest.mark.parametrize("how", ["empty", "one", "some", "full", None])
+def test_ffn_dense_equals_the_rows_kernel_over_the_mask(kind, act, variant, how):
+    """ffn_dense (torch GEMMs over all rows, in the rows' dtype, masked after the activation) computes
+    the selected rows' FFN: against the float64 reference on the stored weights, and close to
+    ffn_rows_batch; it adds into out; an empty mask leaves out as it was."""
+    up_w, down_w, (gate_w, gate_m), bias, (up_m, down_m, _) = ffn_case(kind, variant)
+    rows = np.arange(96) if how is None else selection(96, how, np.int64, seed=3)
+    mask = None if how is None else np.isin(np.arange(96), rows)
+    X = np.random.default_rng(14).standard_normal((7, 40)).astype(np.float32)
+    out0 = np.random.default_rng(15).standard_normal((7, 40)).astype(np.float32)
+    out = out0.copy()
+    bias_np = None if bias is None else bias.numpy()
+    got = cpu.ffn_dense(X, mask, up_m, down_m, act, gate=gate_m, up_bias=bias_np, out=out)
+    assert got is out
+    got = got - out0
+    deq = lambda w: None if w is None else host(w, kind).to_torch()  # noqa: E731
+    want = ref_ffn(X, rows, deq(up_w), deq(down_w), act, deq(gate_w), bias)
+    if how == "empty":
+        assert not got.any()
+        return
+    # activations rounded to the rows' dtype (and h after the activation): f16 / bf16 rounding
+    assert_close(got, want, {"f32": 5 * TIGHT, "f16": 4e-3, "bf16": 3e-2}[kind])
+    rows_k = cpu.ffn_rows_batch(X, rows, up_m, down_m, act, gate=gate_m, up_bias=bias_np)
+    assert_close(got, rows_k, {"f32": 5 * TIGHT, "f16": 4e-3, "bf16": 3e-2}[kind])
+    with pytest.raises(ValueError, match="X must be"):
+        cpu.ffn_dense(X[:, :5], mask, up_m, down_m, act, gate=gate_m)
+    with pytest.raises(ValueError, match="i8"):
+        cpu.ffn_dense(X, mask, host(up_w, "i8"), host(down_w, "i8"), act)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("T", [1, 4])
 def test_ffn_rows_row_scale(kind, T):
