@@ -16,7 +16,7 @@ from torch import nn
 
 from hotcold.executors.stats import now
 from hotcold.models.layers import Attention, Rotary
-from hotcold.models.quantized import QuantLinear
+from hotcold.models.quantized import QuantLinear, fuse_qkv
 from hotcold.sparse_ops.cpu import HostMatrix, gemv, set_threads
 
 
@@ -59,6 +59,10 @@ class HostAttention(nn.Module):
     def __init__(self, attn: Attention, dtype: torch.dtype, threads: int, worker=None, book=None):
         super().__init__()
         self.attn = attn.to("cpu", dtype)  # quantised projections stay in their blocks
+        qkv = getattr(self.attn, "qkv", None)  # fused half q/k/v rows (fuse_qkv) of another dtype: again
+        if isinstance(qkv, torch.Tensor) and (qkv.dtype != dtype or qkv.data_ptr() != self.attn.q.weight.data_ptr()):
+            self.attn.qkv = None
+            fuse_qkv(self.attn)
         self.dtype = dtype
         for name in ("q", "k", "v", "o"):
             setattr(self.attn, name, HostLinear(getattr(self.attn, name), threads))

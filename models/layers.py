@@ -241,9 +241,15 @@ class Attention(nn.Module):
     def _decode_cpu(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple, start: int | None) -> torch.Tensor:
         """forward for one token on the CPU with a float32 or float16 cache: rotary, cache write and
         attention in one numba call (sparse_ops.attention) instead of ~30 torch ops. x: [1, 1, D] -> [1, 1, D]."""
-        qkv = getattr(self, "qkv", None)  # q, k, v rows in one block matrix (models/quantized.py fuse_qkv)
+        qkv = getattr(self, "qkv", None)  # q, k, v rows in one matrix (models/quantized.py fuse_qkv)
         if qkv is not None:
-            y = torch.from_numpy(qgemv(qkv, np.ascontiguousarray(x.reshape(-1).float().numpy()))).to(x.dtype)
+            if isinstance(qkv, torch.Tensor):  # float16 / bfloat16 rows
+                y = half_gemv(qkv, x)  # [1, 1, Nq + 2 Nk] float32
+                if self.qkv_bias is not None:
+                    y += self.qkv_bias
+                y = y.to(x.dtype).reshape(-1)
+            else:
+                y = torch.from_numpy(qgemv(qkv, np.ascontiguousarray(x.reshape(-1).float().numpy()))).to(x.dtype)
             q, k, v = y.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim])
             q, k, v = q.reshape(self.n_heads, self.head_dim), k.reshape(self.n_kv, -1), v.reshape(self.n_kv, -1)
         else:

@@ -197,3 +197,43 @@ def test_project_half_one_token_matches_float32(dtype, bias):
         project(lin, x)
         assert seen == [(1, 1, 40)]  # a hooked linear is called, so its hooks fire
     assert not half_gemv_ready(lin.weight, x)  # autograd on: torch records the product
+
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fused_half_qkv_decodes_as_before_with_one_copy(tmp_path, family, dtype):
+    """fuse_qkv on a half-precision CPU model: each attention's q, k and v become views of one [q; k; v]
+    matrix (`attn.qkv`, one copy in RAM), and one-token decoding through it (one GEMV) gives the
+    logits of the unfused model; both within half rounding of the float32 model."""
+    import copy
+
+    from hotcold.models.transformer import KVCache
+    from hotcold.models.loader import load_model
+    from hotcold.models.quantized import fuse_qkv
+    from tiny_models import make_tiny
+
+    folder = make_tiny(family, tmp_path)
+    ref = load_model(folder, device="cpu", dtype="float32")
+    lm = load_model(folder, device="cpu", dtype=dtype)
+    fused = copy.deepcopy(lm)
+    fuse_qkv(fused.model)
+    toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(5))
+
+    def decode(m):
+        cache = KVCache(m.config, 13, device=m.device, dtype=m.dtype)
+        with torch.inference_mode():
+            return torch.cat([m.model(toks[:, i:i + 1], i, cache) for i in range(12)], dim=1).float()
+
+    for block in fused.model.layers:
+        a = block.attn
+        assert isinstance(a.qkv, torch.Tensor) and a.qkv.shape[0] == a.q.weight.shape[0] + 2 * a.k.weight.shape[0]
+        assert a.q.weight.data_ptr() == a.qkv.data_ptr()  # views: one copy
+        assert a.v.weight.data_ptr() + a.v.weight.numel() * a.v.weight.element_size() == \
+            a.qkv.data_ptr() + a.qkv.numel() * a.qkv.element_size()
+        assert (a.qkv_bias is not None) == (family == "qwen2")
+    want, plain, got = decode(ref), decode(lm), decode(fused)
+    scale = want.abs().max()
+    tol = {"float16": 2e-2, "bfloat16": 1e-1}[dtype]
+    assert (got - plain).abs().max() <= tol / 4 * scale  # the same products, summed in another order
+    assert (got - want).abs().max() <= tol * scale

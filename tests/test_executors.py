@@ -653,7 +653,7 @@ def test_cuda_dense_host_node_steps_match_split_graphs(folder, family, cpu_dtype
 
 @pytest.mark.cuda
 @CUDA
-@pytest.mark.parametrize("regime", ["cpu", "stream"])
+@pytest.mark.parametrize("regime", ["cpu", "stream", "dense"])
 def test_cuda_predictors_and_regimes(folder, regime):
     ref = reference(folder, "llama_relu", "cuda", "float32")
     preds = random_predictors(ref)
