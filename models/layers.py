@@ -25,6 +25,9 @@ from hotcold.sparse_ops.quant import qgemv
 # ----------------------------------------------------------------------------- norms
 
 
+_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; `plus_one` gives Gemma's x * (1 + w)."""
 
@@ -53,12 +56,12 @@ class RMSNorm(nn.Module):
         on the CPU in one numba call (sparse_ops.norm) instead of seven torch ops. Prefill keeps
         torch's reduction, so that a token's norm does not depend on how many tokens share a call
         (the profiler's counts are checked against a token-by-token recomputation)."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 \
+        if x.device.type != "cpu" or x.dtype not in _NORM_DTYPES or self.weight.dtype not in _NORM_DTYPES \
                 or torch.is_grad_enabled():
             return self._torch(x)
-        rows = np.ascontiguousarray(x.detach().reshape(-1, x.shape[-1]).numpy())  # [N, D]
-        y = rms_norm(rows, self.weight.detach().numpy(), self.eps, self.plus_one)
-        return torch.from_numpy(y).reshape(x.shape)
+        rows = np.ascontiguousarray(x.detach().reshape(-1, x.shape[-1]).float().numpy())  # [N, D] float32
+        y = rms_norm(rows, self.weight.detach().float().numpy(), self.eps, self.plus_one)
+        return torch.from_numpy(y).reshape(x.shape).to(x.dtype)  # a half model's rows rounded once
 
 
 def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:

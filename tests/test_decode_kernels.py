@@ -70,6 +70,18 @@ def test_rms_norm_matches_torch(plus_one, rows):
     with torch.inference_mode():  # a decode step's rows (the kernel) and the module's forward (one row: the kernel)
         np.testing.assert_allclose(norm.rows(x).numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(norm(x).numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    for dtype, ulp in ((torch.float16, 2 ** -10), (torch.bfloat16, 2 ** -7)):  # a half model: the kernel in float32
+        half = RMSNorm(96, 1e-6, plus_one).to(dtype)
+        half.weight.data = w.to(dtype)
+        with torch.inference_mode():
+            xh = x.to(dtype)
+            wh = half.weight.float()
+            exact = xh.float() * torch.rsqrt(xh.float().pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + wh if plus_one else wh)
+            got = half.rows(xh)
+            assert got.dtype == dtype
+            np.testing.assert_allclose(got.float().numpy(), exact.numpy(), rtol=ulp, atol=ulp)  # rounded once
+            # torch's path rounds twice (x normed, then times w): within two units
+            np.testing.assert_allclose(half._torch(xh).float().numpy(), exact.numpy(), rtol=2 * ulp, atol=2 * ulp)
 
 
 
