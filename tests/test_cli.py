@@ -109,3 +109,24 @@ def test_perplexity_json(smollm2_path):
     out = json.loads(proc.stdout)
     assert out["ctx"] == 128 and out["tokens_scored"] == 4 * 63
     assert 1.5 < out["ppl"] < 60  # a real model on English prose, far below the vocabulary size
+
+
+def test_load_refuses_weights_larger_than_free_ram(tiny_llama, monkeypatch):
+    """A load whose weights exceed the RAM (and swap) free now stops before reading them, in one line
+    that names the need, what is free and the way out, instead of being killed part-way."""
+    import psutil
+
+    from hotcold.errors import HotcoldError
+    from hotcold.models.loader import load_model
+
+    mem = lambda avail: type("M", (), {"available": avail, "free": 0})()  # noqa: E731
+    monkeypatch.setattr(psutil, "swap_memory", lambda: mem(0))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(100_000))
+    with pytest.raises(HotcoldError) as e:
+        load_model(tiny_llama, device="cpu", dtype="float32")
+    msg = str(e.value)
+    assert "\n" not in msg and "of RAM in float32" in msg and "float16" in msg and "GiB is available" in msg
+    with pytest.raises(HotcoldError, match="of RAM in bfloat16"):
+        load_model(tiny_llama, device="cpu", dtype="bfloat16")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(1 << 40))
+    assert load_model(tiny_llama, device="cpu", dtype="float32").model is not None
