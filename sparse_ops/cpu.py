@@ -516,6 +516,16 @@ def axpy_rows(m: HostMatrix, rows: np.ndarray, coeff: np.ndarray, out: np.ndarra
 _NO_BIAS = np.zeros(1, np.float32)
 
 
+def batch_input(X: np.ndarray, d: int, act: str) -> np.ndarray:
+    """Check a batched FFN call's activation name and tokens X [T, d] (ValueError); X as contiguous float32."""
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != d:
+        raise ValueError(f"X must be [T, {d}], got {X.shape}")
+    return X
+
+
 def ffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: HostMatrix, act: str,
                    gate: HostMatrix | None = None, up_bias: np.ndarray | None = None,
                    out: np.ndarray | None = None, row_scale: np.ndarray | None = None) -> np.ndarray:
@@ -536,15 +546,11 @@ def ffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: HostMatrix, down_t: Host
             res = qffn_rows(X[0], rows, up, down_t, act, gate, o, up_bias=up_bias, row_scale=row_scale)
             return res.reshape(1, -1) if out is None else out
         return qffn_rows_batch(X, rows, up, down_t, act, gate, up_bias, out, row_scale)
-    if act not in ACTS:
-        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
     n, d = up.shape
+    X = batch_input(X, d, act)
     for name, mat in (("down_t", down_t), ("gate", gate)):
         if mat is not None and mat.shape != (n, d):
             raise ValueError(f"{name} has shape {mat.shape}, expected {(n, d)} like up")
-    X = np.ascontiguousarray(X, dtype=np.float32)
-    if X.ndim != 2 or X.shape[1] != d:
-        raise ValueError(f"X must be [T, {d}], got {X.shape}")
     T = X.shape[0]
     rows = _as_rows(rows, n)
     out = np.zeros((T, d), np.float32) if out is None else _check_out(out, (T, d))
@@ -599,12 +605,8 @@ def ffn_dense(X: np.ndarray, mask: np.ndarray | None, up: HostMatrix, down_t: Ho
     (f32, f16, bf16): for a prompt chunk, where `ffn_rows_batch` would read the rows once per token
     tile. h as in ffn_rows_batch, zeroed where mask [N] is False (None: every row); out float32
     [T, D] += h @ down_t. X: float32 [T, D]."""
-    if act not in ACTS:
-        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
     n, d = up.shape
-    X = np.ascontiguousarray(X, dtype=np.float32)
-    if X.ndim != 2 or X.shape[1] != d:
-        raise ValueError(f"X must be [T, {d}], got {X.shape}")
+    X = batch_input(X, d, act)
     out = np.zeros(X.shape, np.float32) if out is None else _check_out(out, X.shape)
     if X.shape[0] == 0 or (mask is not None and not mask.any()):
         return out

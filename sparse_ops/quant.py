@@ -55,7 +55,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hotcold.sparse_ops.cpu import ACTS, _act, _keep_active, _rows_in_range, get_threads
+from hotcold.sparse_ops.cpu import ACTS, _act, _keep_active, _rows_in_range, batch_input, get_threads
 
 __all__ = ["QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize",
            "qexperts", "qexperts_trusted", "qexperts_tokens", "check_expert_stacks", "qexpert_batch", "gemm_operands", "gemm_scratch",
@@ -1641,12 +1641,8 @@ def qffn_rows_batch(X: np.ndarray, rows: np.ndarray, up: QuantMatrix, down_t: Qu
     blocks once."""
     import torch
 
-    if act not in ACTS:
-        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
     n, d = up.shape
-    X = np.ascontiguousarray(X, dtype=np.float32)
-    if X.ndim != 2 or X.shape[1] != d:
-        raise ValueError(f"X must be [T, {d}], got {X.shape}")
+    X = batch_input(X, d, act)
     rows = _as_rows(rows, n)
     out = np.zeros((X.shape[0], d), np.float32) if out is None else _check_out(out, (X.shape[0], d))
     if rows.shape[0] == 0 or X.shape[0] == 0:
