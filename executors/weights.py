@@ -115,8 +115,13 @@ class ColdFFN:
 
 
 def _host_rows(w: torch.Tensor, rows: torch.Tensor, kind: str) -> HostMatrix:
-    """w[rows] as a host matrix of `kind`, converted BLOCK_ROWS rows at a time. w: [N, D] (any device)."""
-    blocks = (w.index_select(0, rows[a:a + BLOCK_ROWS]) for a in range(0, len(rows), BLOCK_ROWS))
+    """w[rows] as a host matrix of `kind`, converted BLOCK_ROWS rows at a time. w: [N, D] (any device).
+    Consecutive rows (every neuron cold: a CPU plan) are sliced, not gathered into a second copy."""
+    r0 = int(rows[0]) if len(rows) else 0
+    if len(rows) and bool(torch.equal(rows.cpu(), torch.arange(r0, r0 + len(rows)))):
+        blocks = (w[r0 + a:r0 + min(a + BLOCK_ROWS, len(rows))] for a in range(0, len(rows), BLOCK_ROWS))
+    else:
+        blocks = (w.index_select(0, rows[a:a + BLOCK_ROWS]) for a in range(0, len(rows), BLOCK_ROWS))
     return _host_matrix(blocks, len(rows), w.shape[1], kind)
 
 

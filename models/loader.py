@@ -302,7 +302,9 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         if dev.type == "cpu":  # blocks kept in the file's pages are not copied
             check_host_memory(path, sum(n * dt.itemsize for _, _, n, _, k in gguf.tensor_storage() if not k), dt)
         model = _empty_model(config, dev, dt, kept)
-        _fill(model, ((n, None, t) for n, t in gguf.tensors(torch.float32, keep_quantized=quantized)), str(path), dt)
+        # tensors come in the parameters' dtype (every parameter has it): an F16 matrix into a float16
+        # model is then copied once, not widened to float32 and narrowed back (a 13.8 GB file: 24 s of 46)
+        _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized)), str(path), dt)
         from hotcold.models.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)

@@ -387,12 +387,15 @@ def test_half_precision_predictor_agrees_with_float32(dtype, host, monkeypatch):
     assert predictor_dtype(torch.float32) == torch.float32 and predictor_dtype(dtype) == dtype
 
 
-def test_no_predictors_is_dense(folder):
+@pytest.mark.parametrize("hot", [0.25, 0.0])  # 0: every row cold (a CPU plan), sliced rather than gathered
+def test_no_predictors_is_dense(folder, hot):
     ref = reference(folder, "qwen2")
     lm = fresh(folder, "qwen2")
     toks = tokens(seed=11)
-    with make_hybrid(lm, random_hot(lm, 0.25), None, cpu_dtype="f32", threads=2), torch.inference_mode():
+    with make_hybrid(lm, random_hot(lm, hot) if hot else {}, None, cpu_dtype="f32", threads=2) as eng, \
+            torch.inference_mode():
         assert_close(lm.model(toks), ref.model(toks))
+        assert all(f.cold.n == (lm.config.intermediate_size if not hot else f.cold.n) for f in eng.layers.values())
 
 
 # ---------------------------------------------------------------------------------------------
