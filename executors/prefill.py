@@ -55,8 +55,8 @@ class PrefillCosts:
 
 
 def measure_cpu_flops(dtype: torch.dtype, dim: int, threads: int | None = None, tokens: int = 64) -> float:
-    """FLOP/s of torch's CPU GEMM [tokens, dim] x [dim, 4 dim] in dtype, in the calling thread (best
-    of three after a warm-up; about 10 ms for dim 4096 on 2 cores)."""
+    """FLOP/s of torch's CPU GEMM [tokens, dim] x [dim, 4 dim] in dtype, in the calling thread (the
+    best of four calls, the first a warm-up; about 10 ms for dim 4096 on 2 cores)."""
     import time
 
     old = torch.get_num_threads()

@@ -516,6 +516,11 @@ def _open_reader(path: str) -> gguf.GGUFReader:
         ) from None
 
 
+def _torch_shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch order (GGUF's dims are ne0, the input, first)."""
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
 class GGUFFile:
     """A memory-mapped GGUF model file.
 
@@ -558,7 +563,7 @@ class GGUFFile:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """GGUF tensor name -> shape in PyTorch order (GGUF's dims reversed)."""
-        return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in self._reader.tensors}
+        return {t.name: _torch_shape(t) for t in self._reader.tensors}
 
     def hf_config(self) -> dict[str, Any]:
         """A Hugging Face config.json-style dict (with "model_type") for this model."""
@@ -656,15 +661,14 @@ class GGUFFile:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         if t.tensor_type == QT.F32:
             w = w.copy()  # F32 "dequantises" to a view of the mmap: never hand that out
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF dims are ne0 (input) first
-        return w.astype(np.float32, copy=False).reshape(shape)
+        return w.astype(np.float32, copy=False).reshape(_torch_shape(t))
 
     def _convert(self, t: Any, heads: tuple[int, int]) -> np.ndarray:
         """Dequantise one tensor (an F16 one stays float16: torch widens or narrows it 4x faster than
         gguf's float32 conversion, which took 0.32 s per 4096 x 11008 matrix) and undo llama.cpp's
         storage conventions."""
         if t.tensor_type == QT.F16 and len(t.shape) >= 2:  # (vectors, e.g. Gemma's norms, take float32)
-            w = np.array(t.data, dtype=np.float16).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+            w = np.array(t.data, dtype=np.float16).reshape(_torch_shape(t))
         else:
             w = self._dequantize(t)
         key = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name

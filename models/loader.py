@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -77,9 +79,7 @@ def stored_half_dtype(path: str | Path) -> torch.dtype | None:
 
         inventory = hf_loader.tensor_inventory(path)
     elif path.suffix == ".gguf" and path.is_file():
-        from hotcold.models.gguf_loader import GGUFFile
-
-        inventory = GGUFFile(path).tensor_inventory()
+        inventory = _gguf_header(path)[1]
     else:
         return None
     kinds = {dt for _, shape, dt in inventory if len(shape) >= 2}
@@ -233,11 +233,24 @@ def describe_model(path: str | Path) -> ModelInfo:
         raw = hf_loader.read_config(path)
         config = config_from_hf(raw, source=str(path / "config.json"))
         return ModelInfo(config, path, fingerprint(raw, hf_loader.tensor_inventory(path)))
+    raw, inventory = _gguf_header(path)
+    return ModelInfo(config_from_hf(raw, source=str(path)), path, fingerprint(raw, inventory))
+
+
+def _gguf_header(path: Path) -> tuple[dict, list]:
+    """(HF-style config, tensor inventory) of a GGUF file, parsed once per version of the file: `run`
+    asks for both before loading (a 49k-token vocabulary's metadata takes about 1.7 s to parse)."""
+    st = path.stat()
+    raw, inventory = _parse_gguf_header(str(path.resolve()), st.st_mtime_ns, st.st_size)
+    return copy.deepcopy(raw), inventory  # (the caller may change its config dict, not the cached one)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_gguf_header(path: str, mtime_ns: int, size: int) -> tuple[dict, list]:
     from hotcold.models.gguf_loader import GGUFFile
 
     gguf = GGUFFile(path)
-    raw = gguf.hf_config()
-    return ModelInfo(config_from_hf(raw, source=str(path)), path, fingerprint(raw, gguf.tensor_inventory()))
+    return gguf.hf_config(), gguf.tensor_inventory()
 
 
 def _existing(path: str | Path) -> Path:
