@@ -18,9 +18,6 @@ all hot and whose matrices are all 4-bit is not split but kept int4 whole (`whol
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +26,7 @@ import torch.nn.functional as F
 
 from hotcold.models.layers import DenseFFN, GatedFFN
 from hotcold.models.quantized import QuantExperts, QuantLinear, dequantize_module, dequantized_rows, drop_module_pages
-from hotcold.sparse_ops.cpu import HostMatrix, quantize_i8
+from hotcold.sparse_ops.cpu import HostMatrix, host_empty, quantize_i8
 from hotcold.sparse_ops.gpu_quant import (INT4_DOWN_DEFAULT, Int4Matrix, int4_layout_reason, int4_padded,
                                           int4_unsupported_reason)
 from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, pack_rows, qdequantize, quantize_rows
@@ -135,33 +132,12 @@ def _host_matrix(parts, n: int, d: int, kind: str) -> HostMatrix:
             q[a:a + len(w)], scale[a:a + len(w)] = quantize_i8(w)
             a += len(w)
         return HostMatrix(q, "i8", scale)
-    with torch.inference_mode(False):
-        out = torch.empty((n, d), dtype=CPU_KINDS[kind])
-    advise_hugepages(out)  # before the first touch
+    out = host_empty((n, d), CPU_KINDS[kind])
     a = 0
     for w in parts:
         out[a:a + len(w)] = w.to("cpu", out.dtype)
         a += len(w)
     return HostMatrix.from_torch(out, kind)  # shares out's memory
-
-
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def advise_hugepages(t: torch.Tensor) -> bool:
-    """Ask Linux for transparent huge pages under t's memory (call before the memory is first
-    touched). A cold neuron's rows are ~10 KB scattered over a large matrix: with 4 KiB pages every
-    row crosses pages, where the CPU's prefetchers stop and the TLB misses. Returns whether the
-    advice was taken; HOTCOLD_HUGEPAGES=0 turns it off."""
-    if not sys.platform.startswith("linux") or os.environ.get("HOTCOLD_HUGEPAGES", "1") == "0":
-        return False
-    start = t.data_ptr()
-    a, b = (start + _HUGE - 1) // _HUGE * _HUGE, (start + t.numel() * t.element_size()) // _HUGE * _HUGE
-    if b <= a:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_HUGEPAGE) == 0
 
 
 def _device_rows(w: torch.Tensor, rows: torch.Tensor, device, dtype) -> torch.Tensor:
@@ -351,9 +327,7 @@ def _fast_cols(down, cols: torch.Tensor, device, dtype) -> torch.Tensor:
 def _quant_empty(n: int, cols: int, qtype: str) -> np.ndarray:
     """uint8 [n, bytes per row of qtype] for a host QuantMatrix, huge pages advised before first touch."""
     _, bs, ts = QTYPES[qtype]
-    with torch.inference_mode(False):
-        t = torch.empty((n, cols // bs * ts), dtype=torch.uint8)
-    advise_hugepages(t)
+    t = host_empty((n, cols // bs * ts), torch.uint8)
     return t.numpy()  # keeps t alive
 
 

@@ -17,6 +17,7 @@ from hotcold.errors import HotcoldError, ModelFileError
 from hotcold.models.config import ModelConfig, config_from_hf
 from hotcold.models.layers import Rotary
 from hotcold.models.transformer import Transformer
+from hotcold.sparse_ops.cpu import advise_hugepages
 
 if TYPE_CHECKING:
     from hotcold.models.tokenizer import Tokenizer
@@ -103,6 +104,8 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
             shapes = {k: tuple(v.shape) for k, v in model.get_submodule(owner).named_parameters(recurse=False)}
             _set_module(model, owner, _Pending(shapes))
     model = model.to_empty(device=device)
+    for p in model.parameters():  # before _fill's first touch: decoding streams these matrices
+        advise_hugepages(p)
     for m in model.modules():
         if isinstance(m, Rotary):
             m.reset(device)

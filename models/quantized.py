@@ -23,6 +23,7 @@ from torch import nn
 from hotcold.models.gguf_loader import drop_file_pages
 from hotcold.models.layers import activation_fn
 from hotcold.sparse_ops import quant
+from hotcold.sparse_ops.cpu import host_empty
 from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qdequantize, qgemv
 
 __all__ = ["QuantLinear", "QuantEmbedding", "HalfEmbedding", "QuantExperts", "GEMV_TOKENS", "quantize_model", "dequantize_model",
@@ -349,7 +350,8 @@ def _fuse_half_qkv(m: nn.Module, lins: list[nn.Linear]) -> None:
     if any(b is not None for b in biases) and not all(b is not None for b in biases):
         return
     with torch.no_grad():
-        qkv = torch.cat([w.detach() for w in ws])  # [Nq + 2 Nk, D]
+        qkv = host_empty((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].dtype)  # [Nq + 2 Nk, D]
+        torch.cat([w.detach() for w in ws], out=qkv)
         a = 0
         for lin, w in zip(lins, ws):
             lin.weight = nn.Parameter(qkv[a:a + w.shape[0]], requires_grad=w.requires_grad)  # a view: one copy
