@@ -30,7 +30,8 @@ Python thread hand-off; it is paid once per CPU segment of a layer, only when th
     (and float experts), `qexperts` for quantised experts (the probe's cpu_expert_Bps), `gemv`
     (dense) for CPU attention, predictors and lm_head, GPU GEMV for the GPU.
   * The predictor of a layer is needed only when its FFN has CPU work (an all-GPU layer computes its
-    hot slice densely); it sits beside the attention (GPU if the attention is on the GPU).
+    hot slice densely); on the GPU if the attention is, and otherwise on either side (the planner
+    chooses: on the GPU it takes GPU memory but no round trip, since the FFN's input is back there).
   * KV cache: 2 x kv_heads x head_dim x ctx (or the sliding window) x B values per layer, stored
     with the attention; a step reads on average half of the context.
   * All-CPU plans (no CUDA, or --vram 0) pay no sync; all-GPU plans need no predictors.
@@ -276,6 +277,9 @@ class LayerCosts:
     ffn_cpu_fixed_s: float  # calls when any unit is on the CPU
     hybrid_gpu_s: float  # GPU-side extra when the layer has CPU FFN work (hybrid plans)
     ffn_sync_s: float  # CPU-side sync when the layer has CPU FFN work (hybrid plans)
+    # a CPU predictor's round trip in a hybrid plan: the FFN's input down, the mask up, a hand-off
+    # (its input is on the GPU after the attention, wherever that ran)
+    pred_sync_s: float = 0.0
     unit_host_bytes: np.ndarray | None = None  # [K] weight bytes in host memory (None: unit_bytes)
     attn_host_bytes: float | None = None  # attention weights in host memory (None: attn_bytes)
     pred_host_bytes: float | None = None  # the predictor in host memory (None: pred_bytes)
@@ -496,6 +500,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             pred_bytes=pred_bytes, pred_gpu_s=pred_gpu_s, pred_cpu_s=pred_cpu_s, ffn_gpu_fixed_s=ffn_gpu_fixed_s,
             ffn_cpu_fixed_s=ffn_cpu_fixed_s, hybrid_gpu_s=c.hybrid_gpu_kernels * launch,
             ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0,
+            pred_sync_s=(rt + (B * h * tv + mask_bytes) / pcie + handoff) if has_gpu and pred_bytes else 0.0,
             unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes,
             pred_host_bytes=pred_host_bytes, whole_bytes=whole_bytes, whole_gpu_s=whole_gpu_s))
     # kept as the dtype (often the file's widest type, Q6_K), or int4 (a tied head is the embedding's table)
@@ -534,6 +539,10 @@ class Placement:
     attn_gpu: list[bool]
     on_gpu: list[np.ndarray]
     head_gpu: bool
+    # per layer, the predictor on the GPU although the attention is on the CPU (the FFN's input is
+    # back on the GPU after the attention, so the GPU predictor needs no extra round trip); None: the
+    # predictor sits beside the attention. An attention on the GPU always has its predictor there.
+    pred_gpu: list[bool] | None = None
 
     @classmethod
     def all_cpu(cls, costs: ModelCosts) -> "Placement":
@@ -612,9 +621,13 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
         predictor = "none"
         pred_s = 0.0
         if has_cpu and lc.kind != "moe":
-            predictor = "gpu" if a else "cpu"
-            pred_s = lc.pred_gpu_s if a else lc.pred_cpu_s
-            if a:
+            pg = a or (p.pred_gpu is not None and bool(p.pred_gpu[l]))
+            predictor = "gpu" if pg else "cpu"
+            pred_s = lc.pred_gpu_s if pg else lc.pred_cpu_s
+            if not pg and hybrid:
+                pred_s += lc.pred_sync_s
+                sync += lc.pred_sync_s
+            if pg:
                 g["predictors"] = lc.pred_bytes
             else:
                 h["predictors"] = lc.pred_host_bytes

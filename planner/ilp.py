@@ -2,8 +2,10 @@
 (bundled with PuLP) or HiGHS (highspy).
 
 Dense/gated layer l (K neuron blocks in hot-first order; see costs.py for the time model):
-  z[l,a,n]  binary   the layer's attention is on the GPU (a = 1) or CPU (a = 0) and exactly its n
-                     hottest blocks are on the GPU (prefix structure), n = 0..K; sum over (a, n) = 1.
+  z[l,a,n]  binary   the layer's attention and predictor are on the GPU (a = 1), both on the CPU
+                     (a = 0), or the attention on the CPU and the predictor on the GPU (a = 2), and
+                     exactly its n hottest blocks are on the GPU (prefix structure), n = 0..K; sum
+                     over (a, n) = 1.
                      Block k is on the GPU iff sum_{a, n > k} z[l,a,n] = 1.
   The time of each choice is computed exactly, t = attention + predictor + u with
   u = max(GPU side, CPU side + sync), the sync, predictor and launches only where they apply: the
@@ -65,8 +67,10 @@ class SolveResult:
 
 
 def prefix_options(lc: LayerCosts) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """For attention a in (0, 1): (a, time_s[n], gpu_bytes[n], host_bytes[n]) of a hybrid layer whose n
-    hottest blocks are on the GPU, n = 0..K. Written apart from costs.evaluate (tests compare them)."""
+    """For a in (0, 1, 2) (0: attention and predictor on the CPU, 1: both on the GPU, 2: the attention
+    on the CPU, the predictor on the GPU): (a, time_s[n], gpu_bytes[n], host_bytes[n]) of a hybrid
+    layer whose n hottest blocks are on the GPU, n = 0..K. Written apart from costs.evaluate (tests
+    compare them)."""
     K = lc.n_units
     n = np.arange(K + 1)
     gpu_cum = np.concatenate([[0.0], np.cumsum(lc.unit_gpu_s)])
@@ -82,12 +86,13 @@ def prefix_options(lc: LayerCosts) -> list[tuple[int, np.ndarray, np.ndarray, np
     u = np.maximum(gpu_side, cpu_side)
     ab = lc.attn_bytes + lc.kv_bytes
     out = []
-    for a in (0, 1):
-        attn = lc.attn_gpu_s if a else lc.attn_cpu_s + lc.attn_sync_s
-        pred = has_cpu * (lc.pred_gpu_s if a else lc.pred_cpu_s)
-        gpu_b = a * ab + bytes_cum + (lc.pred_bytes * has_cpu if a else 0.0)
-        host_b = (1 - a) * (lc.attn_host_bytes + lc.kv_bytes) + (host_cum[-1] - host_cum) + \
-            (0.0 if a else lc.pred_host_bytes * has_cpu)
+    for a in (0, 1, 2):
+        attn_gpu, pred_gpu = a == 1, a >= 1
+        attn = lc.attn_gpu_s if attn_gpu else lc.attn_cpu_s + lc.attn_sync_s
+        pred = has_cpu * (lc.pred_gpu_s if pred_gpu else lc.pred_cpu_s + lc.pred_sync_s)
+        gpu_b = attn_gpu * ab + bytes_cum + (lc.pred_bytes * has_cpu if pred_gpu else 0.0)
+        host_b = (not attn_gpu) * (lc.attn_host_bytes + lc.kv_bytes) + (host_cum[-1] - host_cum) + \
+            (0.0 if pred_gpu else lc.pred_host_bytes * has_cpu)
         out.append((a, attn + pred + u, gpu_b, host_b))
     return out
 
@@ -279,30 +284,33 @@ def _placement(costs: ModelCosts, layer_vars, group_vars, hd) -> Placement:
         if len(picks) != len(members):
             raise HotcoldError("internal: the solver's choices do not cover every layer; report this")
         chosen.append(iter(picks))
-    attn, on = [], []
+    attn, pred, on = [], [], []
     for lc, lv in zip(costs.layers, layer_vars):
         if lv[0] == "dense":
-            a, n = next(chosen[lv[1]])
-            attn.append(bool(a))
+            a, n = next(chosen[lv[1]])  # a: prefix_options' code
+            attn.append(a == 1)
+            pred.append(a >= 1)
             on.append(np.arange(lc.n_units) < n)
         else:
             _, a, ys, _, _, _ = lv
             attn.append((a.value() or 0.0) > 0.5)
+            pred.append(attn[-1])
             on.append(np.array([(y.value() or 0.0) > 0.5 for y in ys], bool))
-    return Placement("hybrid", attn, on, (hd.value() or 0.0) > 0.5)
+    return Placement("hybrid", attn, on, (hd.value() or 0.0) > 0.5, pred)
 
 
 def _start_values(costs: ModelCosts, warm: Placement, layer_vars, group_vars, hd) -> dict:
     """Initial values of every variable from a feasible placement (CBC's -mips start)."""
     from hotcold.planner.costs import evaluate
 
-    ev = evaluate(costs, Placement("hybrid", warm.attn_gpu, warm.on_gpu, warm.head_gpu))
+    ev = evaluate(costs, Placement("hybrid", warm.attn_gpu, warm.on_gpu, warm.head_gpu, warm.pred_gpu))
     vals: dict = {hd: int(bool(warm.head_gpu))}
     for members, ws in group_vars:
         counts: dict = {}
         for l in members:
             n = int(np.cumprod(np.asarray(warm.on_gpu[l], bool)).sum())  # the prefix part of the start
-            key = (int(bool(warm.attn_gpu[l])), n)
+            pg = warm.pred_gpu is not None and bool(warm.pred_gpu[l])
+            key = (1 if warm.attn_gpu[l] else 2 if pg else 0, n)  # prefix_options' code
             counts[key] = counts.get(key, 0) + 1
         for a, n, w in ws:
             vals[w] = counts.get((a, n), 0)

@@ -222,9 +222,11 @@ def plan_json(result: PlanResult, req: PlanRequest, *, fingerprint: str, model: 
         layers.append(entry)
     step = ev.time_s
     breakdown = {
-        "attention": sum(le.attn_s - (le.sync_s if not p.attn_gpu[i] and result.mode == "hybrid" else 0.0)
-                         for i, le in enumerate(ev.layers)),
-        "predictors": sum(le.pred_s for le in ev.layers),
+        # (the round trips of CPU attention and predictors are on the sync line)
+        "attention": sum(le.attn_s - (lc.attn_sync_s if not p.attn_gpu[i] and result.mode == "hybrid" else 0.0)
+                         for i, (lc, le) in enumerate(zip(costs.layers, ev.layers))),
+        "predictors": sum(le.pred_s - (lc.pred_sync_s if le.predictor == "cpu" and result.mode == "hybrid" else 0.0)
+                          for lc, le in zip(costs.layers, ev.layers)),
         "ffn": sum(max(le.ffn_gpu_s, le.ffn_cpu_s) for le in ev.layers),
         "lm_head": ev.head_s,
         "fixed": ev.fixed_s,

@@ -130,7 +130,7 @@ def test_parse_size():
 # ------------------------------------------------------------------------------------------- brute force
 def _brute_force(costs, vram, ram):
     """The best hybrid placement by enumeration: prefixes of dense layers, all subsets of experts,
-    attention on/off, lm_head on/off."""
+    attention on/off, a CPU attention's predictor on either side (dense layers), lm_head on/off."""
     per_layer = []
     for lc in costs.layers:
         K = lc.n_units
@@ -138,15 +138,41 @@ def _brute_force(costs, vram, ram):
             subsets = [np.array(bits, bool) for bits in itertools.product([False, True], repeat=K)]
         else:
             subsets = [np.arange(K) < n for n in range(K + 1)]
-        per_layer.append([(a, s) for a in (False, True) for s in subsets])
+        sides = [(False, False), (True, True)] + ([(False, True)] if lc.kind != "moe" else [])  # (attention, predictor)
+        per_layer.append([(a, pg, s) for a, pg in sides for s in subsets])
     best = None
     for combo in itertools.product(*per_layer):
         for head in (False, True):
-            p = Placement("hybrid", [c[0] for c in combo], [c[1] for c in combo], head)
+            p = Placement("hybrid", [c[0] for c in combo], [c[2] for c in combo], head, [c[1] for c in combo])
             ev = evaluate(costs, p)
             if ev.gpu_total <= vram - 1024 and ev.cpu_total <= ram - 1024 and (best is None or ev.time_s < best):
                 best = ev.time_s
     return best
+
+
+def test_cpu_attention_predictor_on_either_side():
+    """A CPU attention's predictor costs its round trip on the CPU (the FFN's input is back on the GPU
+    after the attention: down, a hand-off, the mask up) and its bytes on the GPU: evaluate charges
+    each, and with a budget that holds the predictors but no attention the ILP puts them on the GPU."""
+    rng = np.random.default_rng(3)
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=2, intermediate_size=64)
+    costs = build_costs(cfg, power_law_stats(cfg, rng), toy_hw(rt=50e-6, handoff=20e-6), weight_format("bf16"),
+                        ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    on = [np.zeros(lc.n_units, bool) for lc in costs.layers]
+    beside = evaluate(costs, Placement("hybrid", [False, False], on, False))  # predictors beside the attention
+    apart = evaluate(costs, Placement("hybrid", [False, False], on, False, [True, True]))
+    for lc, a, b in zip(costs.layers, beside.layers, apart.layers):
+        assert lc.pred_sync_s > 70e-6 and lc.pred_bytes > 0
+        assert a.predictor == "cpu" and a.pred_s == pytest.approx(lc.pred_cpu_s + lc.pred_sync_s)
+        assert b.predictor == "gpu" and b.pred_s == pytest.approx(lc.pred_gpu_s)
+        assert a.sync_s == pytest.approx(b.sync_s + lc.pred_sync_s)
+    assert apart.gpu_bytes["predictors"] == pytest.approx(sum(lc.pred_bytes for lc in costs.layers))
+    assert beside.gpu_bytes["predictors"] == 0 and apart.time_s < beside.time_s
+    vram = costs.gpu_fixed_bytes + sum(lc.pred_bytes for lc in costs.layers) + 2048  # (the ILP keeps 1 KiB)
+    assert vram < costs.gpu_fixed_bytes + min(lc.attn_bytes + lc.kv_bytes for lc in costs.layers)
+    res = solve(costs, vram, 1e12, solver="cbc", gap=0.0, time_limit=20)
+    assert not any(res.placement.attn_gpu) and res.placement.pred_gpu == [True, True]
+    assert evaluate(costs, res.placement).time_s == pytest.approx(res.objective, rel=1e-6)
 
 
 @pytest.mark.parametrize("name,block,layers,twins", [("llama_relu", 8, 2, False), ("opt", 8, 3, False),
@@ -529,7 +555,9 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     assert 0 < meta["bytes"]["gpu"]["total"] <= parse_size("120KiB")
     assert len(meta["layers"]) == 3 and meta["solver"]["name"] == "cbc" and meta["solver"]["status"] == "optimal"
     assert meta["hardware"]["file"] == str(hw_file)
-    assert sum(p.gpu_count) > 0 and sum(p.gpu_count) < 3 * 96
+    # the small budget holds hot neurons or CPU attentions' predictors (the planner weighs both)
+    assert sum(p.gpu_count) < 3 * 96 and (sum(p.gpu_count) > 0 or p.predictor_gpu.any())
+    assert [e["predictor"] == "gpu" for e in meta["layers"]] == p.predictor_gpu.tolist()
     assert "busy" not in r.output
     # a profile measured on a busy machine (a compile beside the probe) is said to be so, at every plan
     busy = tmp_path / "busy.json"
@@ -775,7 +803,7 @@ def test_gpu_int4_whole_layers_cost_their_int4_bytes_when_every_neuron_is_hot():
         for a, t, gb, hb in prefix_options(lw):
             for n in (lw.n_units - 1, lw.n_units):
                 on = np.arange(lw.n_units) < n
-                p = Placement("hybrid", [bool(a)] * 4, [on] * 4, True)
+                p = Placement("hybrid", [a == 1] * 4, [on] * 4, True, [a >= 1] * 4)
                 le = evaluate(cw, p).layers[lw.layer]
                 assert le.t_s == pytest.approx(t[n]) and sum(le.gpu_bytes.values()) == pytest.approx(gb[n])
         assert prefix_options(lw)[1][2][-1] < prefix_options(lw)[1][2][-2]  # all blocks: fewer bytes than all but one
