@@ -86,9 +86,9 @@ def dense_int4_default(path: Path, quantize: str | None, device: torch.device) -
         return quantize.upper() in INT4_QTYPES
     if not Path(path).is_file():
         return False
-    from hotcold.models.gguf_loader import GGUFFile
+    from hotcold.models.gguf_loader import open_gguf
 
-    return any(kept and qtype in INT4_QTYPES for _, qtype, _, _, kept in GGUFFile(path).tensor_storage())
+    return any(kept and qtype in INT4_QTYPES for _, qtype, _, _, kept in open_gguf(path).tensor_storage())
 
 
 def _prefill_costs(kind: str):

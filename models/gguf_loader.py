@@ -17,10 +17,12 @@ dequantised and with llama.cpp's storage conventions undone (`tensors()`):
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
 import re
+import warnings
 from typing import Any, Iterator
 
 import gguf
@@ -436,6 +438,19 @@ def drop_file_pages(a: np.ndarray) -> None:
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
+def open_gguf(path: str | os.PathLike[str]) -> "GGUFFile":
+    """GGUFFile(path), parsed once per version of the file (its real path, mtime and size): a 49k-token
+    vocabulary's metadata takes about 3 s to parse, and `run` reads the header before it loads."""
+    real = os.path.realpath(os.fspath(path))
+    st = os.stat(real)
+    return _open_cached(real, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int, size: int) -> "GGUFFile":
+    return GGUFFile(path)
+
+
 class _CheckedReader(gguf.GGUFReader):
     """GGUFReader that checks tensor types and sizes before mapping the tensor data."""
 
@@ -571,9 +586,13 @@ class GGUFFile:
         freqs = None if rope_freqs is None else self._dequantize(rope_freqs)  # [Dh/2]
         return hf_config_from_metadata(self.metadata, self.tensor_shapes(), freqs, source=self.path)
 
-    def tensors(self, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+    def tensors(self, dtype: torch.dtype = torch.float32, keep_quantized: bool = False, copy: bool = True
                 ) -> Iterator[tuple[str, "torch.Tensor | QuantMatrix"]]:
         """Yield (canonical name, tensor) one at a time, dequantised into `dtype`.
+
+        copy False: an F16 matrix yielded as float16 that needs no rearranging comes as a read-only
+        view of the mapped file, valid until the next tensor is asked for (its pages are then dropped):
+        for a consumer that copies it at once (load_model: one copy instead of two).
 
         keep_quantized: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K (`kept_quantized`)
         come as `QuantMatrix` views of the mapped file instead (no copy; llama q/k rows are
@@ -598,8 +617,12 @@ class GGUFFile:
                 else:
                     yield name, self._quant_matrix(t, heads)
                 continue
-            w = self._convert(t, heads)
-            yield name, torch.from_numpy(w).to(dtype)
+            w = self._convert(t, heads, copy)
+            with warnings.catch_warnings():  # a view of the read-only mapping (copy False): not written to
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                w = torch.from_numpy(w).to(dtype)
+            yield name, w
+            del w
             self._release(t)
 
     def tensor_storage(self) -> list[tuple[str, str, int, int, bool]]:
@@ -663,12 +686,12 @@ class GGUFFile:
             w = w.copy()  # F32 "dequantises" to a view of the mmap: never hand that out
         return w.astype(np.float32, copy=False).reshape(_torch_shape(t))
 
-    def _convert(self, t: Any, heads: tuple[int, int]) -> np.ndarray:
+    def _convert(self, t: Any, heads: tuple[int, int], copy: bool = True) -> np.ndarray:
         """Dequantise one tensor (an F16 one stays float16: torch widens or narrows it 4x faster than
         gguf's float32 conversion, which took 0.32 s per 4096 x 11008 matrix) and undo llama.cpp's
-        storage conventions."""
+        storage conventions. copy False: an F16 matrix may be a view of the mapped file."""
         if t.tensor_type == QT.F16 and len(t.shape) >= 2:  # (vectors, e.g. Gemma's norms, take float32)
-            w = np.array(t.data, dtype=np.float16).reshape(_torch_shape(t))
+            w = (np.array if copy else np.asarray)(t.data, dtype=np.float16).reshape(_torch_shape(t))
         else:
             w = self._dequantize(t)
         key = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name

@@ -250,9 +250,9 @@ def _gguf_header(path: Path) -> tuple[dict, list]:
 
 @functools.lru_cache(maxsize=8)
 def _parse_gguf_header(path: str, mtime_ns: int, size: int) -> tuple[dict, list]:
-    from hotcold.models.gguf_loader import GGUFFile
+    from hotcold.models.gguf_loader import open_gguf
 
-    gguf = GGUFFile(path)
+    gguf = open_gguf(path)
     return gguf.hf_config(), gguf.tensor_inventory()
 
 
@@ -304,9 +304,9 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
             tokenizer = Tokenizer.from_hf_folder(path)
         fp = fingerprint(raw, hf_loader.tensor_inventory(path))
     else:
-        from hotcold.models.gguf_loader import GGUFFile
+        from hotcold.models.gguf_loader import open_gguf
 
-        gguf = GGUFFile(path)
+        gguf = open_gguf(path)
         raw = gguf.hf_config()
         config = config_from_hf(raw, source=str(path))
         if quantize:
@@ -320,7 +320,7 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         model = _empty_model(config, dev, dt, kept)
         # tensors come in the parameters' dtype (every parameter has it): an F16 matrix into a float16
         # model is then copied once, not widened to float32 and narrowed back (a 13.8 GB file: 24 s of 46)
-        _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized)), str(path), dt)
+        _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized, copy=False)), str(path), dt)
         from hotcold.models.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)

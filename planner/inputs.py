@@ -73,9 +73,9 @@ def _is_hot_row_matrix(name: str) -> bool:
 @functools.lru_cache(maxsize=4)
 def _tensor_storage(path: str, mtime_ns: int, size: int) -> tuple:
     """GGUFFile(path).tensor_storage(), once per file version (`plan` weighs a model both ways)."""
-    from hotcold.models.gguf_loader import GGUFFile
+    from hotcold.models.gguf_loader import open_gguf
 
-    return tuple(GGUFFile(Path(path)).tensor_storage())
+    return tuple(open_gguf(path).tensor_storage())
 
 
 def gguf_format(path: Path, base: WeightFormat, gpu_int4: bool = False) -> WeightFormat:
