@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -241,19 +240,13 @@ def describe_model(path: str | Path) -> ModelInfo:
 
 
 def _gguf_header(path: Path) -> tuple[dict, list]:
-    """(HF-style config, tensor inventory) of a GGUF file, parsed once per version of the file: `run`
-    asks for both before loading (a 49k-token vocabulary's metadata takes about 1.7 s to parse)."""
-    st = path.stat()
-    raw, inventory = _parse_gguf_header(str(path.resolve()), st.st_mtime_ns, st.st_size)
-    return copy.deepcopy(raw), inventory  # (the caller may change its config dict, not the cached one)
-
-
-@functools.lru_cache(maxsize=8)
-def _parse_gguf_header(path: str, mtime_ns: int, size: int) -> tuple[dict, list]:
+    """(HF-style config, tensor inventory) of a GGUF file; `open_gguf` parses each version of a file
+    once (`run` asks for both before loading, then loads)."""
     from hotcold.models.gguf_loader import open_gguf
 
     gguf = open_gguf(path)
-    return gguf.hf_config(), gguf.tensor_inventory()
+    # (the caller may change its config dict; the cached file's metadata lists stay as read)
+    return copy.deepcopy(gguf.hf_config()), gguf.tensor_inventory()
 
 
 def _existing(path: str | Path) -> Path:
