@@ -23,6 +23,7 @@ from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_thread
 from hotcold.executors.graphs import graph_blocks
 from hotcold.executors.gpu_executor import HOST_PREDICTOR_QTYPE, GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.host_attention import HostAttention, HostEmbedding, HostHead
+from hotcold.executors.host_block import host_blocks
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.expert_cache import ExpertCache, slot_kind
 from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_experts, split_moe
@@ -137,7 +138,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
                 embed_cpu: bool = False, head_cpu: bool = False,
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
-                host_nodes: bool | None = None, dense_host_nodes: bool | None = None) -> HybridEngine:
+                host_nodes: bool | None = None, dense_host_nodes: bool | None = None,
+                host_block_steps: bool | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -190,6 +192,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     dense_host_nodes: the same for a dense or gated layer's cold rows (FFNHostNode); default: on
       unless the environment sets HOTCOLD_DENSE_HOST_NODES=0 (H200, 4 llama-7b layers, 30% hot, bf16
       cold rows: 247 -> 263 tok/s, tools/bench_hybrid.py --host-nodes no,yes, one run).
+    host_block_steps: a layer whose attention and predictor are both on the CPU decodes as a
+      HostBlock (executors/host_block.py: the residual stream on the host for its step, one crossing
+      down); default: on unless the environment sets HOTCOLD_HOST_BLOCKS=0.
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -335,6 +340,10 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         looks = predictors.lookahead if isinstance(predictors, PredictorSet) else {}
         pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts,
                                 expert_cache_policy)
+    if host_block_steps is None:
+        host_block_steps = os.environ.get("HOTCOLD_HOST_BLOCKS", "1") != "0"
+    if host_block_steps:  # before graph_blocks, which wraps only the plain Blocks left
+        host_blocks(model)
     if tier.cuda and cuda_graphs:
         graph_blocks(model, ffn=cuda_graphs != "attention", step="host" if cuda_graphs == "step" else cuda_graphs is True)
     lm.device, lm.dtype = device, dtype

@@ -329,6 +329,36 @@ def _placed_on_cpu(folder, family: str, device: str, dtype: str, tol: float) -> 
         assert_close(decode_logits(lm, toks), want, tol)
 
 
+def _host_blocks(folder, family: str, device: str, dtype: str, tol: float) -> None:
+    """Layers whose attention and predictor are both on the CPU decode as HostBlocks (the residual
+    stream on the host for the step) and give the predictor-sparse reference's logits; a prompt runs
+    block by block. (OPT's tiny model is pre-norm, with LayerNorms.)"""
+    from hotcold.executors.host_block import HostBlock
+
+    ref = reference(folder, family, device, dtype)
+    preds = random_predictors(ref)
+    toks = tokens(seed=18, device=device)
+    with predicted_sparse(ref.model, preds), torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, family, device, dtype)
+    both = {0, lm.config.num_layers - 1}
+    with make_hybrid(lm, random_hot(lm, 0.4, seed=19), preds, cpu_dtype="f32", threads=2,
+                     attention_cpu=both, predictor_cpu=both) as eng:
+        wrapped = [l for l, b in enumerate(lm.model.layers) if isinstance(b, HostBlock)]
+        assert wrapped == sorted(both)
+        assert_close(decode_logits(lm, toks), want, tol)
+        assert sum(lm.model.layers[l].steps for l in wrapped) == len(wrapped) * T  # every decode step went that way
+        assert eng.stats()["decode"]["regimes"]["cpu"] > 0
+        with torch.inference_mode():
+            lm.model(toks)  # a prompt (the union of its tokens' masks: not the per-token reference)
+        assert sum(lm.model.layers[l].steps for l in wrapped) == len(wrapped) * T
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gemma3"])
+def test_attention_and_predictor_of_a_layer_on_the_cpu_decode_on_the_host(folder, family):
+    _host_blocks(folder, family, "cpu", "float32", 1e-4)
+
+
 @pytest.mark.parametrize("rank", [40, 64])
 def test_cpu_predictor_in_q8_0_blocks(rank):
     """A CPU predictor in Q8_0 blocks (its rank padded to the block size) decides as the float32 one
@@ -679,6 +709,13 @@ def test_cuda_predictors_and_regimes(folder, regime):
 @pytest.mark.parametrize("family", ["llama", "opt", "gemma3"])
 def test_cuda_attention_and_predictor_placed_on_the_cpu(folder, family):
     _placed_on_cpu(folder, family, "cuda", "float32", 1e-4)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cuda_attention_and_predictor_of_a_layer_on_the_cpu_decode_on_the_host(folder, family):
+    _host_blocks(folder, family, "cuda", "float32", 1e-4)
 
 
 @pytest.mark.cuda
