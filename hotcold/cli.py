@@ -144,7 +144,7 @@ def run(
                 _interactive(gen, params, max_tokens, seed, stop, system)
                 return
             _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped,
-                      lambda: _announce(setup))
+                      lambda: _first_token(setup, stats))
         if stats:
             _print_stats(setup, gen.stats)
     finally:
@@ -174,6 +174,16 @@ def _announce(setup) -> None:
         print(f"note: {note}", file=sys.stderr)
 
 
+def _first_token(setup, stats: bool) -> None:
+    """At the first token: the notes, and with --stats the engine's counts restarted, so that they
+    cover the decode steps the measured rate covers (on CUDA the first step is queued before the
+    first token is read; it also compiles or loads the one-token kernels on a fresh machine, which
+    had put 104 ms of 'CPU attention/predictors' per token beside a measured 46)."""
+    _announce(setup)
+    if stats and setup.engine is not None:
+        setup.engine.reset_stats()
+
+
 def _print_stats(setup, gen_stats) -> None:
     """--stats: where a decoded token's time went, and the plan's prediction beside it."""
     measured = 1000 / gen_stats.decode_tok_per_s if gen_stats.decode_tok_per_s else float("nan")
@@ -181,7 +191,7 @@ def _print_stats(setup, gen_stats) -> None:
     if setup.engine is not None:
         d = setup.engine.stats()["decode"]
         t = d["per_token"]
-        line += (f": GPU {t['gpu_ms']:.2f} ms, CPU {t['cpu_ms']:.2f} ms, transfer {t['transfer_ms']:.2f} ms, "
+        line += (f" ({d['tokens']} steps timed): GPU {t['gpu_ms']:.2f} ms, CPU {t['cpu_ms']:.2f} ms, transfer {t['transfer_ms']:.2f} ms, "
                  f"wait {t['wait_ms']:.2f} ms, CPU attention/predictors {t['host_ms']:.2f} ms; rows per token GPU {t['rows_gpu']:.0f}, CPU {t['rows_cpu']:.0f}")
         if t.get("experts_gpu") or t.get("experts_cpu"):
             line += f"; experts per token GPU {t['experts_gpu']:.1f}, CPU {t['experts_cpu']:.1f}"

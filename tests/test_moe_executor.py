@@ -298,6 +298,9 @@ def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
     dense = run_cli(*args, "--no-plan")
     assert hybrid.returncode == 0 and dense.returncode == 0, hybrid.stderr + dense.stderr
     assert "hybrid" in hybrid.stderr and "experts per token" in hybrid.stderr and "idle GPU" in hybrid.stderr
+    # the engine's counts cover the decode steps after the first token, as the measured rate does
+    # (on CUDA the first of them is queued before the first token is read: one fewer)
+    assert f"({11 if device == 'cpu' else 10} steps timed)" in hybrid.stderr, hybrid.stderr
     assert plan.meta["budget"]["expert_cache_bytes"] == 32 * 1024
     if device == "cuda":  # the cache is a GPU feature: 2 experts of 12.7 KB
         assert "expert cache: 2 experts" in hybrid.stderr and "expert cache hit rate" in hybrid.stderr
