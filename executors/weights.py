@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from hotcold.models.layers import DenseFFN, GatedFFN
 from hotcold.models.quantized import QuantExperts, QuantLinear, dequantize_module, dequantized_rows, drop_module_pages
-from hotcold.sparse_ops.cpu import HostMatrix, host_empty, quantize_i8
+from hotcold.sparse_ops.cpu import HostMatrix, gather_columns, host_empty, quantize_i8
 from hotcold.sparse_ops.gpu_quant import (INT4_DOWN_DEFAULT, Int4Matrix, int4_layout_reason, int4_padded,
                                           int4_unsupported_reason)
 from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, pack_rows, qdequantize, quantize_rows
@@ -115,12 +115,15 @@ def _host_rows(w: torch.Tensor, rows: torch.Tensor, kind: str) -> HostMatrix:
     """w[rows] as a host matrix of `kind`, converted BLOCK_ROWS rows at a time. w: [N, D] (any device).
     Consecutive rows (every neuron cold: a CPU plan) are sliced, not gathered into a second copy;
     all of a contiguous CPU matrix already of `kind` is shared, not copied (a 32-layer 7B shape's CPU
-    plan spent 10 s of its load copying W_up and W_gate)."""
+    plan spent 10 s of its load copying W_up and W_gate); W_down's columns (w a transposed view)
+    are gathered in tiles (`gather_columns`: 7 s of the same load went to torch's transposed copy)."""
     r0 = int(rows[0]) if len(rows) else 0
     consecutive = len(rows) and bool(torch.equal(rows.cpu(), torch.arange(r0, r0 + len(rows))))
     if consecutive and r0 == 0 and len(rows) == w.shape[0] and w.device.type == "cpu" and w.is_contiguous() \
             and w.dtype == CPU_KINDS.get(kind):
         return HostMatrix.from_torch(w.detach(), kind)  # shares w's memory (and keeps it alive)
+    if w.device.type == "cpu" and w.t().is_contiguous() and w.dtype == CPU_KINDS.get(kind) and len(rows):
+        return HostMatrix.from_torch(gather_columns(w.t(), rows), kind)  # W_down's columns, in numba tiles
     if consecutive:
         blocks = (w[r0 + a:r0 + min(a + BLOCK_ROWS, len(rows))] for a in range(0, len(rows), BLOCK_ROWS))
     else:

@@ -32,7 +32,7 @@ from numba.extending import intrinsic, overload
 
 __all__ = [
     "HostMatrix", "quantize_i8", "gemv_rows", "gemv", "axpy_rows", "ffn_rows", "ffn_rows_batch",
-    "ffn_dense", "torch_view", "advise_hugepages", "host_empty", "set_threads", "get_threads", "mask_to_rows", "index_map", "split_rows", "ACTS", "KINDS",
+    "ffn_dense", "torch_view", "advise_hugepages", "host_empty", "gather_columns", "set_threads", "get_threads", "mask_to_rows", "index_map", "split_rows", "ACTS", "KINDS",
 ]
 
 KINDS = ("f32", "f16", "bf16", "i8")
@@ -376,6 +376,41 @@ def _ffn_rows_kernel(X, rows, up, us, gate, gs, bias, down, ds, act, gated, use_
 
 # ---------------------------------------------------------------------------------------------
 # Host matrices
+
+_TILE = 128  # columns (and rows) per tile of gather_columns
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _gather_columns_kernel(src, cols, out):
+    # src: [R, C], cols: [K], out: [K, R] = src[:, cols].T; tiles of _TILE columns x _TILE rows, so
+    # that the strided reads of a tile's columns stay in cache while its rows are written
+    R, K = src.shape[0], cols.shape[0]
+    for b in prange((K + _TILE - 1) // _TILE):
+        j0, j1 = b * _TILE, min(K, (b + 1) * _TILE)
+        for r0 in range(0, R, _TILE):
+            r1 = min(R, r0 + _TILE)
+            for j in range(j0, j1):
+                c = cols[j]
+                for r in range(r0, r1):
+                    out[j, r] = src[r, c]
+
+
+def gather_columns(src: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """src[:, cols].T as a new contiguous CPU tensor [K, R] with huge pages advised (host_empty), in
+    numba tiles: W_down [D, I] to cold rows [K, D]. torch's copy of a transposed float16 view read
+    0.2-0.4 GB/s on the 2-core machine ([4096, 11008]: 206-373 ms), the tiles 1.5 GB/s (60 ms).
+    src: contiguous [R, C] on the CPU, any 2-, 4- or 1-byte dtype; cols: int [K], each in 0..C-1."""
+    if src.device.type != "cpu" or src.dim() != 2 or not src.is_contiguous():
+        raise ValueError("src must be a contiguous 2-D CPU tensor")
+    c = np.ascontiguousarray(cols.cpu().numpy(), dtype=np.int64)
+    if c.ndim != 1 or (c.size and (c.min() < 0 or c.max() >= src.shape[1])):
+        raise ValueError(f"cols must be a 1-D index into {src.shape[1]} columns")
+    out = host_empty((c.size, src.shape[0]), src.dtype)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[src.element_size()]
+    if c.size:
+        _gather_columns_kernel(src.detach().view(bits).numpy(), c, out.view(bits).numpy())
+    return out
+
 
 def quantize_i8(w: torch.Tensor, block_rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-row int8: returns (q int8 [N, D], scale float32 [N]) with w ≈ q * scale[:, None]."""

@@ -128,6 +128,24 @@ def test_i8_quantisation_error_within_half_scale(n, d):
     assert np.allclose(m.scale, w.abs().amax(dim=1).numpy() / 127, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("how", ["all", "some", "none", "one"])
+@pytest.mark.parametrize("shape", [(300, 260), (7, 5), (129, 1)])  # tiles of 128: edges on both sides
+def test_gather_columns_is_the_transposed_selection(dtype, how, shape):
+    r, c = shape
+    g = torch.Generator().manual_seed(r * c)
+    src = (torch.randn(r, c, generator=g) * 50).to(dtype)
+    cols = {"all": torch.arange(c), "some": torch.randperm(c, generator=g)[: c // 2 + 1],
+            "none": torch.zeros(0, dtype=torch.int64), "one": torch.tensor([c - 1])}[how]
+    got = cpu.gather_columns(src, cols)
+    assert got.dtype == dtype and got.is_contiguous() and got.shape == (len(cols), r)
+    assert torch.equal(got, src[:, cols].T)
+    with pytest.raises(ValueError, match="cols"):
+        cpu.gather_columns(src, torch.tensor([c]))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.gather_columns(torch.cat([src, src], 1)[:, ::2], cols)
+
+
 def test_hostmatrix_rejects_bad_input():
     with pytest.raises(ValueError):
         HostMatrix(np.zeros((2, 3), np.float64), "f32")
