@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hotcold.executors.wrapper import BlockWrapper
 from hotcold.models.layers import Attention, DenseFFN, GatedFFN
 from hotcold.models.transformer import Block
 
@@ -68,14 +69,13 @@ class _Captured:
     out: torch.Tensor | None = None  # the block's output when the whole step is one graph ("host")
 
 
-class GraphedBlock(nn.Module):
+class GraphedBlock(BlockWrapper):
     """A Block whose one-token steps on CUDA replay a graph of the attention half and, where the FFN
     offers one, of its device half (see the module docstring); same forward signature as Block.
     `block` keeps the modules (and their names)."""
 
     def __init__(self, block: Block, pool=None, ffn: bool = True):
-        super().__init__()
-        self.block = block
+        super().__init__(block)
         self.pool = pool  # a graph memory pool shared by the layers (torch.cuda.graph_pool_handle())
         self.ffn_in_graph = ffn  # False: the FFN always runs eagerly after the attention half (to compare)
         self.captured: _Captured | None = None
@@ -122,17 +122,6 @@ class GraphedBlock(nn.Module):
         if b.sandwich:
             h = b.post_ffn_norm(h)
         return c.res + h
-
-    def __getattr__(self, name: str):
-        # read access to the wrapped block's modules and attributes (block.attn, block.ffn, ...), so
-        # that code written for a Block reads a GraphedBlock alike; assign to `.block.<name>` instead
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            if "block" not in modules:
-                raise
-            return getattr(modules["block"], name)
 
     def graphable(self, x: torch.Tensor, cache_kv) -> bool:
         return (x.is_cuda and x.shape[1] == 1 and cache_kv is not None and cache_kv[0].is_cuda

@@ -28,6 +28,7 @@ from hotcold.executors.gpu_executor import LearnedMask
 from hotcold.executors.host_attention import HostAttention
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.stats import now
+from hotcold.executors.wrapper import BlockWrapper
 from hotcold.models.transformer import Block
 
 
@@ -43,16 +44,14 @@ def host_block_ready(block: nn.Module) -> bool:
     return m is None or isinstance(m, LearnedMask) and m.device.type == "cpu"
 
 
-class HostBlock(nn.Module):
+class HostBlock(BlockWrapper):
     """A Block (see host_block_ready) whose one-token steps run as the module docstring draws; same
-    forward signature as Block. `block` keeps the modules (and their names); `steps` counts the
-    one-token steps taken this way."""
+    forward signature as Block; `steps` counts the one-token steps taken this way."""
 
     def __init__(self, block: Block):
-        super().__init__()
         if not host_block_ready(block):
             raise ValueError("HostBlock needs a pre-norm block with host attention and a CPU or no predictor")
-        self.block = block
+        super().__init__(block)
         dtype = block.attn.dtype
         names = ["attn_norm", "ffn_norm"] + (["post_attn_norm"] if block.sandwich else [])
         # the host copies, outside the module tree: the engine's moves leave them alone
@@ -63,17 +62,6 @@ class HostBlock(nn.Module):
                 for norm in self._norms.values():
                     norm(torch.zeros(1, 1, w.shape[-1], dtype=dtype))
         self.steps = 0
-
-    def __getattr__(self, name: str):
-        # read access to the wrapped block's modules and attributes (block.attn, block.ffn, ...), as
-        # GraphedBlock gives
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            if "block" not in modules:
-                raise
-            return getattr(modules["block"], name)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D] on the fast tier

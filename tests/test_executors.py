@@ -304,16 +304,22 @@ def test_trained_predictors_match_references(folder, trained, regime):
     assert 0 < d["rows_gpu"] + d["rows_cpu"] < 3 * T * lm.config.intermediate_size
 
 
+def _predicted_sparse_case(folder, family: str, device: str, dtype: str, seed: int):
+    """Random predictors for the family's reference, tokens, the predictor-sparse reference's logits
+    for them, and a fresh model to convert: (preds, toks, want, lm)."""
+    ref = reference(folder, family, device, dtype)
+    preds = random_predictors(ref)
+    toks = tokens(seed=seed, device=device)
+    with predicted_sparse(ref.model, preds), torch.inference_mode():
+        want = ref.model(toks)
+    return preds, toks, want, fresh(folder, family, device, dtype)
+
+
 def _placed_on_cpu(folder, family: str, device: str, dtype: str, tol: float) -> None:
     """Attention of layer 0 and the predictor of the last layer placed on the CPU (as a plan may put
     them), and the embedding and LM head in host memory (as a plan counts them), give the logits of
     the predictor-sparse reference; that layer's KV cache is in host memory."""
-    ref = reference(folder, family, device, dtype)
-    preds = random_predictors(ref)
-    toks = tokens(seed=16, device=device)
-    with predicted_sparse(ref.model, preds), torch.inference_mode():
-        want = ref.model(toks)
-    lm = fresh(folder, family, device, dtype)
+    preds, toks, want, lm = _predicted_sparse_case(folder, family, device, dtype, seed=16)
     last = lm.config.num_layers - 1
     with make_hybrid(lm, random_hot(lm, 0.4, seed=17), preds, cpu_dtype="f32", threads=2,
                      attention_cpu={0}, predictor_cpu={last}, embed_cpu=True, head_cpu=True) as eng:
@@ -335,12 +341,7 @@ def _host_blocks(folder, family: str, device: str, dtype: str, tol: float) -> No
     block by block. (OPT's tiny model is pre-norm, with LayerNorms.)"""
     from hotcold.executors.host_block import HostBlock
 
-    ref = reference(folder, family, device, dtype)
-    preds = random_predictors(ref)
-    toks = tokens(seed=18, device=device)
-    with predicted_sparse(ref.model, preds), torch.inference_mode():
-        want = ref.model(toks)
-    lm = fresh(folder, family, device, dtype)
+    preds, toks, want, lm = _predicted_sparse_case(folder, family, device, dtype, seed=18)
     both = {0, lm.config.num_layers - 1}
     with make_hybrid(lm, random_hot(lm, 0.4, seed=19), preds, cpu_dtype="f32", threads=2,
                      attention_cpu=both, predictor_cpu=both) as eng:
