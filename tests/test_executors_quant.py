@@ -244,6 +244,8 @@ def test_cpu_attention_uses_the_blocks(folder):
             assert isinstance(a.attn.q.quant, QuantLinear)
         assert isinstance(lm.model.layers[1].attn.q, QuantLinear)  # the CPU tier keeps the rest quantised too
         got = decode_logits(lm, toks)
+        # no predictor: those layers decode as HostBlocks (executors/host_block.py), from the blocks too
+        assert [lm.model.layers[l].steps for l in (0, 2)] == [T, T]
         with torch.inference_mode():
             prefill = lm.model(toks)
         assert eng.stats()["decode"]["host_s"] > 0
