@@ -399,7 +399,7 @@ def gather_columns(src: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """src[:, cols].T as a new contiguous CPU tensor [K, R] with huge pages advised (host_empty), in
     numba tiles: W_down [D, I] to cold rows [K, D]. torch's copy of a transposed float16 view read
     0.2-0.4 GB/s on the 2-core machine ([4096, 11008]: 206-373 ms), the tiles 1.5 GB/s (60 ms).
-    src: contiguous [R, C] on the CPU, any 2-, 4- or 1-byte dtype; cols: int [K], each in 0..C-1."""
+    src: contiguous [R, C] on the CPU, any 1-, 2-, 4- or 8-byte dtype; cols: int [K], each in 0..C-1."""
     if src.device.type != "cpu" or src.dim() != 2 or not src.is_contiguous():
         raise ValueError("src must be a contiguous 2-D CPU tensor")
     c = np.ascontiguousarray(cols.cpu().numpy(), dtype=np.int64)
