@@ -20,6 +20,14 @@ from hotcold.models.quantized import QuantLinear, fuse_qkv
 from hotcold.sparse_ops.cpu import HostMatrix, gemv, set_threads
 
 
+def host_positions(positions: torch.Tensor, start: int | None) -> torch.Tensor:
+    """The step's positions [T] on the CPU: built from `start` when the caller gave it (Transformer
+    does), which saves a synchronising copy from the device per layer."""
+    if start is None:
+        return positions.to("cpu")
+    return torch.arange(start, start + positions.shape[0])
+
+
 class HostLinear(nn.Module):
     """A CPU nn.Linear whose one-token products run in numba's `gemv` over the same memory (float32,
     fp16 or bf16 weights; a QuantLinear's GGUF blocks, which `gemv` hands to the block kernels);
@@ -78,7 +86,7 @@ class HostAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D] on the fast tier -> [B, T, D] there; cache_kv: host buffers
         t0 = now()
-        args = (x.to("cpu", self.dtype), positions.to("cpu"), cache_kv, start)
+        args = (x.to("cpu", self.dtype), host_positions(positions, start), cache_kv, start)
         y = self.worker.call(self._host, *args) if self.worker is not None else self._host(*args)
         y = y.to(x.device, x.dtype)
         if self.book is not None and self.book.enabled:
@@ -120,4 +128,4 @@ class HostHead(nn.Module):
         return self.linear(x.cpu()).to(x.device)
 
 
-__all__ = ["HostAttention", "HostEmbedding", "HostHead", "HostLinear"]
+__all__ = ["HostAttention", "HostEmbedding", "HostHead", "HostLinear", "host_positions"]

@@ -25,7 +25,7 @@ from torch import nn
 
 from hotcold.executors.cpu_executor import ColdJob
 from hotcold.executors.gpu_executor import LearnedMask
-from hotcold.executors.host_attention import HostAttention
+from hotcold.executors.host_attention import HostAttention, host_positions
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.stats import now
 from hotcold.executors.wrapper import BlockWrapper
@@ -75,7 +75,7 @@ class HostBlock(BlockWrapper):
             book.add("decode", tokens=1, forwards=1)
         t0 = now()
         xh = x.to("cpu")  # the one crossing down (it waits for the fast tier's queued work)
-        res, f_in, mask = ffn.cpu.call(self._host_half, xh, positions.to("cpu"), cache_kv, start)
+        res, f_in, mask = ffn.cpu.call(self._host_half, xh, host_positions(positions, start), cache_kv, start)
         book.add("decode", host_s=now() - t0)
         job = None
         if ffn.cold.n:  # the worker may start on the cold rows while the fast tier's work is queued
