@@ -3,14 +3,17 @@
 
 Greedy-decodes --tokens tokens after a 64-token prompt with the engine's calls wrapped (the layer's
 graphed forward, graph replays, the host half of split steps, CPU jobs, the CPU expert kernel,
-CUDA event waits; on a CPU tier the hybrid layers' forward) and prints, per call, how often it runs
-per token and its median and total host time per token, then the timeline of one token (every
-wrapped call from the first layer's start to the next token's). cProfile cannot show this: it
-charges a replay the GPU time it waits behind, and it sees the calling thread only.
+CUDA event waits, a HostBlock's step and its host half; on a CPU tier the hybrid layers' forward)
+and prints, per call, how often it runs per token and its median and total host time per token,
+the CPU time inside the graphs' host nodes (their own clocks: they run on CUDA's thread, outside
+any wrapper), then the timeline of one token (every wrapped call from the step's start to the next
+step's). cProfile cannot show this: it charges a replay the GPU time it waits behind, and it sees
+the calling thread only.
 
     python tools/make_model.py qwen3-30b-a3b --layers 6 --dtype q4_0 --format gguf --calib-tokens 16 --out M
     python tools/decode_timeline.py M/model.gguf --device cuda --fraction 0.5 --threads 15
     python tools/decode_timeline.py M/model.gguf --device cuda --plan M/p1.5   # by a plan
+    python tools/decode_timeline.py D/model.gguf --fraction 0.1 --attention-cpu 0,1   # a dense model, no predictors
 """
 
 from __future__ import annotations
@@ -26,20 +29,25 @@ from pathlib import Path
 import torch
 
 import hotcold.executors.graphs as graphs
+import hotcold.executors.host_block as host_block
 import hotcold.executors.hybrid as hybrid
 import hotcold.executors.moe as moe
 from hotcold.errors import HotcoldError
-from hotcold.executors import make_hybrid
+from hotcold.executors import make_hybrid, random_hot
 from hotcold.executors.cpu_executor import ColdJob
 from hotcold.executors.from_plan import open_for_run
 from hotcold.executors.moe import random_experts
 from hotcold.models.generate import Generator
 from hotcold.models.loader import load_model
 from hotcold.models.sampling import SamplingParams
+from hotcold.models.transformer import Transformer
 
 # (owner, attribute, label): what gets wrapped
 CALLS = [
+    (Transformer, "forward", "step"),
     (graphs.GraphedBlock, "forward", "layer"),
+    (host_block.HostBlock, "forward", "host.block"),
+    (host_block.HostBlock, "_host_half", "host.half"),
     (moe.HybridMoE, "forward", "moe.forward"),
     (hybrid.HybridFFN, "forward", "ffn.forward"),
     (moe.HybridMoE, "graph_send", "send"),
@@ -83,8 +91,19 @@ class Recorder:
             setattr(owner, name, f)
 
 
-def report(rec: Recorder, steps: list[float], tokens: int) -> str:
-    """The per-call table and one token's timeline (the first layer's starts mark the tokens)."""
+def node_clocks(eng) -> dict[int, tuple[float, int]]:
+    """Per hybrid layer with a host node (dense cold rows or MoE CPU experts): (busy seconds, calls) so far."""
+    out = {}
+    for l, f in (*eng.layers.items(), *eng.moe.items()):
+        node = getattr(f, "_node", None)
+        if node is not None:
+            out[l] = (node.busy_s, node.calls)
+    return out
+
+
+def report(rec: Recorder, steps: list[float], tokens: int, nodes: dict[int, tuple[float, int]] | None = None) -> str:
+    """The per-call table, the host nodes' CPU time, and one token's timeline (the steps' starts mark
+    the tokens)."""
     lines = [f"decode step median {1e6 * statistics.median(steps):.0f} µs ({1 / statistics.median(steps):.1f} tok/s)",
              f"{'call':12} {'per token':>9} {'median µs':>10} {'µs/token':>9}"]
     by = defaultdict(list)
@@ -92,7 +111,12 @@ def report(rec: Recorder, steps: list[float], tokens: int) -> str:
         by[label].append(b - a)
     for label, v in by.items():
         lines.append(f"{label:12} {len(v) / tokens:9.1f} {1e6 * statistics.median(v):10.1f} {1e6 * sum(v) / tokens:9.1f}")
-    first = "layer" if "layer" in by else next((k for k in ("moe.forward", "ffn.forward") if k in by), None)
+    busy = {l: (s, c) for l, (s, c) in (nodes or {}).items() if c}
+    if busy:
+        lines.append(f"{'host nodes':12} {sum(c for _, c in busy.values()) / tokens:9.1f} "
+                     f"{1e6 * statistics.median(s / c for s, c in busy.values()):10.1f} "
+                     f"{1e6 * sum(s for s, _ in busy.values()) / tokens:9.1f}")
+    first = next((k for k in ("step", "layer", "moe.forward", "ffn.forward") if k in by), None)
     if first is None:
         return "\n".join(lines)
     starts = [a for label, a, _, _ in rec.events if label == first]
@@ -101,7 +125,7 @@ def report(rec: Recorder, steps: list[float], tokens: int) -> str:
         return "\n".join(lines)
     k = tokens // 2
     t0, t1 = starts[k * per], starts[(k + 1) * per]
-    lines.append(f"timeline of token {k} ({1e6 * (t1 - t0):.0f} µs), µs from its first layer's start:")
+    lines.append(f"timeline of token {k} ({1e6 * (t1 - t0):.0f} µs), µs from its start:")
     for label, a, b, th in sorted(rec.events, key=lambda e: e[1]):
         if t0 <= a < t1:
             lines.append(f"  {1e6 * (a - t0):8.1f} .. {1e6 * (b - t0):8.1f}  {label:12} {th}")
@@ -117,18 +141,28 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per core, less one)")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--attention-cpu", default="", help="without --plan: layers (e.g. 0,1) whose attention runs "
+                    "on the CPU; with no predictors they decode as HostBlocks")
     args = ap.parse_args()
     if args.tokens < 2:
         ap.error("--tokens must be at least 2")
     if not 0.0 <= args.fraction <= 1.0:
         ap.error("--fraction must be between 0 and 1")
     try:
+        attention_cpu = {int(l) for l in args.attention_cpu.split(",") if l.strip()}
+    except ValueError:
+        ap.error("--attention-cpu must be layer numbers separated by commas")
+    try:
         if args.plan is not None:
             eng = open_for_run(Path(args.model), args.plan, device=args.device, dtype=args.dtype, threads=args.threads)
         else:
             lm = load_model(args.model, "cpu", args.dtype)
-            eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, args.fraction),
-                              stats=False, threads=args.threads, gpu_int4=args.device != "cpu")
+            if attention_cpu and not all(0 <= l < lm.config.num_layers for l in attention_cpu):
+                ap.error(f"--attention-cpu names a layer outside 0..{lm.config.num_layers - 1}")
+            moe_model = any(lm.config.ffn_kind(l) == "moe" for l in range(lm.config.num_layers))
+            eng = make_hybrid(lm, {} if moe_model else random_hot(lm, args.fraction), None, device=args.device,
+                              gpu_experts=random_experts(lm, args.fraction) if moe_model else None, stats=False,
+                              threads=args.threads, gpu_int4=args.device != "cpu", attention_cpu=attention_cpu)
     except HotcoldError as e:
         sys.exit(f"error: {e}")
     rec = Recorder()
@@ -137,14 +171,19 @@ def main() -> None:
         prompt, greedy = list(range(100, 164)), SamplingParams(temperature=0.0)
         for _ in gen.generate(prompt, 4, greedy, ignore_eos=True):  # graphs captured, kernels compiled
             pass
+        nodes0 = node_clocks(eng)
         stamps = [time.perf_counter()]
         rec.on = True
         for _ in gen.generate(prompt, args.tokens + 1, greedy, ignore_eos=True):
             stamps.append(time.perf_counter())
         rec.on = False
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the last step's host nodes have run
+        nodes = {l: (s - nodes0.get(l, (0.0, 0))[0], c - nodes0.get(l, (0.0, 0))[1])
+                 for l, (s, c) in node_clocks(eng).items()}
         # the first token comes from the prompt's prefill: keep the calls of the decode steps after it
         rec.events = [e for e in rec.events if e[1] >= stamps[1]]
-        print(report(rec, [b - a for a, b in zip(stamps[1:], stamps[2:])], args.tokens))
+        print(report(rec, [b - a for a, b in zip(stamps[1:], stamps[2:])], args.tokens, nodes))
     finally:
         rec.restore()
         eng.close()
