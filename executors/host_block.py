@@ -87,7 +87,7 @@ class HostBlock(BlockWrapper):
         up = torch.cat([f_in, res]).to(tier.device, non_blocking=True)  # [2, 1, D]: f and res up together
         y = ffn.gpu.compute(up[0].reshape(1, D), None if mask is None else mask[:, :H].to(tier.device, non_blocking=True))
         book.span("decode", "gpu_s", g0, tier.mark())
-        self._count(mask, H)
+        ffn.count_decode(None if mask is None else mask[0, :H])
         if job is not None:
             if ffn.cpu.inline:
                 ffn.cpu.submit(job)
@@ -111,19 +111,6 @@ class HostBlock(BlockWrapper):
         m = b.ffn.gpu.mask_fn
         mask = None if m is None else m._predict(f_in.reshape(1, -1).to(m.device, m.dtype))
         return res, f_in, mask
-
-    def _count(self, mask: torch.Tensor | None, H: int) -> None:
-        # the layer's decode counts, as HybridFFN.graph_post keeps them
-        ffn: HybridFFN = self.block.ffn
-        book = ffn.book
-        if not book.enabled:
-            return
-        book.add("decode", layer_calls=1, hot_rows=H, cold_rows=ffn.cold.n)
-        if H:
-            book.add("decode", rows_gpu=int(mask[0, :H].sum()) if mask is not None else H)
-        if ffn.cold.n:
-            regimes = book.phases["decode"].regimes
-            regimes["cpu"] = regimes.get("cpu", 0) + 1
 
 
 def host_blocks(model: nn.Module) -> list[int]:

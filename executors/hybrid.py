@@ -153,20 +153,31 @@ class HybridFFN(FFN):
             book.resolve()
             book.add("decode", tokens=1, forwards=1)
         book.span("decode", "gpu_s", *marks)
-        if book.enabled:
-            book.add("decode", layer_calls=1, hot_rows=H, cold_rows=self.cold.n)
-            if mask is not None and H:
-                book.count("decode", "rows_gpu", mask[0, :H].sum())
-            elif H:
-                book.add("decode", rows_gpu=H)
-            if self.cold.n:
-                regimes = book.phases["decode"].regimes
-                regimes["cpu"] = regimes.get("cpu", 0) + 1
+        self.count_decode(None if mask is None else mask[0, :H])
         if self.cold.n:
             job = ColdJob(self.cold, self.decode_io.x_np, None if mask is None else self.mask_np,
                           self.decode_io.out_np, ready=ready, io=self.decode_io)
             y = self._receive(self.cpu.submit(job), y, "decode")
         return y.reshape(f_in.shape)
+
+    def count_decode(self, hot_mask: torch.Tensor | None) -> None:
+        """A one-token step's counts when statistics are on (graph_post, HostBlock): the layer, its
+        rows, the cold part's regime. hot_mask: bool [H], the predicted hot neurons, on the device
+        (counted there, without a sync) or the host; None: every hot neuron."""
+        book, H = self.book, self.gpu.n_hot
+        if not book.enabled:
+            return
+        book.add("decode", layer_calls=1, hot_rows=H, cold_rows=self.cold.n)
+        if hot_mask is not None and H:
+            if hot_mask.is_cuda:
+                book.count("decode", "rows_gpu", hot_mask.sum())
+            else:
+                book.add("decode", rows_gpu=int(hot_mask.sum()))
+        elif H:
+            book.add("decode", rows_gpu=H)
+        if self.cold.n:
+            regimes = book.phases["decode"].regimes
+            regimes["cpu"] = regimes.get("cpu", 0) + 1
 
     # ------------------------------------------------------------------ one token as one graph: the cold rows a host node
 
