@@ -139,7 +139,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 embed_cpu: bool = False, head_cpu: bool = False,
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
                 host_nodes: bool | None = None, dense_host_nodes: bool | None = None,
-                host_block_steps: bool | None = None) -> HybridEngine:
+                host_block_steps: bool | None = None, layer_nodes: bool | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -195,6 +195,10 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     host_block_steps: a layer whose attention and predictor are both on the CPU decodes as a
       HostBlock (executors/host_block.py: the residual stream on the host for its step, one crossing
       down); default: on unless the environment sets HOTCOLD_HOST_BLOCKS=0.
+    layer_nodes: such a HostBlock runs its host share of a step as one compiled call where it can
+      (executors/layer_node.py, LayerHostNode); default: on unless the environment sets
+      HOTCOLD_LAYER_NODES=0. On CUDA with cuda_graphs=True the call is a host node of the layer's
+      own graph unless the environment sets HOTCOLD_LAYER_GRAPHS=0.
     """
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
@@ -342,8 +346,11 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                                 expert_cache_policy)
     if host_block_steps is None:
         host_block_steps = os.environ.get("HOTCOLD_HOST_BLOCKS", "1") != "0"
+    if layer_nodes is None:
+        layer_nodes = os.environ.get("HOTCOLD_LAYER_NODES", "1") != "0"
     if host_block_steps:  # before graph_blocks, which wraps only the plain Blocks left
-        host_blocks(model)
+        graphs = tier.cuda and cuda_graphs in (True, "layers", "step") and os.environ.get("HOTCOLD_LAYER_GRAPHS", "1") != "0"
+        host_blocks(model, node=layer_nodes, graphs=graphs)
     if tier.cuda and cuda_graphs:
         graph_blocks(model, ffn=cuda_graphs != "attention", step="host" if cuda_graphs == "step" else cuda_graphs is True)
     lm.device, lm.dtype = device, dtype

@@ -300,7 +300,10 @@ class _Node:
 
     def __call__(self) -> int:
         """Run the function in this thread (tests, CPU): returns its status (rows or experts computed)."""
-        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn.address)(_addr(self.ctl))
+        call = self.__dict__.get("_call")
+        if call is None:
+            call = self._call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn.address)
+        call(_addr(self.ctl))  # (ctypes lets go of the GIL for the call)
         self.check()
         return int(self.ctl[STATUS])
 
@@ -377,6 +380,35 @@ def ffn_node_kind(cold) -> str | None:
     return None
 
 
+def cold_slots(c: np.ndarray, x: np.ndarray, mask: np.ndarray | None, cold, out: np.ndarray) -> tuple[str, tuple]:
+    """Fill a control block's cold-FFN slots (F_X .. F_OUT) for the rows of `cold` that `mask` selects
+    (all without one), x -> out; returns (the storage kind, the arrays the block points into)."""
+    kind = ffn_node_kind(cold)
+    if kind is None:
+        raise ValueError("no host function for this cold FFN's storage (mixed kinds or interleaved rows)")
+    _check_vector("x", x, np.float32)
+    _check_vector("out", out, np.float32)
+    if mask is not None:
+        _check_vector("mask", mask, np.bool_)
+        if mask.shape[0] != cold.n:
+            raise ValueError(f"mask has {mask.shape[0]} entries for {cold.n} cold rows")
+    up, gate, down = cold.up, cold.gate if cold.gate is not None else cold.up, cold.down_t
+    if x.shape != out.shape or x.shape[0] != up.shape[1]:
+        raise ValueError(f"x and out must be [{up.shape[1]}]")
+    rows = np.empty(cold.n, np.int64)
+    bias = None if cold.gate is not None or cold.up_bias is None else np.ascontiguousarray(cold.up_bias, np.float32)
+    c[F_X], c[F_D], c[F_MASK], c[F_C], c[F_ROWS] = _addr(x), x.shape[0], 0 if mask is None else _addr(mask), cold.n, _addr(rows)
+    c[F_OUT], c[F_ACT], c[F_BIAS] = _addr(out), ACTS[cold.act], 0 if bias is None else _addr(bias)
+    if kind == "quant":
+        c[F_UP], c[F_UP_C], c[F_GATE] = _addr(up.data), up.data.shape[1], _addr(gate.data)
+        c[F_DOWN], c[F_DOWN_C], c[F_QU], c[F_QD] = _addr(down.data), down.data.shape[1], up._id, down._id
+        c[F_XQ] = up.qtype in XQ_DEFAULT
+    else:
+        c[F_UP], c[F_UP_S], c[F_GATE], c[F_GATE_S] = _addr(up._w), _addr(up._s), _addr(gate._w), _addr(gate._s)
+        c[F_DOWN], c[F_DOWN_S] = _addr(down._w), _addr(down._s)
+    return kind, (x, mask, cold, out, rows, bias)
+
+
 class FFNHostNode(_Node):
     """A dense or gated layer's cold FFN rows for one token, as a host function: the rows the mask
     selects (all of them without one) computed as `ColdJob.run` computes them (`ffn_rows` /
@@ -386,34 +418,10 @@ class FFNHostNode(_Node):
     layer's ColdFFN (`ffn_node_kind` must name it), out: float32 [D] (pinned)."""
 
     def __init__(self, x: np.ndarray, mask: np.ndarray | None, cold, out: np.ndarray, threads: int):
-        kind = ffn_node_kind(cold)
-        if kind is None:
-            raise ValueError("no host function for this cold FFN's storage (mixed kinds or interleaved rows)")
-        _check_vector("x", x, np.float32)
-        _check_vector("out", out, np.float32)
-        if mask is not None:
-            _check_vector("mask", mask, np.bool_)
-            if mask.shape[0] != cold.n:
-                raise ValueError(f"mask has {mask.shape[0]} entries for {cold.n} cold rows")
-        up, gate, down = cold.up, cold.gate if cold.gate is not None else cold.up, cold.down_t
-        if x.shape != out.shape or x.shape[0] != up.shape[1]:
-            raise ValueError(f"x and out must be [{up.shape[1]}]")
-        rows = np.empty(cold.n, np.int64)
-        bias = None if cold.gate is not None or cold.up_bias is None else np.ascontiguousarray(cold.up_bias, np.float32)
-        self.keep = (x, mask, cold, out, rows, bias)
-        c = self.ctl = np.zeros(N_CTL, np.int64)
-        c[F_X], c[F_D], c[F_MASK], c[F_C], c[F_ROWS] = _addr(x), x.shape[0], 0 if mask is None else _addr(mask), cold.n, _addr(rows)
-        c[F_OUT], c[F_ACT], c[F_BIAS] = _addr(out), ACTS[cold.act], 0 if bias is None else _addr(bias)
-        if kind == "quant":
-            c[F_UP], c[F_UP_C], c[F_GATE] = _addr(up.data), up.data.shape[1], _addr(gate.data)
-            c[F_DOWN], c[F_DOWN_C], c[F_QU], c[F_QD] = _addr(down.data), down.data.shape[1], up._id, down._id
-            c[F_XQ] = up.qtype in XQ_DEFAULT
-        else:
-            c[F_UP], c[F_UP_S], c[F_GATE], c[F_GATE_S] = _addr(up._w), _addr(up._s), _addr(gate._w), _addr(gate._s)
-            c[F_DOWN], c[F_DOWN_S] = _addr(down._w), _addr(down._s)
+        self.ctl = np.zeros(N_CTL, np.int64)
+        self.kind, self.keep = cold_slots(self.ctl, x, mask, cold, out)
         self._threads(threads)
-        self.kind = kind
-        self.fn = ffn_host_function(kind)
+        self.fn = ffn_host_function(self.kind)
 
 
-__all__ = ["FFNHostNode", "HostNode", "ffn_host_function", "ffn_node_kind", "host_function"]
+__all__ = ["FFNHostNode", "HostNode", "cold_slots", "ffn_host_function", "ffn_node_kind", "host_function"]

@@ -203,8 +203,10 @@ def _print_stats(setup, gen_stats) -> None:
             line += (f"; idle GPU {max(0.0, 1 - t['gpu_ms'] / measured):.0%}, "
                      f"CPU worker {max(0.0, 1 - (t['cpu_ms'] + t['host_ms']) / measured):.0%}")
         eng = setup.engine
-        if eng.tier.cuda and any(getattr(f, "host_nodes", False) for f in (*eng.moe.values(), *eng.layers.values())):
-            line += "; timed on the split graphs (without --stats the CPU parts run as CUDA host nodes, faster)"
+        graphed = any(getattr(f, "host_nodes", False) for f in (*eng.moe.values(), *eng.layers.values())) or \
+            any(getattr(b, "graphs", False) for b in eng.lm.model.layers)
+        if eng.tier.cuda and graphed:
+            line += "; timed with the CPU parts run eagerly (without --stats they run as host nodes of CUDA graphs)"
     else:
         line += " (dense: no GPU/CPU split)"
     if setup.predicted_ms_per_token is not None:

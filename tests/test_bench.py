@@ -708,7 +708,8 @@ def test_decode_timeline_reports_the_host_calls_of_a_moe_decode(tmp_path):
 @pytest.mark.slow
 def test_decode_timeline_reports_host_blocks_of_a_dense_decode(tmp_path):
     """tools/decode_timeline.py on a dense llama GGUF with both layers' attention on the CPU (CPU tier,
-    no predictors): each layer's one-token step is a HostBlock, its host half inside it, one step a token."""
+    no predictors): each layer's one-token step is a HostBlock, its host share one compiled call
+    inside it (LayerHostNode), one step a token."""
     gguf = _make_gguf(tmp_path / "llama", "tiny-llama", "--layers", "2")
     run = subprocess.run([sys.executable, str(REPO / "tools" / "decode_timeline.py"), str(gguf), "--device", "cpu",
                           "--threads", "2", "--tokens", "4", "--fraction", "0.25", "--attention-cpu", "0,1"],
@@ -716,8 +717,9 @@ def test_decode_timeline_reports_host_blocks_of_a_dense_decode(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()[2:] if line and not line.startswith(" ")
             and not line.startswith("timeline")}
-    assert float(rows["step"][0]) == 1.0 and float(rows["host.block"][0]) == 2.0 and float(rows["host.half"][0]) == 2.0
-    assert float(rows["host.half"][2]) <= float(rows["host.block"][2]) <= float(rows["step"][2])  # µs per token, nested
+    assert float(rows["step"][0]) == 1.0 and float(rows["host.block"][0]) == 2.0 and float(rows["host.node"][0]) == 2.0
+    assert "host.half" not in rows  # (the module path's)
+    assert float(rows["host.node"][2]) <= float(rows["host.block"][2]) <= float(rows["step"][2])  # µs per token, nested
     assert "timeline of token 2 (" in run.stdout
     bad = subprocess.run([sys.executable, str(REPO / "tools" / "decode_timeline.py"), str(gguf), "--device", "cpu",
                           "--attention-cpu", "0,7"], capture_output=True, text=True, timeout=120)

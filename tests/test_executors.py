@@ -25,6 +25,7 @@ from torch import nn
 from hotcold.executors import ColdJob, CPUExecutor, HybridFFN, PrefillCosts, make_hybrid, prefill_regime, random_hot
 from hotcold.executors.moe import HybridMoE
 from hotcold.executors.gpu_executor import LearnedMask
+from hotcold.executors.layer_node import L_S
 from hotcold.executors.host_attention import HostEmbedding, HostHead, HostLinear
 from hotcold.executors.weights import split_ffn
 from hotcold.executors.prefill import STREAM_SLOTS_BYTES
@@ -349,6 +350,9 @@ def _host_blocks(folder, family: str, device: str, dtype: str, tol: float) -> No
         assert wrapped == sorted(both)
         assert_close(decode_logits(lm, toks), want, tol)
         assert sum(lm.model.layers[l].steps for l in wrapped) == len(wrapped) * T  # every decode step went that way
+        # llama's steps run as one compiled call each (LayerHostNode); OPT's LayerNorms and Gemma 3's
+        # sandwich and QK norms take the module path
+        assert [lm.model.layers[l].node_steps for l in wrapped] == [T * (family == "llama")] * len(wrapped)
         assert eng.stats()["decode"]["regimes"]["cpu"] > 0
         with torch.inference_mode():
             lm.model(toks)  # a prompt (the union of its tokens' masks: not the per-token reference)
@@ -358,6 +362,41 @@ def _host_blocks(folder, family: str, device: str, dtype: str, tol: float) -> No
 @pytest.mark.parametrize("family", ["llama", "opt", "gemma3"])
 def test_attention_and_predictor_of_a_layer_on_the_cpu_decode_on_the_host(folder, family):
     _host_blocks(folder, family, "cpu", "float32", 1e-4)
+
+
+def _layer_nodes(folder, device: str, dtype: str, cpu_dtype: str, tol: float) -> None:
+    """A CPU-attention layer's one-token step as one compiled call (LayerHostNode: float32 norms and
+    residual) gives the logits of the HostBlock's module path (norms and residual in the model's
+    dtype), whatever the storage of its matrices and cold rows; on CUDA without statistics the call
+    is a host node of the layer's graph."""
+    preds = random_predictors(reference(folder, "llama", device, dtype))
+    toks = tokens(seed=21, device=device)
+    got = {}
+    ways = {"module": dict(layer_nodes=False), "node": dict(layer_nodes=True)}
+    if device == "cuda":
+        ways["graph"] = dict(layer_nodes=True, stats=False)
+    for way, kw in ways.items():
+        lm = fresh(folder, "llama", device, dtype)
+        both = [0, lm.config.num_layers - 1]
+        with make_hybrid(lm, random_hot(lm, 0.4, seed=22), preds, cpu_dtype=cpu_dtype, threads=2,
+                         attention_cpu=set(both), predictor_cpu=set(both), **kw):
+            got[way] = decode_logits(lm, toks)
+            blocks = [lm.model.layers[l] for l in both]
+            assert [b.node_steps for b in blocks] == [T * (way != "module")] * 2
+            assert all((b._graph is not None) == (way == "graph") for b in blocks)
+            if way == "node":  # a position outside the cache: nothing written, the call reports it
+                node = blocks[0]._node
+                node.pos[0] = node.ctl[L_S]
+                with pytest.raises(RuntimeError, match=r"position out of range \[0, 11\)"):
+                    node()
+    for way in ways:
+        assert_close(got[way], got["module"], tol)
+
+
+@pytest.mark.parametrize("dtype,cpu_dtype,tol", [("float32", "f16", 1e-5), ("float32", "i8", 1e-5),
+                                                 ("bfloat16", "bf16", 5e-2)])
+def test_a_layer_step_as_one_compiled_call_equals_the_module_path(folder, dtype, cpu_dtype, tol):
+    _layer_nodes(folder, "cpu", dtype, cpu_dtype, tol)
 
 
 @pytest.mark.parametrize("rank", [40, 64])
@@ -717,6 +756,13 @@ def test_cuda_attention_and_predictor_placed_on_the_cpu(folder, family):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_cuda_attention_and_predictor_of_a_layer_on_the_cpu_decode_on_the_host(folder, family):
     _host_blocks(folder, family, "cuda", "float32", 1e-4)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("dtype,cpu_dtype,tol", [("float32", "f16", 1e-5), ("bfloat16", "bf16", 5e-2)])
+def test_cuda_a_layer_step_as_one_compiled_call_equals_the_module_path(folder, dtype, cpu_dtype, tol):
+    _layer_nodes(folder, "cuda", dtype, cpu_dtype, tol)
 
 
 @pytest.mark.cuda

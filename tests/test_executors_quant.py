@@ -246,6 +246,7 @@ def test_cpu_attention_uses_the_blocks(folder):
         got = decode_logits(lm, toks)
         # no predictor: those layers decode as HostBlocks (executors/host_block.py), from the blocks too
         assert [lm.model.layers[l].steps for l in (0, 2)] == [T, T]
+        assert [lm.model.layers[l].node_steps for l in (0, 2)] == [T, T]  # each step one compiled call
         with torch.inference_mode():
             prefill = lm.model(toks)
         assert eng.stats()["decode"]["host_s"] > 0

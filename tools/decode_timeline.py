@@ -3,10 +3,11 @@
 
 Greedy-decodes --tokens tokens after a 64-token prompt with the engine's calls wrapped (the layer's
 graphed forward, graph replays, the host half of split steps, CPU jobs, the CPU expert kernel,
-CUDA event waits, a HostBlock's step and its host half; on a CPU tier the hybrid layers' forward)
+CUDA event waits, a HostBlock's step and its host share (one compiled call, LayerHostNode, or the
+module path's host half); on a CPU tier the hybrid layers' forward)
 and prints, per call, how often it runs per token and its median and total host time per token,
 the CPU time inside the graphs' host nodes (their own clocks: they run on CUDA's thread, outside
-any wrapper), then the timeline of one token (every wrapped call from the step's start to the next
+any wrapper; a graphed HostBlock's LayerHostNode among them), then the timeline of one token (every wrapped call from the step's start to the next
 step's). cProfile cannot show this: it charges a replay the GPU time it waits behind, and it sees
 the calling thread only.
 
@@ -31,6 +32,7 @@ import torch
 import hotcold.executors.graphs as graphs
 import hotcold.executors.host_block as host_block
 import hotcold.executors.hybrid as hybrid
+import hotcold.executors.layer_node as layer_node
 import hotcold.executors.moe as moe
 from hotcold.errors import HotcoldError
 from hotcold.executors import make_hybrid, random_hot
@@ -48,6 +50,7 @@ CALLS = [
     (graphs.GraphedBlock, "forward", "layer"),
     (host_block.HostBlock, "forward", "host.block"),
     (host_block.HostBlock, "_host_half", "host.half"),
+    (layer_node.LayerHostNode, "__call__", "host.node"),
     (moe.HybridMoE, "forward", "moe.forward"),
     (hybrid.HybridFFN, "forward", "ffn.forward"),
     (moe.HybridMoE, "graph_send", "send"),
@@ -92,12 +95,16 @@ class Recorder:
 
 
 def node_clocks(eng) -> dict[int, tuple[float, int]]:
-    """Per hybrid layer with a host node (dense cold rows or MoE CPU experts): (busy seconds, calls) so far."""
+    """Per hybrid layer with a host node (dense cold rows, MoE CPU experts, or a graphed HostBlock's
+    whole host share): (busy seconds, calls) so far."""
     out = {}
     for l, f in (*eng.layers.items(), *eng.moe.items()):
         node = getattr(f, "_node", None)
         if node is not None:
             out[l] = (node.busy_s, node.calls)
+    for l, b in enumerate(eng.lm.model.layers):
+        if isinstance(b, host_block.HostBlock) and b._graph is not None:
+            out[l] = (b._node.busy_s, b._node.calls)
     return out
 
 

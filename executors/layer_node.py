@@ -1,0 +1,365 @@
+"""LayerHostNode: the host's whole share of one token's step through a layer whose attention and
+predictor the plan puts on the CPU, as one compiled function (a numba cfunc, no Python, no GIL).
+
+HostBlock's module path does that share in ~40 torch and numba calls a layer, each with its Python
+and dispatch around kernels of 50-500 µs: on the H200's host a 13B-shaped CPU-attention layer took
+5.8-6.0 ms where its parts timed 4.8-5.0 (session 21's timeline). Here one call does
+
+    x ─ attn_norm ─ q/k/v GEMV(s) (+ bias) ─ rotary, cache write, attention ─ o (+ bias) ─ + x = res
+      ─ ffn_norm = f ─ predictor: relu(W1 f + b1) → W2 · + b2 > threshold = mask (hot-first)
+      ─ cold rows (mask[H:]) = cold
+
+over fixed host buffers: `x` and the position in, `up` = [f, res, cold] and `mask` out. The fast tier
+then computes the hot rows of f (mask[:H]) and adds: out = res + hot + cold. HostBlock calls the
+function on the CPU worker (`__call__`) or, on CUDA with graphs, records it as a host node between
+the D2H copy of x and the H2D copy of `up` (`launch`), so the layer is one graph replay.
+
+H200 (16-core host, 15 threads), the 20-layer f16 ReLU 13B shape at 4 GiB (9 CPU-attention layers):
+17.2 -> 19.1 tok/s through `hotcold run`, 19.2 +- 1.3 against llama.cpp's 6.48 in one bench (2.97x;
+session 21: 15.4 against 7.07); with --stats (the call eager on the main thread, no host nodes) the
+same model decoded at 24.3-24.6 tok/s, 40.6-41.2 ms a token, CPU attention and predictors 23.5-24.0
+ms of it (2.6 ms a layer, 3.8-4.0 through the module path), a gap to the graphed default that
+session 22 could not explain (see README).
+
+The kernels are the module path's own (`gemv`'s row kernel or the GGUF block kernels, the decode
+attention kernel, RMSNorm, the cold FFN rows of FFNHostNode); norms and the residual are float32
+throughout (the module path rounds them to the model's dtype between parts). It applies to pre-norm
+blocks with RMSNorm (one eps), no QK-norm and no sandwich norms, whose matrices are host matrices of
+any kind (each is dispatched on its storage at run time: MODES), with a float32 or float16 KV cache
+(`layer_node_ready`).
+
+Control block: the cold FFN's slots of FFNHostNode (0..22, so its row functions read them), then the
+layer's (below), then six matrices of 8 slots each (q or the fused q/k/v, k, v, o, predictor W1, W2).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from hotcold.executors import host_node as hn
+from hotcold.executors.host_node import (F_C, F_D, F_MASK, F_OUT, F_X, THREADS, _end, _ffn_float, _ffn_quant,
+                                         _Node, _now_ns, _set_num_threads, _void_ptr, cold_slots)
+from hotcold.models.layers import Attention, RMSNorm
+from hotcold.sparse_ops.attention import _decode_attention
+from hotcold.sparse_ops.cpu import HostMatrix, _gemv_rows_kernel
+from hotcold.sparse_ops.norm import _rms_norm
+from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
+
+# the layer's slots
+(L_X, L_POS, L_S, L_RES, L_MASK, L_HOT, L_I, L_FP, L_NA, L_NF, L_PLUS1, L_H, L_HKV, L_DH, L_KC, L_VC, L_COS,
+ L_SIN, L_ROT, L_WIN, L_BUF, L_BUF_N, L_COLD_KIND, L_QB, L_KB, L_VB, L_OB, L_P1B, L_P2B, L_PRED, L_COLD_NS, L_ROWS,
+ L_ROWS_N) = range(23, 56)
+# a matrix's slots (offsets): data, row scales (float kinds), data's two dims, output rows, GGUF type id,
+# storage (MODES), Q8 activations
+M_ADDR, M_SCALE, M_R0, M_R1, M_N, M_QID, M_MODE, M_XQ = range(8)
+L_Q, L_K, L_V, L_O, L_P1, L_P2 = range(56, 104, 8)
+N_LCTL = 104
+FP_EPS, FP_SCALE, FP_THRESHOLD = range(3)
+# storage of a matrix or of the cold rows: HostMatrix kinds, GGUF rows, GGUF rows interleaved (pack_rows)
+MODES = {"f32": 0, "bf16": 1, "f16": 2, "i8": 3, "quant": 4, "interleaved": 5}
+
+
+@numba.njit(nogil=True, cache=True)
+def _begin(user):
+    ctl = numba.carray(user, (N_LCTL,), np.int64)
+    t0 = _now_ns()
+    _set_num_threads(ctl[THREADS])
+    return ctl, t0
+
+
+@numba.njit(nogil=True, cache=True)
+def _float_mv(ctl, m, dt, rows, x, out):
+    r0 = ctl[m + M_R0]
+    w = numba.carray(_void_ptr(ctl[m + M_ADDR]), (r0, ctl[m + M_R1]), dt)
+    _gemv_rows_kernel(w, numba.carray(_void_ptr(ctl[m + M_SCALE]), (r0,), np.float32), rows, x, out)
+
+
+@numba.njit(nogil=True, cache=True)
+def _mv(ctl, m, x, out):
+    # out[:N] = the matrix at slots m.. times x (x float32 [cols] -> out float32 [N])
+    n, mode = ctl[m + M_N], ctl[m + M_MODE]
+    rows = numba.carray(_void_ptr(ctl[L_ROWS]), (n,), np.int64)  # 0 .. n-1
+    if mode == 0:
+        _float_mv(ctl, m, np.float32, rows, x, out)
+    elif mode == 1:
+        _float_mv(ctl, m, np.uint16, rows, x, out)  # bfloat16 bits
+    elif mode == 2:
+        _float_mv(ctl, m, np.int16, rows, x, out)  # float16 bits
+    elif mode == 3:
+        _float_mv(ctl, m, np.int8, rows, x, out)
+    else:
+        data = numba.carray(_void_ptr(ctl[m + M_ADDR]), (ctl[m + M_R0], ctl[m + M_R1]), np.uint8)
+        if mode == 4:
+            _qgemv_rows_kernel(ctl[m + M_QID], data, rows, x, ctl[m + M_XQ] != 0, out)
+        else:
+            _qgemv_x8_kernel(ctl[m + M_QID], data, x, out)
+
+
+@numba.njit(nogil=True, cache=True)
+def _bias(ctl, slot, out):
+    if ctl[slot] != 0:
+        b = numba.carray(_void_ptr(ctl[slot]), (out.shape[0],), np.float32)
+        for i in range(out.shape[0]):
+            out[i] += b[i]
+
+
+@numba.njit(nogil=True, cache=True)
+def _norm(ctl, slot, x, out):
+    # RMSNorm of one row x [D] with the weights at slot -> out [D]
+    fp = numba.carray(_void_ptr(ctl[L_FP]), (3,), np.float32)
+    w = numba.carray(_void_ptr(ctl[slot]), (x.shape[0],), np.float32)
+    _rms_norm(x.reshape(1, -1), w, fp[FP_EPS], ctl[L_PLUS1] != 0, out.reshape(1, -1))
+
+
+@numba.njit(nogil=True, cache=True)
+def _layer(ctl, ct):
+    # the module docstring's step; ct: the cache's storage (float32, int16 float16 bits) -> cold rows
+    # computed, or -1 (a position outside the cache)
+    D, S = ctl[F_D], ctl[L_S]
+    H, Hkv, Dh = ctl[L_H], ctl[L_HKV], ctl[L_DH]
+    nq, nk = H * Dh, Hkv * Dh
+    pos = numba.carray(_void_ptr(ctl[L_POS]), (1,), np.int64)[0]
+    if pos < 0 or pos >= S:
+        return -1
+    fp = numba.carray(_void_ptr(ctl[L_FP]), (3,), np.float32)
+    x = numba.carray(_void_ptr(ctl[L_X]), (D,), np.float32)
+    buf = numba.carray(_void_ptr(ctl[L_BUF]), (ctl[L_BUF_N],), np.float32)
+    xn, qkv, att, h = buf[:D], buf[D:D + nq + 2 * nk], buf[D + nq + 2 * nk:D + 2 * nq + 2 * nk], buf[D + 2 * nq + 2 * nk:2 * D + 2 * nq + 2 * nk]
+    rest = buf[2 * D + 2 * nq + 2 * nk:]
+    _norm(ctl, L_NA, x, xn)
+    if ctl[L_K] == 0:  # q/k/v rows in one matrix
+        _mv(ctl, L_Q, xn, qkv)
+    else:
+        _mv(ctl, L_Q, xn, qkv[:nq])
+        _mv(ctl, L_K, xn, qkv[nq:nq + nk])
+        _mv(ctl, L_V, xn, qkv[nq + nk:])
+    _bias(ctl, L_QB, qkv[:nq])
+    _bias(ctl, L_KB, qkv[nq:nq + nk])
+    _bias(ctl, L_VB, qkv[nq + nk:])
+    rotary = ctl[L_ROT] != 0
+    if rotary:
+        cos = numba.carray(_void_ptr(ctl[L_COS]), (S, Dh), np.float32)[pos]
+        sin = numba.carray(_void_ptr(ctl[L_SIN]), (S, Dh), np.float32)[pos]
+    else:
+        cos = sin = np.zeros(Dh, np.float32)
+    win = ctl[L_WIN]
+    lo = max(0, pos - win + 1) if win > 0 else 0
+    k_cache = numba.carray(_void_ptr(ctl[L_KC]), (Hkv, S, Dh), ct)
+    v_cache = numba.carray(_void_ptr(ctl[L_VC]), (Hkv, S, Dh), ct)
+    n = pos + 1 - lo
+    _decode_attention(qkv[:nq].reshape(H, Dh), qkv[nq:nq + nk].reshape(Hkv, Dh), qkv[nq + nk:].reshape(Hkv, Dh),
+                      cos, sin, rotary, k_cache, v_cache, pos, lo, fp[FP_SCALE], rest[:H * n].reshape(H, n),
+                      att.reshape(H, Dh))
+    _mv(ctl, L_O, att, h)
+    _bias(ctl, L_OB, h)
+    res = numba.carray(_void_ptr(ctl[L_RES]), (D,), np.float32)
+    f = numba.carray(_void_ptr(ctl[F_X]), (D,), np.float32)
+    for i in range(D):
+        res[i] = x[i] + h[i]
+    _norm(ctl, L_NF, res, f)
+    if ctl[L_PRED] != 0:  # the predictor: its hidden layer in rest[:r], its scores after
+        r, m = ctl[L_P1 + M_N], ctl[L_I]
+        z, y = rest[:r], rest[r:r + m]
+        _mv(ctl, L_P1, f, z)
+        _bias(ctl, L_P1B, z)
+        for i in range(r):
+            if z[i] < 0:
+                z[i] = 0.0
+        _mv(ctl, L_P2, z, y)
+        _bias(ctl, L_P2B, y)
+        mask = numba.carray(_void_ptr(ctl[L_MASK]), (m,), np.uint8)
+        for i in range(m):
+            mask[i] = 1 if y[i] > fp[FP_THRESHOLD] else 0
+    t1 = _now_ns()
+    done = 0
+    if ctl[F_C] == 0:
+        out = numba.carray(_void_ptr(ctl[F_OUT]), (D,), np.float32)
+        out[:] = 0.0
+    else:
+        kind = ctl[L_COLD_KIND]
+        if kind == 0:
+            done = _ffn_float(ctl, np.float32)
+        elif kind == 1:
+            done = _ffn_float(ctl, np.uint16)
+        elif kind == 2:
+            done = _ffn_float(ctl, np.int16)
+        elif kind == 3:
+            done = _ffn_float(ctl, np.int8)
+        else:
+            done = _ffn_quant(ctl)
+    ctl[L_COLD_NS] += _now_ns() - t1
+    return done
+
+
+# one host function per cache storage: a cfunc's types are fixed when it compiles
+def _layer_c32(user):
+    ctl, t0 = _begin(user)
+    _end(ctl, t0, _layer(ctl, np.float32))
+
+
+def _layer_c16(user):  # float16 bits
+    ctl, t0 = _begin(user)
+    _end(ctl, t0, _layer(ctl, np.int16))
+
+
+_BODIES = {torch.float32: _layer_c32, torch.float16: _layer_c16}
+
+
+def layer_function(cache_dtype: torch.dtype):
+    """The compiled function of a layer whose host KV cache is cache_dtype (float32 or float16)."""
+    return hn._compiled(_BODIES[cache_dtype])
+
+
+def _matrix(m) -> HostMatrix | QuantMatrix | None:
+    """The host matrix behind a HostLinear, a QuantLinear or a fused q/k/v entry (a half tensor or a QuantMatrix)."""
+    if isinstance(m, (HostMatrix, QuantMatrix)):
+        return m
+    if isinstance(m, torch.Tensor):
+        return HostMatrix.from_torch(m) if m.device.type == "cpu" and m.dtype in (torch.float16, torch.bfloat16) else None
+    host = getattr(m, "host", None)
+    return host if isinstance(host, (HostMatrix, QuantMatrix)) else None
+
+
+def _matrices(block) -> dict[int, object]:
+    """The node's matrix slots and their host matrices (None where one has none)."""
+    attn, pred = block.attn.attn, block.ffn.gpu.mask_fn
+    qkv = getattr(attn, "qkv", None)
+    lins = {L_Q: qkv, L_O: attn.o} if qkv is not None else {L_Q: attn.q, L_K: attn.k, L_V: attn.v, L_O: attn.o}
+    if pred is not None:
+        lins.update({L_P1: pred.l1, L_P2: pred.l2})
+    return {slot: _matrix(lin) for slot, lin in lins.items()}
+
+
+def layer_node_ready(block) -> bool:
+    """Whether a HostBlock's block (see host_block_ready) can step as a LayerHostNode: RMSNorms of one
+    eps and kind, no sandwich norms, no QK-norm, an Attention whose projections have host matrices
+    (any HostMatrix kind or GGUF blocks), cold rows a host function computes (ffn_node_kind)."""
+    attn = getattr(block.attn, "attn", None)
+    norms = (block.attn_norm, block.ffn_norm)
+    if block.sandwich or not all(type(n) is RMSNorm for n in norms) or type(attn) is not Attention:
+        return False
+    if len({(n.eps, n.plus_one) for n in norms}) != 1 or hasattr(attn, "q_norm"):
+        return False
+    cold = block.ffn.cold
+    return all(m is not None for m in _matrices(block).values()) and (not cold.n or hn.ffn_node_kind(cold) is not None)
+
+
+_TABLES: dict = {}
+
+
+def _rotary_tables(rotary, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [S, Dh] for positions 0..S-1 (the layer's Rotary on the host; shared by the
+    layers of one rotary kind)."""
+    key = (rotary._key, S)
+    if key not in _TABLES:
+        if len(_TABLES) > 8:
+            _TABLES.clear()
+        with torch.no_grad():
+            cos, sin = rotary(torch.arange(S, device=rotary.inv_freq.device))
+        _TABLES[key] = tuple(np.ascontiguousarray(t.to("cpu", torch.float32).numpy()) for t in (cos, sin))
+    return _TABLES[key]
+
+
+def _f32(t) -> np.ndarray | None:
+    return None if t is None else np.ascontiguousarray(t.detach().to("cpu", torch.float32).numpy().reshape(-1))
+
+
+def _addr(a: np.ndarray | None) -> int:
+    return 0 if a is None else hn._addr(a)
+
+
+class LayerHostNode(_Node):
+    """One CPU-attention layer's host share of a one-token step (see the module docstring), over the
+    block's own host weights and KV cache buffers (cache_kv: this layer's (k, v) [1, Hkv, S, Dh] on the
+    CPU). Buffers (pinned on CUDA, tier.host_empty): `x` float32 [D] and `pos` int64 [1] in, `up`
+    float32 [3, D] (f, res, cold) and `mask` bool [I] (hot-first; None without a predictor) out."""
+
+    def __init__(self, block, cache_kv, host_empty, threads: int):
+        if not layer_node_ready(block):
+            raise ValueError("this block cannot step as a LayerHostNode (see layer_node_ready)")
+        attn, ffn = block.attn.attn, block.ffn
+        k_buf, v_buf = cache_kv
+        if k_buf.device.type != "cpu" or k_buf.dtype not in _BODIES or k_buf.shape[0] != 1 \
+                or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+            raise ValueError("a LayerHostNode needs a contiguous float32 or float16 host KV cache of batch 1")
+        D, cold, pred = ffn.dim, ffn.cold, ffn.gpu.mask_fn
+        Hkv, S, Dh = k_buf.shape[1:]
+        H, I = attn.n_heads, ffn.gpu.n_hot + cold.n
+        self.x, self.pos = host_empty((D,), torch.float32), host_empty((1,), torch.int64)
+        self.up = host_empty((3, D), torch.float32)  # f, res, cold
+        self.mask = host_empty((I,), torch.bool) if pred is not None else None
+        f_np, res_np, out_np = (self.up[i].numpy() for i in range(3))
+        mask_np = None if self.mask is None else self.mask.numpy()
+        c = self.ctl = np.zeros(N_LCTL, np.int64)
+        cold_keep = ()
+        if cold.n:
+            kind, cold_keep = cold_slots(c, f_np, None if mask_np is None else mask_np[ffn.gpu.n_hot:], cold, out_np)
+            c[L_COLD_KIND] = MODES[kind]
+        else:
+            c[F_X], c[F_D], c[F_OUT] = hn._addr(f_np), D, hn._addr(out_np)
+        mats = _matrices(block)
+        fused = L_K not in mats
+        for slot, m in mats.items():
+            self._matrix_slots(slot, m)
+        width = max(m.shape[0] for m in mats.values())
+        rows = np.arange(width, dtype=np.int64)
+        biases = {}
+        if fused:
+            qb = getattr(attn, "qkv_bias", None)
+            if qb is not None:
+                qb = _f32(qb)
+                nq, nk = H * Dh, Hkv * Dh
+                biases = {L_QB: qb[:nq], L_KB: qb[nq:nq + nk], L_VB: qb[nq + nk:]}
+        else:
+            biases = {L_QB: _f32(attn.q.bias), L_KB: _f32(attn.k.bias), L_VB: _f32(attn.v.bias)}
+        biases[L_OB] = _f32(attn.o.bias)
+        if pred is not None:
+            b1, b2, threshold = pred._one
+            biases.update({L_P1B: b1, L_P2B: b2})
+        for slot, b in biases.items():
+            c[slot] = _addr(b)
+        norms = [_f32(n.weight) for n in (block.attn_norm, block.ffn_norm)]
+        n0 = block.attn_norm
+        fp = np.zeros(3, np.float32)
+        fp[FP_EPS], fp[FP_SCALE] = n0.eps, attn.scale
+        if pred is not None:
+            fp[FP_THRESHOLD] = threshold
+        cos = sin = None
+        if attn.rotary is not None:
+            cos, sin = _rotary_tables(attn.rotary, S)
+        rank = c[L_P1 + M_N] if pred is not None else 0
+        buf = np.empty(2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * S, rank + I), np.float32)
+        kc, vc = k_buf[0].numpy(), v_buf[0].numpy()
+        c[L_X], c[L_POS], c[L_S], c[L_RES] = hn._addr(self.x.numpy()), hn._addr(self.pos.numpy()), S, hn._addr(res_np)
+        c[L_MASK], c[L_HOT], c[L_I], c[L_FP] = _addr(mask_np), ffn.gpu.n_hot, I, hn._addr(fp)
+        c[L_NA], c[L_NF], c[L_PLUS1] = hn._addr(norms[0]), hn._addr(norms[1]), n0.plus_one
+        c[L_H], c[L_HKV], c[L_DH], c[L_KC], c[L_VC] = H, Hkv, Dh, hn._addr(kc), hn._addr(vc)
+        c[L_COS], c[L_SIN], c[L_ROT], c[L_WIN] = _addr(cos), _addr(sin), cos is not None, attn.window or 0
+        c[L_BUF], c[L_BUF_N], c[L_PRED], c[L_ROWS], c[L_ROWS_N] = hn._addr(buf), buf.shape[0], pred is not None, hn._addr(rows), width
+        self.keep = (cold_keep, mats, rows, biases, norms, fp, cos, sin, buf, kc, vc, cache_kv)
+        self.cache_key = (k_buf.data_ptr(), v_buf.data_ptr(), tuple(k_buf.shape))
+        self._threads(threads)
+        self.failure = f"CPU attention (layer host node): position out of range [0, {S})"
+        self.fn = layer_function(k_buf.dtype)
+
+    def _matrix_slots(self, slot: int, m: HostMatrix | QuantMatrix) -> None:
+        c = self.ctl
+        if isinstance(m, QuantMatrix):
+            c[slot + M_ADDR], (c[slot + M_R0], c[slot + M_R1]) = hn._addr(m.data), m.data.shape
+            c[slot + M_MODE] = MODES["interleaved" if m.interleaved else "quant"]
+            c[slot + M_QID], c[slot + M_XQ] = m._id, m.interleaved or m.qtype in XQ_DEFAULT
+        else:
+            c[slot + M_ADDR], c[slot + M_SCALE] = hn._addr(m._w), hn._addr(m._s)
+            c[slot + M_R0], c[slot + M_R1] = m.data.shape
+            c[slot + M_MODE] = MODES[m.kind]
+        c[slot + M_N] = m.shape[0]
+
+    @property
+    def cold_s(self) -> float:
+        """Seconds the function spent on the cold rows over all its calls (the rest is attention and predictor)."""
+        return float(self.ctl[L_COLD_NS]) * 1e-9
+
+
+__all__ = ["LayerHostNode", "layer_function", "layer_node_ready"]
