@@ -31,6 +31,7 @@ from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.layer_node import LayerHostNode, layer_function, layer_node_ready
 from hotcold.executors.stats import now
 from hotcold.executors.wrapper import BlockWrapper
+from hotcold.models.layers import Attention
 from hotcold.models.transformer import Block, kv_dtype
 
 
@@ -46,6 +47,19 @@ def host_block_ready(block: nn.Module) -> bool:
     return m is None or isinstance(m, LearnedMask) and m.device.type == "cpu"
 
 
+def cpu_block_ready(block: nn.Module) -> bool:
+    """Whether `block` runs wholly on a CPU fast tier (its Attention and HybridFFN there, the predictor
+    a host one or none) and can step as one compiled call (layer_node_ready): a HostBlock that only
+    takes that path (its other steps are the block's own)."""
+    if not isinstance(block, Block) or not block.pre_norm or type(block.attn) is not Attention:
+        return False
+    ffn = block.ffn
+    if not isinstance(ffn, HybridFFN) or ffn.tier.cuda:
+        return False
+    m = ffn.gpu.mask_fn
+    return (m is None or isinstance(m, LearnedMask) and m.device.type == "cpu") and layer_node_ready(block)
+
+
 class HostBlock(BlockWrapper):
     """A Block (see host_block_ready) whose one-token steps run as the module docstring draws; same
     forward signature as Block; `steps` counts the one-token steps taken this way, `node_steps`
@@ -53,18 +67,21 @@ class HostBlock(BlockWrapper):
     the block, executors/layer_node.py; False: always the module path)."""
 
     def __init__(self, block: Block, node: bool = True, graphs: bool = False):
-        if not host_block_ready(block):
-            raise ValueError("HostBlock needs a pre-norm block with host attention and a CPU or no predictor")
+        self.host = host_block_ready(block)  # else a CPU tier's block (cpu_block_ready): the node or the block's own step
+        if not (self.host or node and cpu_block_ready(block)):
+            raise ValueError("HostBlock needs a pre-norm block with host attention and a CPU or no predictor, "
+                             "or one a CPU tier runs whole as a compiled call")
         super().__init__(block)
-        dtype = block.attn.dtype
-        names = ["attn_norm", "ffn_norm"] + (["post_attn_norm"] if block.sandwich else [])
-        # the host copies, outside the module tree: the engine's moves leave them alone
-        self._norms = {n: copy.deepcopy(getattr(block, n)).to("cpu", dtype) for n in names}
-        w = getattr(self._norms["attn_norm"], "weight", None)
-        if w is not None:  # compile the norms' one-row kernels now, not in the first token (numba caches them on disk)
-            with torch.inference_mode():
-                for norm in self._norms.values():
-                    norm(torch.zeros(1, 1, w.shape[-1], dtype=dtype))
+        dtype = block.attn.dtype if self.host else block.ffn.tier.dtype
+        if self.host:
+            names = ["attn_norm", "ffn_norm"] + (["post_attn_norm"] if block.sandwich else [])
+            # the host copies, outside the module tree: the engine's moves leave them alone
+            self._norms = {n: copy.deepcopy(getattr(block, n)).to("cpu", dtype) for n in names}
+            w = getattr(self._norms["attn_norm"], "weight", None)
+            if w is not None:  # compile the norms' one-row kernels now, not in the first token (numba caches them on disk)
+                with torch.inference_mode():
+                    for norm in self._norms.values():
+                        norm(torch.zeros(1, 1, w.shape[-1], dtype=dtype))
         self.steps = self.node_steps = 0
         self.use_node = node and layer_node_ready(block)
         self._node: LayerHostNode | None = None
@@ -76,7 +93,7 @@ class HostBlock(BlockWrapper):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D] on the fast tier
         b = self.block
-        if x.shape[0] * x.shape[1] != 1 or cache_kv is None:
+        if x.shape[0] * x.shape[1] != 1 or cache_kv is None or not (self.use_node or self.host):
             return b(x, positions, cache_kv, start)
         ffn: HybridFFN = b.ffn
         book, tier, H, D = ffn.book, ffn.tier, ffn.gpu.n_hot, x.shape[-1]
@@ -220,14 +237,14 @@ class _Graph:
 
 
 def host_blocks(model: nn.Module, node: bool = True, graphs: bool = False) -> list[int]:
-    """Wrap every block of model.layers that host_block_ready admits in a HostBlock (node, graphs:
-    see HostBlock); returns their indices."""
+    """Wrap every block of model.layers that host_block_ready admits (with node, cpu_block_ready
+    too) in a HostBlock (node, graphs: see HostBlock); returns their indices."""
     done = []
     for i, block in enumerate(model.layers):
-        if host_block_ready(block):
+        if host_block_ready(block) or node and cpu_block_ready(block):
             model.layers[i] = HostBlock(block, node, graphs)
             done.append(i)
     return done
 
 
-__all__ = ["HostBlock", "host_block_ready", "host_blocks"]
+__all__ = ["HostBlock", "cpu_block_ready", "host_block_ready", "host_blocks"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from torch import nn
 
 from hotcold.executors import host_node as hn
 from hotcold.executors.host_node import (F_C, F_D, F_MASK, F_OUT, F_X, THREADS, _end, _ffn_float, _ffn_quant,
@@ -212,19 +213,31 @@ def layer_function(cache_dtype: torch.dtype):
     return hn._compiled(_BODIES[cache_dtype])
 
 
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _matrix(m) -> HostMatrix | QuantMatrix | None:
-    """The host matrix behind a HostLinear, a QuantLinear or a fused q/k/v entry (a half tensor or a QuantMatrix)."""
+    """The host matrix behind a HostLinear, a QuantLinear, a CPU nn.Linear or a fused q/k/v entry (a
+    half tensor or a QuantMatrix), sharing its memory; None where there is none."""
     if isinstance(m, (HostMatrix, QuantMatrix)):
         return m
+    if isinstance(m, nn.Linear):
+        m = m.weight
     if isinstance(m, torch.Tensor):
-        return HostMatrix.from_torch(m) if m.device.type == "cpu" and m.dtype in (torch.float16, torch.bfloat16) else None
-    host = getattr(m, "host", None)
+        ok = m.device.type == "cpu" and m.dtype in _FLOAT and m.dim() == 2 and m.is_contiguous()
+        return HostMatrix.from_torch(m) if ok else None
+    host = getattr(m, "host", getattr(m, "qweight", None))
     return host if isinstance(host, (HostMatrix, QuantMatrix)) else None
+
+
+def _attention(block) -> nn.Module:
+    """The block's Attention (a HostAttention's inner one)."""
+    return getattr(block.attn, "attn", block.attn)
 
 
 def _matrices(block) -> dict[int, object]:
     """The node's matrix slots and their host matrices (None where one has none)."""
-    attn, pred = block.attn.attn, block.ffn.gpu.mask_fn
+    attn, pred = _attention(block), block.ffn.gpu.mask_fn
     qkv = getattr(attn, "qkv", None)
     lins = {L_Q: qkv, L_O: attn.o} if qkv is not None else {L_Q: attn.q, L_K: attn.k, L_V: attn.v, L_O: attn.o}
     if pred is not None:
@@ -236,7 +249,7 @@ def layer_node_ready(block) -> bool:
     """Whether a HostBlock's block (see host_block_ready) can step as a LayerHostNode: RMSNorms of one
     eps and kind, no sandwich norms, no QK-norm, an Attention whose projections have host matrices
     (any HostMatrix kind or GGUF blocks), cold rows a host function computes (ffn_node_kind)."""
-    attn = getattr(block.attn, "attn", None)
+    attn = _attention(block)
     norms = (block.attn_norm, block.ffn_norm)
     if block.sandwich or not all(type(n) is RMSNorm for n in norms) or type(attn) is not Attention:
         return False
@@ -279,7 +292,7 @@ class LayerHostNode(_Node):
     def __init__(self, block, cache_kv, host_empty, threads: int):
         if not layer_node_ready(block):
             raise ValueError("this block cannot step as a LayerHostNode (see layer_node_ready)")
-        attn, ffn = block.attn.attn, block.ffn
+        attn, ffn = _attention(block), block.ffn
         k_buf, v_buf = cache_kv
         if k_buf.device.type != "cpu" or k_buf.dtype not in _BODIES or k_buf.shape[0] != 1 \
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous()):

@@ -346,8 +346,12 @@ def _host_blocks(folder, family: str, device: str, dtype: str, tol: float) -> No
     both = {0, lm.config.num_layers - 1}
     with make_hybrid(lm, random_hot(lm, 0.4, seed=19), preds, cpu_dtype="f32", threads=2,
                      attention_cpu=both, predictor_cpu=both) as eng:
-        wrapped = [l for l, b in enumerate(lm.model.layers) if isinstance(b, HostBlock)]
+        wrapped = [l for l, b in enumerate(lm.model.layers) if isinstance(b, HostBlock) and b.host]
         assert wrapped == sorted(both)
+        # on a CPU tier the other llama layers step as one compiled call too (cpu_block_ready)
+        rest = [l for l, b in enumerate(lm.model.layers) if isinstance(b, HostBlock) and not b.host]
+        assert rest == ([l for l in range(lm.config.num_layers) if l not in both]
+                        if device == "cpu" and family == "llama" else [])
         assert_close(decode_logits(lm, toks), want, tol)
         assert sum(lm.model.layers[l].steps for l in wrapped) == len(wrapped) * T  # every decode step went that way
         # llama's steps run as one compiled call each (LayerHostNode); OPT's LayerNorms and Gemma 3's
