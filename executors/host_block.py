@@ -14,6 +14,13 @@ so the CPU's work runs back to back, the fast tier's hot rows run beside the col
 crossings are x down, (f, res) and the hot mask up, and the cold sum up. Prefill (several tokens),
 and blocks this does not fit (post-norm blocks, a predictor on the fast tier, MoE layers), run as
 the Block does. The host copies of the norms are the block's own, moved to the CPU (a few KB).
+
+Where layer_node_ready admits the block (llama-family blocks: RMSNorm, no QK or sandwich norms), the
+host's whole share is one compiled call instead (executors/layer_node.py, LayerHostNode: attention,
+predictor and cold rows, so f, res and the cold sum come up together after it): on the worker, or on
+CUDA with graphs and statistics off as a host node of the layer's own graph (one replay a step, no
+host wait). On a CPU fast tier the same call serves every such block of a hybrid run whose attention
+is a plain Attention there (cpu_block_ready): its step in one call instead of ~40 torch and numba calls.
 """
 
 from __future__ import annotations
