@@ -15,7 +15,7 @@ crossings are x down, (f, res) and the hot mask up, and the cold sum up. Prefill
 and blocks this does not fit (post-norm blocks, a predictor on the fast tier, MoE layers), run as
 the Block does. The host copies of the norms are the block's own, moved to the CPU (a few KB).
 
-Where layer_node_ready admits the block (llama-family blocks: RMSNorm, no QK or sandwich norms), the
+Where layer_node_ready admits the block (RMSNorm blocks: Llama, Mistral, Qwen2/3, Gemma 3), the
 host's whole share is one compiled call instead (executors/layer_node.py, LayerHostNode: attention,
 predictor and cold rows, so f, res and the cold sum come up together after it): on the worker, or on
 CUDA with graphs and statistics off as a host node of the layer's own graph (one replay a step, no
@@ -166,7 +166,14 @@ class HostBlock(BlockWrapper):
         ffn.count_decode(None if node.mask is None else node.mask[:H])
         self.steps += 1
         self.node_steps += 1
-        return (up[1:2] + up[2:3] + y.float()).to(x.dtype).reshape(x.shape)
+        return self._sum(up, y, x)
+
+    def _sum(self, up: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # res + cold + hot (in float32, rounded once), or res + post_ffn_norm(cold + hot) -> x's shape and dtype
+        if not self.block.sandwich:
+            return (up[1:2] + up[2:3] + y.float()).to(x.dtype).reshape(x.shape)
+        h = self.block.post_ffn_norm((up[2:3] + y.float()).to(x.dtype))
+        return (up[1:2] + h.float()).to(x.dtype).reshape(x.shape)
 
     def _graph_step(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> torch.Tensor:
         """_node_step as one CUDA graph: x and the position down, the LayerHostNode as a host node,
@@ -200,7 +207,7 @@ class HostBlock(BlockWrapper):
         if hot is not None:
             hot.copy_(node.mask[:H], non_blocking=True)
         y = ffn.gpu.compute(up[0].reshape(1, D).to(x.dtype), None if hot is None else hot.reshape(1, H))
-        return (up[1:2] + up[2:3] + y.float()).to(x.dtype).reshape(x.shape)
+        return self._sum(up, y, x)
 
     def _capture(self, key: tuple, node: LayerHostNode, x: torch.Tensor, positions: torch.Tensor) -> "_Graph":
         from hotcold.executors.graphs import _side_stream

@@ -24,7 +24,8 @@ session 22 could not explain (see README).
 The kernels are the module path's own (`gemv`'s row kernel or the GGUF block kernels, the decode
 attention kernel, RMSNorm, the cold FFN rows of FFNHostNode); norms and the residual are float32
 throughout (the module path rounds them to the model's dtype between parts). It applies to pre-norm
-blocks with RMSNorm (one eps), no QK-norm and no sandwich norms, whose matrices are host matrices of
+blocks with RMSNorm (one eps and kind; QK-norm after the biases, a sandwich block's post-attention
+norm before the residual, its post-FFN norm on the fast tier), whose matrices are host matrices of
 any kind (each is dispatched on its storage at run time: MODES), with a float32 or float16 KV cache
 (`layer_node_ready`).
 
@@ -51,12 +52,12 @@ from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qgemv_rows_kernel
 # the layer's slots
 (L_X, L_POS, L_S, L_RES, L_MASK, L_HOT, L_I, L_FP, L_NA, L_NF, L_PLUS1, L_H, L_HKV, L_DH, L_KC, L_VC, L_COS,
  L_SIN, L_ROT, L_WIN, L_BUF, L_BUF_N, L_COLD_KIND, L_QB, L_KB, L_VB, L_OB, L_P1B, L_P2B, L_PRED, L_COLD_NS, L_ROWS,
- L_ROWS_N) = range(23, 56)
+ L_ROWS_N, L_QN, L_KN, L_PAN) = range(23, 59)
 # a matrix's slots (offsets): data, row scales (float kinds), data's two dims, output rows, GGUF type id,
 # storage (MODES), Q8 activations
 M_ADDR, M_SCALE, M_R0, M_R1, M_N, M_QID, M_MODE, M_XQ = range(8)
-L_Q, L_K, L_V, L_O, L_P1, L_P2 = range(56, 104, 8)
-N_LCTL = 104
+L_Q, L_K, L_V, L_O, L_P1, L_P2 = range(59, 107, 8)
+N_LCTL = 107
 FP_EPS, FP_SCALE, FP_THRESHOLD = range(3)
 # storage of a matrix or of the cold rows: HostMatrix kinds, GGUF rows, GGUF rows interleaved (pack_rows)
 MODES = {"f32": 0, "bf16": 1, "f16": 2, "i8": 3, "quant": 4, "interleaved": 5}
@@ -139,6 +140,11 @@ def _layer(ctl, ct):
     _bias(ctl, L_QB, qkv[:nq])
     _bias(ctl, L_KB, qkv[nq:nq + nk])
     _bias(ctl, L_VB, qkv[nq + nk:])
+    if ctl[L_QN] != 0:  # QK-norm: each head's row of q and of k
+        for i in range(H):
+            _norm(ctl, L_QN, qkv[i * Dh:(i + 1) * Dh], qkv[i * Dh:(i + 1) * Dh])
+        for i in range(Hkv):
+            _norm(ctl, L_KN, qkv[nq + i * Dh:nq + (i + 1) * Dh], qkv[nq + i * Dh:nq + (i + 1) * Dh])
     rotary = ctl[L_ROT] != 0
     if rotary:
         cos = numba.carray(_void_ptr(ctl[L_COS]), (S, Dh), np.float32)[pos]
@@ -155,6 +161,8 @@ def _layer(ctl, ct):
                       att.reshape(H, Dh))
     _mv(ctl, L_O, att, h)
     _bias(ctl, L_OB, h)
+    if ctl[L_PAN] != 0:  # sandwich norms: the attention's output normed before the residual
+        _norm(ctl, L_PAN, h, h)
     res = numba.carray(_void_ptr(ctl[L_RES]), (D,), np.float32)
     f = numba.carray(_void_ptr(ctl[F_X]), (D,), np.float32)
     for i in range(D):
@@ -245,15 +253,26 @@ def _matrices(block) -> dict[int, object]:
     return {slot: _matrix(lin) for slot, lin in lins.items()}
 
 
+def _norms(block) -> dict[int, nn.Module]:
+    """The norms the node applies, by slot (the post-FFN norm of sandwich blocks runs on the fast tier)."""
+    attn = _attention(block)
+    norms = {L_NA: block.attn_norm, L_NF: block.ffn_norm}
+    if block.sandwich:
+        norms[L_PAN] = block.post_attn_norm
+    if hasattr(attn, "q_norm"):
+        norms.update({L_QN: attn.q_norm, L_KN: attn.k_norm})
+    return norms
+
+
 def layer_node_ready(block) -> bool:
     """Whether a HostBlock's block (see host_block_ready) can step as a LayerHostNode: RMSNorms of one
-    eps and kind, no sandwich norms, no QK-norm, an Attention whose projections have host matrices
+    eps and kind (QK-norm and sandwich norms too), an Attention whose projections have host matrices
     (any HostMatrix kind or GGUF blocks), cold rows a host function computes (ffn_node_kind)."""
     attn = _attention(block)
-    norms = (block.attn_norm, block.ffn_norm)
-    if block.sandwich or not all(type(n) is RMSNorm for n in norms) or type(attn) is not Attention:
+    if type(attn) is not Attention:
         return False
-    if len({(n.eps, n.plus_one) for n in norms}) != 1 or hasattr(attn, "q_norm"):
+    norms = _norms(block)
+    if not all(type(n) is RMSNorm for n in norms.values()) or len({(n.eps, n.plus_one) for n in norms.values()}) != 1:
         return False
     cold = block.ffn.cold
     return all(m is not None for m in _matrices(block).values()) and (not cold.n or hn.ffn_node_kind(cold) is not None)
@@ -333,7 +352,9 @@ class LayerHostNode(_Node):
             biases.update({L_P1B: b1, L_P2B: b2})
         for slot, b in biases.items():
             c[slot] = _addr(b)
-        norms = [_f32(n.weight) for n in (block.attn_norm, block.ffn_norm)]
+        norms = {slot: _f32(n.weight) for slot, n in _norms(block).items()}
+        for slot, w in norms.items():
+            c[slot] = hn._addr(w)
         n0 = block.attn_norm
         fp = np.zeros(3, np.float32)
         fp[FP_EPS], fp[FP_SCALE] = n0.eps, attn.scale
@@ -347,7 +368,7 @@ class LayerHostNode(_Node):
         kc, vc = k_buf[0].numpy(), v_buf[0].numpy()
         c[L_X], c[L_POS], c[L_S], c[L_RES] = hn._addr(self.x.numpy()), hn._addr(self.pos.numpy()), S, hn._addr(res_np)
         c[L_MASK], c[L_HOT], c[L_I], c[L_FP] = _addr(mask_np), ffn.gpu.n_hot, I, hn._addr(fp)
-        c[L_NA], c[L_NF], c[L_PLUS1] = hn._addr(norms[0]), hn._addr(norms[1]), n0.plus_one
+        c[L_PLUS1] = n0.plus_one
         c[L_H], c[L_HKV], c[L_DH], c[L_KC], c[L_VC] = H, Hkv, Dh, hn._addr(kc), hn._addr(vc)
         c[L_COS], c[L_SIN], c[L_ROT], c[L_WIN] = _addr(cos), _addr(sin), cos is not None, attn.window or 0
         c[L_BUF], c[L_BUF_N], c[L_PRED], c[L_ROWS], c[L_ROWS_N] = hn._addr(buf), buf.shape[0], pred is not None, hn._addr(rows), width

@@ -351,12 +351,12 @@ def _host_blocks(folder, family: str, device: str, dtype: str, tol: float) -> No
         # on a CPU tier the other llama layers step as one compiled call too (cpu_block_ready)
         rest = [l for l, b in enumerate(lm.model.layers) if isinstance(b, HostBlock) and not b.host]
         assert rest == ([l for l in range(lm.config.num_layers) if l not in both]
-                        if device == "cpu" and family == "llama" else [])
+                        if device == "cpu" and family != "opt" else [])
         assert_close(decode_logits(lm, toks), want, tol)
         assert sum(lm.model.layers[l].steps for l in wrapped) == len(wrapped) * T  # every decode step went that way
-        # llama's steps run as one compiled call each (LayerHostNode); OPT's LayerNorms and Gemma 3's
-        # sandwich and QK norms take the module path
-        assert [lm.model.layers[l].node_steps for l in wrapped] == [T * (family == "llama")] * len(wrapped)
+        # llama's and Gemma 3's steps run as one compiled call each (LayerHostNode); OPT's LayerNorms
+        # take the module path
+        assert [lm.model.layers[l].node_steps for l in wrapped] == [T * (family != "opt")] * len(wrapped)
         assert eng.stats()["decode"]["regimes"]["cpu"] > 0
         with torch.inference_mode():
             lm.model(toks)  # a prompt (the union of its tokens' masks: not the per-token reference)
@@ -368,19 +368,19 @@ def test_attention_and_predictor_of_a_layer_on_the_cpu_decode_on_the_host(folder
     _host_blocks(folder, family, "cpu", "float32", 1e-4)
 
 
-def _layer_nodes(folder, device: str, dtype: str, cpu_dtype: str, tol: float) -> None:
+def _layer_nodes(folder, device: str, dtype: str, cpu_dtype: str, tol: float, family: str = "llama") -> None:
     """A CPU-attention layer's one-token step as one compiled call (LayerHostNode: float32 norms and
     residual) gives the logits of the HostBlock's module path (norms and residual in the model's
     dtype), whatever the storage of its matrices and cold rows; on CUDA without statistics the call
     is a host node of the layer's graph."""
-    preds = random_predictors(reference(folder, "llama", device, dtype))
+    preds = random_predictors(reference(folder, family, device, dtype))
     toks = tokens(seed=21, device=device)
     got = {}
     ways = {"module": dict(layer_nodes=False), "node": dict(layer_nodes=True)}
     if device == "cuda":
         ways["graph"] = dict(layer_nodes=True, stats=False)
     for way, kw in ways.items():
-        lm = fresh(folder, "llama", device, dtype)
+        lm = fresh(folder, family, device, dtype)
         both = [0, lm.config.num_layers - 1]
         with make_hybrid(lm, random_hot(lm, 0.4, seed=22), preds, cpu_dtype=cpu_dtype, threads=2,
                          attention_cpu=set(both), predictor_cpu=set(both), **kw):
@@ -401,6 +401,13 @@ def _layer_nodes(folder, device: str, dtype: str, cpu_dtype: str, tol: float) ->
                                                  ("bfloat16", "bf16", 5e-2)])
 def test_a_layer_step_as_one_compiled_call_equals_the_module_path(folder, dtype, cpu_dtype, tol):
     _layer_nodes(folder, "cpu", dtype, cpu_dtype, tol)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma3"])
+def test_a_layer_step_as_one_compiled_call_in_each_rms_family(folder, family):
+    """Sliding windows (Mistral), q/k/v biases (Qwen2), QK-norm (Qwen3), and Gemma 3's sandwich and
+    QK norms (x (1 + w)), GELU and query scale in the compiled call."""
+    _layer_nodes(folder, "cpu", "float32", "f32", 1e-5, family)
 
 
 @pytest.mark.parametrize("rank", [40, 64])
@@ -764,9 +771,10 @@ def test_cuda_attention_and_predictor_of_a_layer_on_the_cpu_decode_on_the_host(f
 
 @pytest.mark.cuda
 @CUDA
-@pytest.mark.parametrize("dtype,cpu_dtype,tol", [("float32", "f16", 1e-5), ("bfloat16", "bf16", 5e-2)])
-def test_cuda_a_layer_step_as_one_compiled_call_equals_the_module_path(folder, dtype, cpu_dtype, tol):
-    _layer_nodes(folder, "cuda", dtype, cpu_dtype, tol)
+@pytest.mark.parametrize("dtype,cpu_dtype,tol,family", [("float32", "f16", 1e-5, "llama"), ("bfloat16", "bf16", 5e-2, "llama"),
+                                                        ("float32", "f32", 1e-5, "qwen3"), ("float32", "f32", 1e-5, "gemma3")])
+def test_cuda_a_layer_step_as_one_compiled_call_equals_the_module_path(folder, dtype, cpu_dtype, tol, family):
+    _layer_nodes(folder, "cuda", dtype, cpu_dtype, tol, family)
 
 
 @pytest.mark.cuda
