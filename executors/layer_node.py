@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from hotcold.executors import host_node as hn
-from hotcold.executors.host_node import (F_C, F_D, F_MASK, F_OUT, F_X, THREADS, _end, _ffn_float, _ffn_quant,
+from hotcold.executors.host_node import (F_C, F_D, F_OUT, F_X, THREADS, _end, _ffn_float, _ffn_quant,
                                          _Node, _now_ns, _set_num_threads, _void_ptr, cold_slots)
 from hotcold.models.layers import Attention, RMSNorm
 from hotcold.sparse_ops.attention import _decode_attention
