@@ -428,6 +428,24 @@ def test_engines_and_variants():
     assert eng[1].args == ["--device", "cpu", "--dtype", "float16"]
     ns = bench.hotcold_options(eng[1].args, "cuda", "float32")
     assert (ns.device, ns.dtype) == ("cpu", "float16")
+    ns = bench.hotcold_options(["--env", "HOTCOLD_LAYER_GRAPHS=0", "--env", "X_Y=a=b"], "cpu", None)
+    assert ns.env == {"HOTCOLD_LAYER_GRAPHS": "0", "X_Y": "a=b"}
+
+
+def test_a_variants_env_reaches_its_process_only(tmp_path, monkeypatch):
+    """--variant "NAME=--env K=V": spawn gives the row's child process K=V, and no other engine's."""
+    real = subprocess.Popen
+
+    def child(cmd, **kw):  # the child writes what it sees instead of running an engine
+        spec = json.loads(Path(cmd[-1]).read_text())
+        code = f"import json, os; json.dump({{'foo': os.environ.get('FOO')}}, open({spec['result']!r}, 'w'))"
+        return real([sys.executable, "-c", code], **kw)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", child)
+    monkeypatch.delenv("FOO", raising=False)
+    spec = {"kind": "hotcold", "args": ["--env", "FOO=bar"], "device": "cpu", "dtype": None}
+    assert bench.spawn(spec, tmp_path, "v", 1, False, 60)["foo"] == "bar"
+    assert bench.spawn(dict(spec, kind="llama.cpp"), tmp_path, "l", 1, False, 60)["foo"] is None
 
 
 @pytest.mark.parametrize("engines,variants,message", [
@@ -437,6 +455,7 @@ def test_engines_and_variants():
     ("hotcold", ["nameonly"], "NAME=ARGS"),
     ("hotcold", ["llama.cpp=--dtype float16"], "taken"),
     ("hotcold", ["x=--frobnicate 3"], "unknown '--frobnicate 3'"),
+    ("hotcold", ["x=--env NOEQUALS"], "is not NAME=VALUE"),
 ])
 def test_engine_errors(engines, variants, message):
     with pytest.raises(bench.BenchError, match=message):

@@ -49,8 +49,9 @@ for every engine; without those tools torch's max_memory_reserved, which is alwa
 each engine's median divided by the reference's (llama.cpp, else the first peer).
 
 Variants of hotcold are extra rows: --variant "NAME=ARGS" runs hotcold with ARGS added to its
-options (today --device and --dtype; e.g. --variant "hotcold-bf16=--dtype bfloat16"). New hotcold
-options (a plan, a dense switch) are added in hotcold_options() and used in run_hotcold().
+options (--device, --dtype, --plan, --no-plan, and --env NAME=VALUE for the row's process
+environment, e.g. --variant "hotcold-eager=--env HOTCOLD_LAYER_GRAPHS=0"). New hotcold options are
+added in hotcold_options() and used in run_hotcold().
 """
 
 from __future__ import annotations
@@ -417,12 +418,18 @@ def hotcold_options(args: list[str], device: str, dtype: str | None) -> argparse
     p.add_argument("--dtype", default=dtype)
     p.add_argument("--plan", default=None)  # plan.safetensors or its folder (default: the model's own)
     p.add_argument("--no-plan", action="store_true")  # the dense reference engine
+    p.add_argument("--env", action="append", default=[])  # NAME=VALUE for the row's process (engine switches)
     try:
         ns, extra = p.parse_known_args(args)
     except argparse.ArgumentError as e:
         raise BenchError(f"hotcold options {shlex.join(args)!r}: {e}") from None
     if extra:
-        raise BenchError(f"hotcold options: unknown {shlex.join(extra)!r} (known: --device, --dtype, --plan, --no-plan)")
+        raise BenchError(f"hotcold options: unknown {shlex.join(extra)!r} (known: --device, --dtype, --plan, "
+                         "--no-plan, --env)")
+    for kv in ns.env:
+        if not re.fullmatch(r"[A-Za-z_]\w*=.*", kv):
+            raise BenchError(f"hotcold options: --env {kv!r} is not NAME=VALUE")
+    ns.env = dict(kv.split("=", 1) for kv in ns.env)
     return ns
 
 
@@ -956,8 +963,11 @@ def spawn(spec: dict, workdir: Path, tag: str, threads: int, poll_vram: bool, ti
         baseline = s[1] if s else None
     t = time.perf_counter()
     with open(log_path, "w") as log:
+        env = child_env(threads)
+        if spec.get("kind") == "hotcold":  # a variant's --env settings
+            env.update(hotcold_options(spec["args"], spec["device"], spec["dtype"]).env)
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_child", str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=child_env(threads), cwd=str(workdir))
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(workdir))
         poller = VramPoller(proc.pid, baseline) if poll_vram else None
         if poller:
             poller.start()
