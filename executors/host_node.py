@@ -223,6 +223,23 @@ def _ffn_quant(ctl):
     return n
 
 
+KIND_CODES = {"f32": 0, "bf16": 1, "f16": 2, "i8": 3, "quant": 4}  # cold-row storage kinds as control-block codes
+
+
+@numba.njit(nogil=True, cache=True)
+def _ffn_kind(ctl, kind):
+    # the cold rows stored as KIND_CODES' `kind`, dispatched at run time -> rows computed
+    if kind == 0:
+        return _ffn_float(ctl, np.float32)
+    if kind == 1:
+        return _ffn_float(ctl, np.uint16)  # bfloat16 bits
+    if kind == 2:
+        return _ffn_float(ctl, np.int16)  # float16 bits
+    if kind == 3:
+        return _ffn_float(ctl, np.int8)
+    return _ffn_quant(ctl)
+
+
 # one host function per storage kind: a cfunc's types are fixed when it compiles
 def _host_ffn_f32(user):
     ctl, t0 = _begin(user)
@@ -424,4 +441,4 @@ class FFNHostNode(_Node):
         self.fn = ffn_host_function(self.kind)
 
 
-__all__ = ["FFNHostNode", "HostNode", "cold_slots", "ffn_host_function", "ffn_node_kind", "host_function"]
+__all__ = ["FFNHostNode", "HostNode", "KIND_CODES", "cold_slots", "ffn_host_function", "ffn_node_kind", "host_function"]

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from hotcold.executors import host_node as hn
-from hotcold.executors.host_node import (F_C, F_D, F_OUT, F_X, THREADS, _end, _ffn_float, _ffn_quant,
-                                         _Node, _now_ns, _set_num_threads, _void_ptr, cold_slots)
+from hotcold.executors.host_node import (F_C, F_D, F_OUT, F_X, KIND_CODES, THREADS, _end, _ffn_kind, _Node, _now_ns,
+                                         _set_num_threads, _void_ptr, cold_slots)
 from hotcold.models.layers import Attention, RMSNorm
 from hotcold.sparse_ops.attention import _decode_attention
 from hotcold.sparse_ops.cpu import HostMatrix, _gemv_rows_kernel
@@ -50,17 +50,18 @@ from hotcold.sparse_ops.norm import _rms_norm
 from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
 
 # the layer's slots
-(L_X, L_POS, L_S, L_RES, L_MASK, L_HOT, L_I, L_FP, L_NA, L_NF, L_PLUS1, L_H, L_HKV, L_DH, L_KC, L_VC, L_COS,
- L_SIN, L_ROT, L_WIN, L_BUF, L_BUF_N, L_COLD_KIND, L_QB, L_KB, L_VB, L_OB, L_P1B, L_P2B, L_PRED, L_COLD_NS, L_ROWS,
- L_ROWS_N, L_QN, L_KN, L_PAN) = range(23, 59)
+(L_X, L_POS, L_S, L_RES, L_MASK, L_I, L_FP, L_NA, L_NF, L_PLUS1, L_H, L_HKV, L_DH, L_KC, L_VC, L_COS, L_SIN,
+ L_ROT, L_WIN, L_BUF, L_BUF_N, L_COLD_KIND, L_QB, L_KB, L_VB, L_OB, L_P1B, L_P2B, L_PRED, L_COLD_NS, L_ROWS,
+ L_QN, L_KN, L_PAN) = range(23, 57)
 # a matrix's slots (offsets): data, row scales (float kinds), data's two dims, output rows, GGUF type id,
 # storage (MODES), Q8 activations
 M_ADDR, M_SCALE, M_R0, M_R1, M_N, M_QID, M_MODE, M_XQ = range(8)
-L_Q, L_K, L_V, L_O, L_P1, L_P2 = range(59, 107, 8)
-N_LCTL = 107
+L_Q, L_K, L_V, L_O, L_P1, L_P2 = range(57, 105, 8)
+N_LCTL = 105
 FP_EPS, FP_SCALE, FP_THRESHOLD = range(3)
-# storage of a matrix or of the cold rows: HostMatrix kinds, GGUF rows, GGUF rows interleaved (pack_rows)
-MODES = {"f32": 0, "bf16": 1, "f16": 2, "i8": 3, "quant": 4, "interleaved": 5}
+# storage of a matrix or of the cold rows: HostMatrix kinds, GGUF rows (host_node's codes), GGUF rows
+# interleaved (pack_rows)
+MODES = {**KIND_CODES, "interleaved": 5}
 
 
 @numba.njit(nogil=True, cache=True)
@@ -187,17 +188,7 @@ def _layer(ctl, ct):
         out = numba.carray(_void_ptr(ctl[F_OUT]), (D,), np.float32)
         out[:] = 0.0
     else:
-        kind = ctl[L_COLD_KIND]
-        if kind == 0:
-            done = _ffn_float(ctl, np.float32)
-        elif kind == 1:
-            done = _ffn_float(ctl, np.uint16)
-        elif kind == 2:
-            done = _ffn_float(ctl, np.int16)
-        elif kind == 3:
-            done = _ffn_float(ctl, np.int8)
-        else:
-            done = _ffn_quant(ctl)
+        done = _ffn_kind(ctl, ctl[L_COLD_KIND])
     ctl[L_COLD_NS] += _now_ns() - t1
     return done
 
@@ -367,11 +358,11 @@ class LayerHostNode(_Node):
         buf = np.empty(2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * S, rank + I), np.float32)
         kc, vc = k_buf[0].numpy(), v_buf[0].numpy()
         c[L_X], c[L_POS], c[L_S], c[L_RES] = hn._addr(self.x.numpy()), hn._addr(self.pos.numpy()), S, hn._addr(res_np)
-        c[L_MASK], c[L_HOT], c[L_I], c[L_FP] = _addr(mask_np), ffn.gpu.n_hot, I, hn._addr(fp)
+        c[L_MASK], c[L_I], c[L_FP] = _addr(mask_np), I, hn._addr(fp)
         c[L_PLUS1] = n0.plus_one
         c[L_H], c[L_HKV], c[L_DH], c[L_KC], c[L_VC] = H, Hkv, Dh, hn._addr(kc), hn._addr(vc)
         c[L_COS], c[L_SIN], c[L_ROT], c[L_WIN] = _addr(cos), _addr(sin), cos is not None, attn.window or 0
-        c[L_BUF], c[L_BUF_N], c[L_PRED], c[L_ROWS], c[L_ROWS_N] = hn._addr(buf), buf.shape[0], pred is not None, hn._addr(rows), width
+        c[L_BUF], c[L_BUF_N], c[L_PRED], c[L_ROWS] = hn._addr(buf), buf.shape[0], pred is not None, hn._addr(rows)
         self.keep = (cold_keep, mats, rows, biases, norms, fp, cos, sin, buf, kc, vc, cache_kv)
         self.cache_key = (k_buf.data_ptr(), v_buf.data_ptr(), tuple(k_buf.shape))
         self._threads(threads)
