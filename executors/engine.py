@@ -230,8 +230,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     # calling thread itself (nothing to overlap with: a worker only added hand-offs and a second
     # OpenMP team on the same cores); on CUDA with the FFNs' device half in graphs, the calling thread
     # too, after each graph's replay (`HOTCOLD_CPU_WORKER=1`: a worker thread, to compare)
+    layer_graphs = cuda_graphs in (True, "layers", "step")  # each block's one-token step replays a graph
     if cpu_inline is None:
-        cpu_inline = not tier.cuda or (cuda_graphs in (True, "layers", "step") and os.environ.get("HOTCOLD_CPU_WORKER") != "1")
+        cpu_inline = not tier.cuda or (layer_graphs and os.environ.get("HOTCOLD_CPU_WORKER") != "1")
     cpu = CPUExecutor(cpu_threads, inline=cpu_inline)
     if int4_hot is None:
         int4_hot = gpu_int4 and tier.cuda
@@ -332,11 +333,11 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if host_nodes is None:
         host_nodes = os.environ.get("HOTCOLD_HOST_NODES", "1") != "0"
     for m in moe.values():
-        m.host_nodes = bool(host_nodes and cuda_graphs in (True, "layers", "step"))
+        m.host_nodes = bool(host_nodes and layer_graphs)
     if dense_host_nodes is None:
         dense_host_nodes = os.environ.get("HOTCOLD_DENSE_HOST_NODES", "1") != "0"
     for h in hybrid.values():
-        h.host_nodes = bool(dense_host_nodes and cuda_graphs in (True, "layers", "step"))
+        h.host_nodes = bool(dense_host_nodes and layer_graphs)
     every = {**hybrid, **moe}
     if every:
         every[min(every)].first = True
@@ -349,8 +350,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if layer_nodes is None:
         layer_nodes = os.environ.get("HOTCOLD_LAYER_NODES", "1") != "0"
     if host_block_steps:  # before graph_blocks, which wraps only the plain Blocks left
-        graphs = tier.cuda and cuda_graphs in (True, "layers", "step") and os.environ.get("HOTCOLD_LAYER_GRAPHS", "1") != "0"
-        host_blocks(model, node=layer_nodes, graphs=graphs)
+        host_blocks(model, node=layer_nodes,
+                    graphs=tier.cuda and layer_graphs and os.environ.get("HOTCOLD_LAYER_GRAPHS", "1") != "0")
     if tier.cuda and cuda_graphs:
         graph_blocks(model, ffn=cuda_graphs != "attention", step="host" if cuda_graphs == "step" else cuda_graphs is True)
     lm.device, lm.dtype = device, dtype

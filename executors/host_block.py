@@ -80,7 +80,8 @@ class HostBlock(BlockWrapper):
                              "or one a CPU tier runs whole as a compiled call")
         super().__init__(block)
         dtype = block.attn.dtype if self.host else block.ffn.tier.dtype
-        if self.host:
+        self.use_node = node and layer_node_ready(block)
+        if self.host and not self.use_node:  # the module path's norms (_host_half)
             names = ["attn_norm", "ffn_norm"] + (["post_attn_norm"] if block.sandwich else [])
             # the host copies, outside the module tree: the engine's moves leave them alone
             self._norms = {n: copy.deepcopy(getattr(block, n)).to("cpu", dtype) for n in names}
@@ -90,7 +91,6 @@ class HostBlock(BlockWrapper):
                     for norm in self._norms.values():
                         norm(torch.zeros(1, 1, w.shape[-1], dtype=dtype))
         self.steps = self.node_steps = 0
-        self.use_node = node and layer_node_ready(block)
         self._node: LayerHostNode | None = None
         self.graphs = graphs  # on CUDA, a node step is one graph replay (stats off): _graph_step
         self._graph: _Graph | None = None
