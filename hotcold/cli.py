@@ -186,6 +186,8 @@ def _first_token(setup, stats: bool) -> None:
 
 def _print_stats(setup, gen_stats) -> None:
     """--stats: where a decoded token's time went, and the plan's prediction beside it."""
+    from hotcold.executors.stats import huge_page_share
+
     measured = 1000 / gen_stats.decode_tok_per_s if gen_stats.decode_tok_per_s else float("nan")
     line = f"[stats] decode {measured:.2f} ms/token measured"
     if setup.engine is not None:
@@ -209,6 +211,9 @@ def _print_stats(setup, gen_stats) -> None:
             line += "; timed with the CPU parts run eagerly (without --stats they run as host nodes of CUDA graphs)"
     else:
         line += " (dense: no GPU/CPU split)"
+    mem = huge_page_share()
+    if mem is not None:  # weights on 4 KiB pages read slower: a low share explains a slow run
+        line += f"; host memory {mem[0] / 2**30:.1f} GiB resident, {mem[1] / max(mem[0], 1):.0%} in huge pages"
     if setup.predicted_ms_per_token is not None:
         line += f"; plan predicted {setup.predicted_ms_per_token:.2f} ms/token"
     print(line, file=sys.stderr)

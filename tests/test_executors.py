@@ -598,6 +598,20 @@ def test_cpu_tier_runs_cold_parts_inline(folder):
     assert_close(want[True], decode_logits(ref, toks))
 
 
+def test_huge_page_share_reads_smaps_rollup():
+    from hotcold.executors.stats import huge_page_share, parse_smaps_rollup
+
+    text = ("55d0c0a00000-7ffd1b1fe000 ---p 00000000 00:00 0      [rollup]\nRss:             2097152 kB\n"
+            "Pss:             2000000 kB\nAnonymous:       1048576 kB\nAnonHugePages:    786432 kB\n")
+    assert parse_smaps_rollup(text) == (2097152 * 1024, 786432 * 1024)
+    assert parse_smaps_rollup(text.replace("AnonHugePages", "ShmemHugePages")) is None
+    live = huge_page_share()
+    if os.path.exists("/proc/self/smaps_rollup"):
+        assert live is not None and 0 < live[0] and 0 <= live[1] <= live[0]
+    else:
+        assert live is None
+
+
 def test_worker_finishes_queued_jobs_before_stopping():
     cpu = CPUExecutor(threads=1)
     lm_ffn = nn.Linear(8, 8)  # any object: the jobs below fail, but each is answered
