@@ -120,22 +120,24 @@ def now() -> float:
     return time.perf_counter()
 
 
-def parse_smaps_rollup(text: str) -> tuple[int, int] | None:
-    """(resident bytes, of them in anonymous transparent huge pages) from /proc/PID/smaps_rollup's
-    text; None when it lacks either field."""
+def parse_smaps_rollup(text: str) -> tuple[int, int, int] | None:
+    """(resident bytes, of them anonymous, of those in transparent huge pages) from
+    /proc/PID/smaps_rollup's text; None when it lacks a field."""
+    keys = ("Rss", "Anonymous", "AnonHugePages")
     kb = {}
     for line in text.splitlines():
         key, _, rest = line.partition(":")
         parts = rest.split()
-        if key in ("Rss", "AnonHugePages") and len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+        if key in keys and len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
             kb[key] = int(parts[0]) * 1024
-    return (kb["Rss"], kb["AnonHugePages"]) if len(kb) == 2 else None
+    return tuple(kb[k] for k in keys) if len(kb) == len(keys) else None
 
 
-def huge_page_share() -> tuple[int, int] | None:
-    """This process's (resident bytes, bytes in huge pages), or None where Linux does not say. A host
-    weight read from 4 KiB pages streams at up to ~30% less (advise_hugepages), so a share well below
-    the weights' explains a slow run."""
+def huge_page_share() -> tuple[int, int, int] | None:
+    """This process's (resident, anonymous, in huge pages) bytes, or None where Linux does not say.
+    A weight copied into anonymous memory and read from 4 KiB pages streams at up to ~30% less
+    (advise_hugepages), so a huge-page share well below the weights' explains a slow run. (Blocks
+    kept in a mapped GGUF file are file pages, always 4 KiB.)"""
     try:
         with open("/proc/self/smaps_rollup") as f:
             return parse_smaps_rollup(f.read())

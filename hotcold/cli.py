@@ -212,8 +212,9 @@ def _print_stats(setup, gen_stats) -> None:
     else:
         line += " (dense: no GPU/CPU split)"
     mem = huge_page_share()
-    if mem is not None:  # weights on 4 KiB pages read slower: a low share explains a slow run
-        line += f"; host memory {mem[0] / 2**30:.1f} GiB resident, {mem[1] / max(mem[0], 1):.0%} in huge pages"
+    if mem is not None:  # weights copied to 4 KiB pages read slower: a low share explains a slow run
+        line += (f"; host memory {mem[0] / 2**30:.1f} GiB resident, {mem[1] / 2**30:.1f} GiB anonymous, "
+                 f"{mem[2] / max(mem[1], 1):.0%} of that in huge pages")
     if setup.predicted_ms_per_token is not None:
         line += f"; plan predicted {setup.predicted_ms_per_token:.2f} ms/token"
     print(line, file=sys.stderr)

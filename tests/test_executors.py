@@ -603,11 +603,11 @@ def test_huge_page_share_reads_smaps_rollup():
 
     text = ("55d0c0a00000-7ffd1b1fe000 ---p 00000000 00:00 0      [rollup]\nRss:             2097152 kB\n"
             "Pss:             2000000 kB\nAnonymous:       1048576 kB\nAnonHugePages:    786432 kB\n")
-    assert parse_smaps_rollup(text) == (2097152 * 1024, 786432 * 1024)
+    assert parse_smaps_rollup(text) == (2097152 * 1024, 1048576 * 1024, 786432 * 1024)
     assert parse_smaps_rollup(text.replace("AnonHugePages", "ShmemHugePages")) is None
     live = huge_page_share()
     if os.path.exists("/proc/self/smaps_rollup"):
-        assert live is not None and 0 < live[0] and 0 <= live[1] <= live[0]
+        assert live is not None and 0 < live[1] <= live[0] and 0 <= live[2] <= live[1]
     else:
         assert live is None
 

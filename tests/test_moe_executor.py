@@ -304,7 +304,7 @@ def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
     # (on CUDA the first of them is queued before the first token is read: one fewer)
     assert f"({11 if device == 'cpu' else 10} steps timed)" in hybrid.stderr, hybrid.stderr
     if sys.platform.startswith("linux"):  # the host memory's huge-page share, from /proc/self/smaps_rollup
-        assert re.search(r"host memory \d+\.\d GiB resident, \d+% in huge pages", hybrid.stderr), hybrid.stderr
+        assert re.search(r"host memory \d+\.\d GiB resident, \d+\.\d GiB anonymous, \d+% of that in huge pages", hybrid.stderr), hybrid.stderr
     assert plan.meta["budget"]["expert_cache_bytes"] == 32 * 1024
     if device == "cuda":  # the cache is a GPU feature: 2 experts of 12.7 KB
         assert "expert cache: 2 experts" in hybrid.stderr and "expert cache hit rate" in hybrid.stderr
