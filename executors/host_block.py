@@ -35,7 +35,7 @@ from hotcold.executors.cpu_executor import ColdJob
 from hotcold.executors.gpu_executor import LearnedMask
 from hotcold.executors.host_attention import HostAttention, host_positions
 from hotcold.executors.hybrid import HybridFFN
-from hotcold.executors.layer_node import LayerHostNode, layer_function, layer_node_ready
+from hotcold.executors.layer_node import LayerHostNode, layer_function, layer_node_ready, node_variant
 from hotcold.executors.stats import now
 from hotcold.executors.wrapper import BlockWrapper
 from hotcold.models.layers import Attention
@@ -95,7 +95,7 @@ class HostBlock(BlockWrapper):
         self.graphs = graphs  # on CUDA, a node step is one graph replay (stats off): _graph_step
         self._graph: _Graph | None = None
         if self.use_node:  # compile the function now, not in the first token (numba caches it on disk)
-            layer_function(kv_dtype("cpu", dtype))
+            layer_function(kv_dtype("cpu", dtype), *node_variant(block))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         # x: [B, T, D] on the fast tier

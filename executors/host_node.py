@@ -46,7 +46,8 @@ from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
 from hotcold.sparse_ops.cpu import ACTS, HostMatrix, _ffn_one_kernel
-from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qexperts_one_kernel, _qffn_one_kernel
+from hotcold.sparse_ops import quant as block_quant  # its XQ_DEFAULT read when a node is built (tests patch it)
+from hotcold.sparse_ops.quant import QuantMatrix, _qexperts_one_kernel, _qffn_one_kernel
 
 # the control block: int64 [N_CTL]; every node's starts with THREADS, STATUS, CALLS, BUSY_NS
 THREADS, STATUS, CALLS, BUSY_NS = range(4)
@@ -223,21 +224,7 @@ def _ffn_quant(ctl):
     return n
 
 
-KIND_CODES = {"f32": 0, "bf16": 1, "f16": 2, "i8": 3, "quant": 4}  # cold-row storage kinds as control-block codes
-
-
-@numba.njit(nogil=True, cache=True)
-def _ffn_kind(ctl, kind):
-    # the cold rows stored as KIND_CODES' `kind`, dispatched at run time -> rows computed
-    if kind == 0:
-        return _ffn_float(ctl, np.float32)
-    if kind == 1:
-        return _ffn_float(ctl, np.uint16)  # bfloat16 bits
-    if kind == 2:
-        return _ffn_float(ctl, np.int16)  # float16 bits
-    if kind == 3:
-        return _ffn_float(ctl, np.int8)
-    return _ffn_quant(ctl)
+KIND_CODES = {"f32": 0, "bf16": 1, "f16": 2, "i8": 3, "quant": 4}  # storage kinds as control-block codes (layer_node.MODES)
 
 
 # one host function per storage kind: a cfunc's types are fixed when it compiles
@@ -377,8 +364,8 @@ class HostNode(_Node):
         for i, m in ((GATE, gate), (UP, up), (DOWN, down)):
             c[i], c[i + 1], c[i + 2] = _addr(m.data), *m.data.shape
         c[QU], c[QD], c[GU_X8], c[D_X8], c[HIDDEN] = up._id, down._id, up.interleaved, down.interleaved, down.cols
-        c[ACT], c[XQ_UP] = ACTS[act], up.interleaved or up.qtype in XQ_DEFAULT
-        c[XQ_DOWN] = down.interleaved or down.qtype in XQ_DEFAULT
+        c[ACT], c[XQ_UP] = ACTS[act], up.interleaved or up.qtype in block_quant.XQ_DEFAULT
+        c[XQ_DOWN] = down.interleaved or down.qtype in block_quant.XQ_DEFAULT
         self._threads(threads)
         self.failure = f"CPU experts (host node): an expert id out of range [0, {pos.shape[0]}) was routed"
         self.fn = host_function()
@@ -419,7 +406,7 @@ def cold_slots(c: np.ndarray, x: np.ndarray, mask: np.ndarray | None, cold, out:
     if kind == "quant":
         c[F_UP], c[F_UP_C], c[F_GATE] = _addr(up.data), up.data.shape[1], _addr(gate.data)
         c[F_DOWN], c[F_DOWN_C], c[F_QU], c[F_QD] = _addr(down.data), down.data.shape[1], up._id, down._id
-        c[F_XQ] = up.qtype in XQ_DEFAULT
+        c[F_XQ] = up.qtype in block_quant.XQ_DEFAULT
     else:
         c[F_UP], c[F_UP_S], c[F_GATE], c[F_GATE_S] = _addr(up._w), _addr(up._s), _addr(gate._w), _addr(gate._s)
         c[F_DOWN], c[F_DOWN_S] = _addr(down._w), _addr(down._s)

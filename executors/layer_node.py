@@ -29,7 +29,8 @@ throughout (the module path rounds them to the model's dtype between parts). It 
 blocks with RMSNorm (one eps and kind; QK-norm after the biases, a sandwich block's post-attention
 norm before the residual, its post-FFN norm on the fast tier), whose matrices are host matrices of
 any kind (each is dispatched on its storage at run time: MODES), with a float32 or float16 KV cache
-(`layer_node_ready`).
+(`layer_node_ready`). The function compiled for a layer leaves out the kernels it cannot call: the
+GGUF block kernels where no matrix is in blocks, the cold rows of other storage (`layer_function`).
 
 Control block: the cold FFN's slots of FFNHostNode (0..22, so its row functions read them), then the
 layer's (below), then six matrices of 8 slots each (q or the fused q/k/v, k, v, o, predictor W1, W2).
@@ -37,29 +38,32 @@ layer's (below), then six matrices of 8 slots each (q or the fused q/k/v, k, v, 
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
 from torch import nn
 
 from hotcold.executors import host_node as hn
-from hotcold.executors.host_node import (F_C, F_D, F_OUT, F_X, KIND_CODES, THREADS, _end, _ffn_kind, _Node, _now_ns,
-                                         _set_num_threads, _void_ptr, cold_slots)
+from hotcold.executors.host_node import (F_C, F_D, F_OUT, F_X, KIND_CODES, THREADS, _end, _ffn_float, _ffn_quant, _Node,
+                                         _now_ns, _set_num_threads, _void_ptr, cold_slots)
 from hotcold.models.layers import Attention, RMSNorm
 from hotcold.sparse_ops.attention import _decode_attention
 from hotcold.sparse_ops.cpu import HostMatrix, _gemv_rows_kernel
 from hotcold.sparse_ops.norm import _rms_norm
-from hotcold.sparse_ops.quant import XQ_DEFAULT, QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
+from hotcold.sparse_ops import quant as block_quant  # its XQ_DEFAULT read when a node is built (tests patch it)
+from hotcold.sparse_ops.quant import QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
 
 # the layer's slots
 (L_X, L_POS, L_S, L_RES, L_MASK, L_I, L_FP, L_NA, L_NF, L_PLUS1, L_H, L_HKV, L_DH, L_KC, L_VC, L_COS, L_SIN,
- L_ROT, L_WIN, L_BUF, L_BUF_N, L_COLD_KIND, L_QB, L_KB, L_VB, L_OB, L_P1B, L_P2B, L_PRED, L_COLD_NS, L_ROWS,
- L_QN, L_KN, L_PAN) = range(23, 57)
+ L_ROT, L_WIN, L_BUF, L_BUF_N, L_QB, L_KB, L_VB, L_OB, L_P1B, L_P2B, L_PRED, L_COLD_NS, L_ROWS,
+ L_QN, L_KN, L_PAN) = range(23, 56)
 # a matrix's slots (offsets): data, row scales (float kinds), data's two dims, output rows, GGUF type id,
 # storage (MODES), Q8 activations
 M_ADDR, M_SCALE, M_R0, M_R1, M_N, M_QID, M_MODE, M_XQ = range(8)
-L_Q, L_K, L_V, L_O, L_P1, L_P2 = range(57, 105, 8)
-N_LCTL = 105
+L_Q, L_K, L_V, L_O, L_P1, L_P2 = range(56, 104, 8)
+N_LCTL = 104
 FP_EPS, FP_SCALE, FP_THRESHOLD = range(3)
 # storage of a matrix or of the cold rows: HostMatrix kinds, GGUF rows (host_node's codes), GGUF rows
 # interleaved (pack_rows)
@@ -82,8 +86,11 @@ def _float_mv(ctl, m, dt, rows, x, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _mv(ctl, m, x, out):
-    # out[:N] = the matrix at slots m.. times x (x float32 [cols] -> out float32 [N])
+def _mv(ctl, m, x, out, quant):
+    # out[:N] = the matrix at slots m.. times x (x float32 [cols] -> out float32 [N]); quant None: the
+    # GGUF block branch is pruned at compile time (numba drops `is None` branches on a None argument).
+    # Callers pass slot numbers (here and to _norm, _bias) as np.int64(slot): a literal one would compile
+    # a copy of the function per slot
     n, mode = ctl[m + M_N], ctl[m + M_MODE]
     rows = numba.carray(_void_ptr(ctl[L_ROWS]), (n,), np.int64)  # 0 .. n-1
     if mode == 0:
@@ -94,7 +101,7 @@ def _mv(ctl, m, x, out):
         _float_mv(ctl, m, np.int16, rows, x, out)  # float16 bits
     elif mode == 3:
         _float_mv(ctl, m, np.int8, rows, x, out)
-    else:
+    elif quant is not None:
         data = numba.carray(_void_ptr(ctl[m + M_ADDR]), (ctl[m + M_R0], ctl[m + M_R1]), np.uint8)
         if mode == 4:
             _qgemv_rows_kernel(ctl[m + M_QID], data, rows, x, ctl[m + M_XQ] != 0, out)
@@ -119,9 +126,12 @@ def _norm(ctl, slot, x, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _layer(ctl, ct):
-    # the module docstring's step; ct: the cache's storage (float32, int16 float16 bits) -> cold rows
-    # computed, or -1 (a position outside the cache)
+def _layer(ctl, ct, quant, quant_cold, cold):
+    # the module docstring's step; ct: the cache's storage (float32, int16 float16 bits); quant: None
+    # where no matrix is in GGUF blocks; cold rows in GGUF blocks (quant_cold not None) or as a float
+    # or int8 kind (cold: its numpy type; else None) -> cold rows computed, or -1 (a position outside
+    # the cache). numba prunes an `is None` branch on a None argument before typing it: each variant
+    # compiles only the kernels it can call
     D, S = ctl[F_D], ctl[L_S]
     H, Hkv, Dh = ctl[L_H], ctl[L_HKV], ctl[L_DH]
     nq, nk = H * Dh, Hkv * Dh
@@ -133,21 +143,21 @@ def _layer(ctl, ct):
     buf = numba.carray(_void_ptr(ctl[L_BUF]), (ctl[L_BUF_N],), np.float32)
     xn, qkv, att, h = buf[:D], buf[D:D + nq + 2 * nk], buf[D + nq + 2 * nk:D + 2 * nq + 2 * nk], buf[D + 2 * nq + 2 * nk:2 * D + 2 * nq + 2 * nk]
     rest = buf[2 * D + 2 * nq + 2 * nk:]
-    _norm(ctl, L_NA, x, xn)
+    _norm(ctl, np.int64(L_NA), x, xn)
     if ctl[L_K] == 0:  # q/k/v rows in one matrix
-        _mv(ctl, L_Q, xn, qkv)
+        _mv(ctl, np.int64(L_Q), xn, qkv, quant)
     else:
-        _mv(ctl, L_Q, xn, qkv[:nq])
-        _mv(ctl, L_K, xn, qkv[nq:nq + nk])
-        _mv(ctl, L_V, xn, qkv[nq + nk:])
-    _bias(ctl, L_QB, qkv[:nq])
-    _bias(ctl, L_KB, qkv[nq:nq + nk])
-    _bias(ctl, L_VB, qkv[nq + nk:])
+        _mv(ctl, np.int64(L_Q), xn, qkv[:nq], quant)
+        _mv(ctl, np.int64(L_K), xn, qkv[nq:nq + nk], quant)
+        _mv(ctl, np.int64(L_V), xn, qkv[nq + nk:], quant)
+    _bias(ctl, np.int64(L_QB), qkv[:nq])
+    _bias(ctl, np.int64(L_KB), qkv[nq:nq + nk])
+    _bias(ctl, np.int64(L_VB), qkv[nq + nk:])
     if ctl[L_QN] != 0:  # QK-norm: each head's row of q and of k
         for i in range(H):
-            _norm(ctl, L_QN, qkv[i * Dh:(i + 1) * Dh], qkv[i * Dh:(i + 1) * Dh])
+            _norm(ctl, np.int64(L_QN), qkv[i * Dh:(i + 1) * Dh], qkv[i * Dh:(i + 1) * Dh])
         for i in range(Hkv):
-            _norm(ctl, L_KN, qkv[nq + i * Dh:nq + (i + 1) * Dh], qkv[nq + i * Dh:nq + (i + 1) * Dh])
+            _norm(ctl, np.int64(L_KN), qkv[nq + i * Dh:nq + (i + 1) * Dh], qkv[nq + i * Dh:nq + (i + 1) * Dh])
     rotary = ctl[L_ROT] != 0
     if rotary:
         cos = numba.carray(_void_ptr(ctl[L_COS]), (S, Dh), np.float32)[pos]
@@ -162,25 +172,25 @@ def _layer(ctl, ct):
     _decode_attention(qkv[:nq].reshape(H, Dh), qkv[nq:nq + nk].reshape(Hkv, Dh), qkv[nq + nk:].reshape(Hkv, Dh),
                       cos, sin, rotary, k_cache, v_cache, pos, lo, fp[FP_SCALE], rest[:H * n].reshape(H, n),
                       att.reshape(H, Dh))
-    _mv(ctl, L_O, att, h)
-    _bias(ctl, L_OB, h)
+    _mv(ctl, np.int64(L_O), att, h, quant)
+    _bias(ctl, np.int64(L_OB), h)
     if ctl[L_PAN] != 0:  # sandwich norms: the attention's output normed before the residual
-        _norm(ctl, L_PAN, h, h)
+        _norm(ctl, np.int64(L_PAN), h, h)
     res = numba.carray(_void_ptr(ctl[L_RES]), (D,), np.float32)
     f = numba.carray(_void_ptr(ctl[F_X]), (D,), np.float32)
     for i in range(D):
         res[i] = x[i] + h[i]
-    _norm(ctl, L_NF, res, f)
+    _norm(ctl, np.int64(L_NF), res, f)
     if ctl[L_PRED] != 0:  # the predictor: its hidden layer in rest[:r], its scores after
         r, m = ctl[L_P1 + M_N], ctl[L_I]
         z, y = rest[:r], rest[r:r + m]
-        _mv(ctl, L_P1, f, z)
-        _bias(ctl, L_P1B, z)
+        _mv(ctl, np.int64(L_P1), f, z, quant)
+        _bias(ctl, np.int64(L_P1B), z)
         for i in range(r):
             if z[i] < 0:
                 z[i] = 0.0
-        _mv(ctl, L_P2, z, y)
-        _bias(ctl, L_P2B, y)
+        _mv(ctl, np.int64(L_P2), z, y, quant)
+        _bias(ctl, np.int64(L_P2B), y)
         mask = numba.carray(_void_ptr(ctl[L_MASK]), (m,), np.uint8)
         for i in range(m):
             mask[i] = 1 if y[i] > fp[FP_THRESHOLD] else 0
@@ -190,28 +200,43 @@ def _layer(ctl, ct):
         out = numba.carray(_void_ptr(ctl[F_OUT]), (D,), np.float32)
         out[:] = 0.0
     else:
-        done = _ffn_kind(ctl, ctl[L_COLD_KIND])
+        if quant_cold is not None:  # (numba compiles only the branch whose argument is not None)
+            done = _ffn_quant(ctl)
+        if cold is not None:
+            done = _ffn_float(ctl, cold)
     ctl[L_COLD_NS] += _now_ns() - t1
     return done
 
 
-# one host function per cache storage: a cfunc's types are fixed when it compiles
-def _layer_c32(user):
-    ctl, t0 = _begin(user)
-    _end(ctl, t0, _layer(ctl, np.float32))
+# A cfunc's types are fixed when it compiles: one host function per cache storage, per "any matrix in
+# GGUF blocks" and per cold-row storage, each compiling only the kernels it can call (on 2 cores the
+# function for every storage took ~100 s to compile the first time; one for float16 weights ~30 s)
+_CACHE = {torch.float32: np.float32, torch.float16: np.int16}  # float16 as its bits
+_COLD = {"f32": np.float32, "bf16": np.uint16, "f16": np.int16, "i8": np.int8, "quant": None}
 
 
-def _layer_c16(user):  # float16 bits
-    ctl, t0 = _begin(user)
-    _end(ctl, t0, _layer(ctl, np.int16))
+@functools.lru_cache(maxsize=None)
+def _body(ct, quant, quant_cold, cold):
+    # the cfunc's body for one variant (its closure holds numpy types, ints and None: numba caches each
+    # variant on disk)
+    def body(user):
+        ctl, t0 = _begin(user)
+        _end(ctl, t0, _layer(ctl, ct, quant, quant_cold, cold))
+    return body
 
 
-_BODIES = {torch.float32: _layer_c32, torch.float16: _layer_c16}
+def layer_function(cache_dtype: torch.dtype, quant: bool, cold: str):
+    """The compiled function of a layer whose host KV cache is cache_dtype (float32 or float16), with
+    (quant) or without matrices in GGUF blocks, whose cold rows are stored as `cold` (KIND_CODES)."""
+    return hn._compiled(_body(_CACHE[cache_dtype], 1 if quant else None, 1 if cold == "quant" else None, _COLD[cold]))
 
 
-def layer_function(cache_dtype: torch.dtype):
-    """The compiled function of a layer whose host KV cache is cache_dtype (float32 or float16)."""
-    return hn._compiled(_BODIES[cache_dtype])
+def node_variant(block) -> tuple[bool, str]:
+    """(quant, cold) of layer_function for a block that layer_node_ready admits: whether any of its
+    node's matrices is GGUF blocks, and its cold rows' storage kind (f32 where it has none)."""
+    quant = any(isinstance(m, QuantMatrix) for m in _matrices(block).values())
+    cold = block.ffn.cold
+    return quant, (hn.ffn_node_kind(cold) if cold.n else "f32")
 
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
@@ -306,7 +331,7 @@ class LayerHostNode(_Node):
             raise ValueError("this block cannot step as a LayerHostNode (see layer_node_ready)")
         attn, ffn = _attention(block), block.ffn
         k_buf, v_buf = cache_kv
-        if k_buf.device.type != "cpu" or k_buf.dtype not in _BODIES or k_buf.shape[0] != 1 \
+        if k_buf.device.type != "cpu" or k_buf.dtype not in _CACHE or k_buf.shape[0] != 1 \
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
             raise ValueError("a LayerHostNode needs a contiguous float32 or float16 host KV cache of batch 1")
         D, cold, pred = ffn.dim, ffn.cold, ffn.gpu.mask_fn
@@ -320,8 +345,7 @@ class LayerHostNode(_Node):
         c = self.ctl = np.zeros(N_LCTL, np.int64)
         cold_keep = ()
         if cold.n:
-            kind, cold_keep = cold_slots(c, f_np, None if mask_np is None else mask_np[ffn.gpu.n_hot:], cold, out_np)
-            c[L_COLD_KIND] = MODES[kind]
+            _, cold_keep = cold_slots(c, f_np, None if mask_np is None else mask_np[ffn.gpu.n_hot:], cold, out_np)
         else:
             c[F_X], c[F_D], c[F_OUT] = hn._addr(f_np), D, hn._addr(out_np)
         mats = _matrices(block)
@@ -369,14 +393,14 @@ class LayerHostNode(_Node):
         self.cache_key = (k_buf.data_ptr(), v_buf.data_ptr(), tuple(k_buf.shape))
         self._threads(threads)
         self.failure = f"CPU attention (layer host node): position out of range [0, {S})"
-        self.fn = layer_function(k_buf.dtype)
+        self.fn = layer_function(k_buf.dtype, *node_variant(block))
 
     def _matrix_slots(self, slot: int, m: HostMatrix | QuantMatrix) -> None:
         c = self.ctl
         if isinstance(m, QuantMatrix):
             c[slot + M_ADDR], (c[slot + M_R0], c[slot + M_R1]) = hn._addr(m.data), m.data.shape
             c[slot + M_MODE] = MODES["interleaved" if m.interleaved else "quant"]
-            c[slot + M_QID], c[slot + M_XQ] = m._id, m.interleaved or m.qtype in XQ_DEFAULT
+            c[slot + M_QID], c[slot + M_XQ] = m._id, m.interleaved or m.qtype in block_quant.XQ_DEFAULT
         else:
             c[slot + M_ADDR], c[slot + M_SCALE] = hn._addr(m._w), hn._addr(m._s)
             c[slot + M_R0], c[slot + M_R1] = m.data.shape
@@ -389,4 +413,4 @@ class LayerHostNode(_Node):
         return float(self.ctl[L_COLD_NS]) * 1e-9
 
 
-__all__ = ["LayerHostNode", "layer_function", "layer_node_ready"]
+__all__ = ["LayerHostNode", "layer_function", "layer_node_ready", "node_variant"]
