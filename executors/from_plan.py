@@ -13,6 +13,8 @@ from hotcold.models.loader import (LoadedModel, describe_model, load_model, reso
                                    stored_half_dtype)
 from hotcold.models.quantized import pack_for_decode
 
+COMPILE_NOTE_S = 5.0  # host functions built for longer than this (compiled, not loaded from cache) get a note
+
 
 @dataclass
 class RunSetup:
@@ -148,6 +150,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     dt = run_dtype(path, dtype, dev) if not quantize else resolve_dtype(dtype, dev)
     # Load on the host in the compute dtype; make_hybrid moves the fast tier's part to the device.
     lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantize=quantize)
+    from hotcold.executors import host_node
     from hotcold.executors.engine import make_hybrid
     from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN
     from hotcold.predictors.artifact import find_predictors, load_predictors
@@ -178,6 +181,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
             cache_bytes = 0
         else:
             notes.append(f"expert cache: {cache_bytes // one} experts on the GPU, filled by look-ahead prefetch")
+    built = host_node.BUILD_S[0]
     engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
                          costs=_prefill_costs(cpu_dtype),
                          attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts,
@@ -189,4 +193,8 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         names = ", ".join(map(str, ls[:8])) + (f" ... ({len(ls)} layers)" if len(ls) > 8 else "")
         notes.append(f"--gpu-int4: the hot FFN rows of layer{'s' * (len(ls) > 1)} {names} are expanded to "
                      f"{str(dt).removeprefix('torch.')}: {why}")
+    built = host_node.BUILD_S[0] - built
+    if built > COMPILE_NOTE_S:  # numba's cache was cold: a first run on this machine or after an upgrade
+        notes.append(f"compiled the CPU kernels for this machine in {built:.0f} s; later runs load them from "
+                     "numba's cache")
     return RunSetup(lm, engine, p, notes)

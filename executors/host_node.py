@@ -36,6 +36,7 @@ every core, the kernel's threads would contend with the thread that drives the G
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numba
 import numpy as np
@@ -256,13 +257,16 @@ def _host_ffn_quant(user):
 _FFN_BODIES = {"quant": _host_ffn_quant, "f32": _host_ffn_f32, "bf16": _host_ffn_bf16, "f16": _host_ffn_f16,
                "i8": _host_ffn_i8}
 _CFUNCS: dict = {}
+BUILD_S = [0.0]  # seconds spent building host functions in this process (compiling them, or loading numba's cache)
 
 
 def _compiled(body):
     """body as a host function (void(void*), a numba cfunc, cached on disk), built on first use."""
     if body not in _CFUNCS:
+        t = time.perf_counter()
         _launch_threads()  # numba's thread pool and its symbols, which the function links to
         _CFUNCS[body] = numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)(body)
+        BUILD_S[0] += time.perf_counter() - t
     return _CFUNCS[body]
 
 

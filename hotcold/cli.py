@@ -163,9 +163,21 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
         torch.set_num_threads(threads)
     if dense and plan is not None:
         raise HotcoldError("--plan cannot be combined with --no-plan or --sparse")
-    setup = open_for_run(model if model is not None else default_model_path(), plan, not dense, device, dtype,
-                         threads, stats, quantize, gpu_int4)
+    path = model if model is not None else default_model_path()
+    with _loading(path):
+        setup = open_for_run(path, plan, not dense, device, dtype, threads, stats, quantize, gpu_int4)
     return setup
+
+
+def _loading(path: Path):
+    """A transient 'loading' line on stderr while a model loads, where stderr is a terminal (a large
+    model takes tens of seconds, a first run longer while it compiles the CPU kernels)."""
+    from contextlib import nullcontext
+
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    return err.status(f"loading {Path(path).name} ...") if err.is_terminal else nullcontext()
 
 
 def _announce(setup) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -1001,3 +1002,33 @@ def test_run_dtype_on_the_cpu_follows_a_half_precision_checkpoint(tmp_path):
     assert run_dtype(folders["f16"], None, torch.device("cuda")) == torch.bfloat16  # the GPU default is unchanged
     setup = open_for_run(folders["f16"], device="cpu")
     assert setup.lm.dtype == torch.float16 and setup.lm.model.layers[0].ffn.up.weight.dtype == torch.float16
+
+
+def test_open_for_run_notes_host_functions_that_had_to_be_compiled(tmp_path, monkeypatch):
+    """A run whose host functions take long to build (numba's cache cold: a first run) says so once
+    in its notes; one that builds them quickly (loaded from the cache) does not. The build is timed
+    around make_hybrid: the CPU plan's layers step as compiled calls (LayerHostNode)."""
+    from hotcold.executors import from_plan
+    from hotcold.executors import host_node as hn
+
+    import torch
+    import transformers as T
+
+    from tiny_models import tiny_configs
+
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
+    torch.manual_seed(0)
+    model = tmp_path / "tiny"
+    T.AutoModelForCausalLM.from_config(tiny_configs()["llama"]).save_pretrained(model)
+    r = _cli("plan", model, "--uniform", "--vram", "0", "--hardware", "h200", "--out", tmp_path / "p")
+    assert r.exit_code == 0, r.output
+    notes = {}
+    for limit in (0.0, 1e9):
+        monkeypatch.setattr(hn, "_CFUNCS", {})  # built again in this process (from numba's disk cache)
+        monkeypatch.setattr(from_plan, "COMPILE_NOTE_S", limit)
+        setup = from_plan.open_for_run(model, tmp_path / "p", device="cpu")
+        notes[limit] = [n for n in setup.notes if "compiled the CPU kernels" in n]
+        assert any(getattr(b, "use_node", False) for b in setup.lm.model.layers)
+        setup.close()
+    assert len(notes[0.0]) == 1 and re.search(r"in \d+ s; later runs load them", notes[0.0][0])
+    assert notes[1e9] == []
