@@ -19,9 +19,11 @@ H200 (16-core host, 15 threads), the 20-layer f16 ReLU 13B shape at 4 GiB (9 CPU
 session 21: 15.4 against 7.07); with --stats (the call eager on the main thread, no host nodes) the
 same model decoded at 24.3-24.6 tok/s, 40.6-41.2 ms a token, CPU attention and predictors 23.5-24.0
 ms of it (2.6 ms a layer, 3.8-4.0 through the module path). Session 23 found runs of one config
-spreading by up to 30% on one host, and the graphed default never clearly ahead of the eager path;
-as a host node the call runs on CUDA's callback thread, whose numba OpenMP team sits beside the main
-thread's, and with two teams libgomp's idle threads sleep after each region (see README).
+spreading by up to 30% on one host; as a host node the call runs on CUDA's callback thread, whose
+numba OpenMP team sits beside the main thread's, and with two teams libgomp's idle threads sleep
+after each region. Session 24 measured with repeats: the eager path tied the default (17.8 +- 1.7
+against 18.5 +- 0.7 tok/s) and a single team was not faster (20.7 +- 1.9 against 22.9 +- 0.8), so the
+graphed default stays (see README).
 
 The kernels are the module path's own (`gemv`'s row kernel or the GGUF block kernels, the decode
 attention kernel, RMSNorm, the cold FFN rows of FFNHostNode); norms and the residual are float32
