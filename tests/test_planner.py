@@ -1008,12 +1008,11 @@ def test_open_for_run_notes_host_functions_that_had_to_be_compiled(tmp_path, mon
     """A run whose host functions take long to build (numba's cache cold: a first run) says so once
     in its notes; one that builds them quickly (loaded from the cache) does not. The build is timed
     around make_hybrid: the CPU plan's layers step as compiled calls (LayerHostNode)."""
-    from hotcold.executors import from_plan
-    from hotcold.executors import host_node as hn
-
     import torch
     import transformers as T
 
+    from hotcold.executors import from_plan
+    from hotcold.executors import host_node as hn
     from tiny_models import tiny_configs
 
     monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
