@@ -128,6 +128,8 @@ def run(
     from hotcold.models.generate import Generator
     from hotcold.models.sampling import SamplingParams
 
+    if prompt is None and as_json:  # before the model loads
+        raise HotcoldError("--json needs --prompt")
     setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats, quantize, gpu_int4)
     lm = setup.lm
     try:
@@ -163,10 +165,23 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
         torch.set_num_threads(threads)
     if dense and plan is not None:
         raise HotcoldError("--plan cannot be combined with --no-plan or --sparse")
+    _check_load_options(device, dtype, quantize)
     path = model if model is not None else default_model_path()
     with _loading(path):
         setup = open_for_run(path, plan, not dense, device, dtype, threads, stats, quantize, gpu_int4)
     return setup
+
+
+def _check_load_options(device, dtype, quantize) -> None:
+    """--device, --dtype and --quantize checked before anything loads."""
+    from hotcold.models.loader import resolve_device, resolve_dtype
+
+    resolve_dtype(dtype, resolve_device(device))
+    if quantize is not None:
+        from hotcold.models.quantized import QUANTIZE_TYPES
+
+        if quantize not in QUANTIZE_TYPES:
+            raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
 
 
 def _loading(path: Path):
@@ -305,10 +320,12 @@ def perplexity(
 
     from hotcold.models.perplexity import calibration_text, perplexity as compute
 
+    _check_load_options(device, dtype, quantize)
+    text = _read_text(data) if data else None  # a bad --data path is reported before the model loads
     lm = _load(model, device, dtype, threads, quantize)
     if lm.tokenizer is None:
         raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; perplexity needs a tokenizer")
-    text = _read_text(data) if data else calibration_text()
+    text = text if text is not None else calibration_text()
     ids = lm.tokenizer.encode(text)
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
     with Progress(transient=True, disable=as_json) as bar, _sparse(lm, sparse) as wrapped:
@@ -337,22 +354,63 @@ def _register_stage_commands() -> None:
 _register_stage_commands()
 
 
-def main() -> None:
-    """Console entry point: HotcoldError -> one line on stderr, exit 2."""
+def _click_exceptions():
+    """click's exception classes as typer raises them (typer >= 0.2x vendors click as typer._click)."""
     try:
-        app()
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def _usage_line(e, ex) -> str:
+    """A usage error as one line: the option and what is wrong with its value, or the parser's message
+    (typer adds 'Did you mean ...?' to a mistyped command), and where the options are listed."""
+    msg = e.format_message()
+    if isinstance(e, ex.BadParameter) and not isinstance(e, ex.MissingParameter):
+        hint = e.param_hint if e.param_hint is not None else (e.param.get_error_hint() if e.param else None)
+        first = (hint.split(" / ") if isinstance(hint, str) else list(hint or [""]))[0]
+        name = first.strip("'\"")  # the option's long name, as given in the usage
+        msg = f"{name}: {e.message[:1].lower()}{e.message[1:]}" if name else e.message
+    msg = " ".join(str(msg).split()).rstrip(".")
+    if e.ctx is None:
+        return msg
+    listed = "options" if e.ctx.parent is not None else "commands"
+    return f"{msg} (`{e.ctx.command_path} --help` lists the {listed})"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console entry point. A usage mistake or a HotcoldError -> one line on stderr, exit 2; an
+    unexpected failure -> one line, exit 1; --debug shows the traceback instead."""
+    ex = _click_exceptions()
+    args = list(sys.argv[1:] if argv is None else argv)
+    _state["debug"] = "--debug" in args
+    try:
+        code = typer.main.get_command(app).main(args, prog_name="hotcold", standalone_mode=False)
+    except getattr(ex, "NoArgsIsHelpError", ()) as e:  # `hotcold` alone: the help (click >= 8.2)
+        print(e.format_message())
+        code = 0
+    except ex.UsageError as e:
+        if _state["debug"]:
+            raise
+        print(f"error: {_usage_line(e, ex)}", file=sys.stderr)
+        code = 2
     except HotcoldError as e:
         if _state["debug"]:
             raise
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        code = 2
+    except (KeyboardInterrupt, typer.Abort):
+        code = 130
+    except ex.ClickException as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        code = e.exit_code
     except Exception as e:  # an unexpected failure: still one line unless --debug
         if _state["debug"]:
             raise
         print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
-        sys.exit(1)
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -524,11 +524,11 @@ def _open_reader(path: str) -> gguf.GGUFReader:
         return _CheckedReader(path)
     except (ModelFileError, UnsupportedModelError):
         raise
-    except Exception as e:  # GGUFReader raises ValueError/IndexError/... on a cut-off header
+    except Exception as e:  # GGUFReader raises ValueError/IndexError/... on a cut-off header (--debug shows it)
         raise ModelFileError(
-            f"{path}: file is truncated or corrupt ({os.path.getsize(path)} bytes; "
-            f"the GGUF header could not be read: {_one_line(e)}); re-download it"
-        ) from None
+            f"{path}: file is truncated or corrupt: its GGUF header (the model's settings and list of tensors) "
+            f"cannot be read from its {os.path.getsize(path):,} bytes; re-download it"
+        ) from e
 
 
 def _torch_shape(t: Any) -> tuple[int, ...]:

@@ -99,13 +99,19 @@ def plan(
     from hotcold.profiler.artifact import find_profile
     from hotcold.planner.make import PlanRequest, plan_json, plan_tensors
     from hotcold.planner.plan import write_plan
-    from hotcold.planner.probe import load_hardware
+    from hotcold.planner.probe import PRESETS, load_hardware
     from hotcold.planner.sizes import parse_size
 
     err = Console(stderr=True)
     fmt = weight_format(dtype)
     if solver not in ("cbc", "highs"):
         raise HotcoldError(f"--solver: unknown solver '{solver}' (use cbc or highs)")
+    # sizes first: a mistyped size is reported before any missing profile or measurement of this machine
+    sizes = {flag: parse_size(v, flag) for flag, v in (("--vram", vram), ("--ram", ram), ("--workspace", workspace),
+                                                       ("--expert-cache", expert_cache)) if v is not None}
+    if hardware is not None and hardware not in PRESETS and not Path(hardware).expanduser().is_file():
+        raise HotcoldError(f"--hardware: '{hardware}' is neither a preset ({', '.join(PRESETS)}) nor a file; "
+                           "`hotcold probe --json > FILE` writes one")
     path = (model if model is not None else default_model_path()).expanduser()
     info = describe_model(path)
     cfg = info.config
@@ -136,15 +142,15 @@ def plan(
         err.print(f"[dim]measured this machine once; cached in {hw_file}[/dim]")
     if hw.busy_warning():
         err.print(f"[yellow]warning: {hw.busy_warning()}[/yellow]")
-    vram_b = parse_size(vram, "--vram") if vram is not None else (
+    vram_b = sizes["--vram"] if vram is not None else (
         int(hw.gpu_free_bytes * 0.95) if hw.cuda and hw.gpu_free_bytes else 0)
-    ram_b = parse_size(ram, "--ram") if ram is not None else int(hw.ram_available_bytes)
+    ram_b = sizes["--ram"] if ram is not None else int(hw.ram_available_bytes)
     ctx_n = ctx if ctx is not None else min(cfg.max_position_embeddings, 4096)
     constants = Constants()
     if workspace is not None:
-        constants = dataclasses.replace(constants, workspace_bytes=parse_size(workspace, "--workspace"))
+        constants = dataclasses.replace(constants, workspace_bytes=sizes["--workspace"])
     if expert_cache is not None:
-        constants = dataclasses.replace(constants, expert_cache_bytes=parse_size(expert_cache, "--expert-cache"))
+        constants = dataclasses.replace(constants, expert_cache_bytes=sizes["--expert-cache"])
     req = PlanRequest(vram=vram_b, ram=ram_b, ctx=ctx_n, fmt=fmt, batch=batch, block_size=block, solver=solver,
                       time_limit=time_limit, gap=gap, threads=threads, explain=explain, constants=constants)
     result, req, choice, line = _plan_gpu_weights(cfg, stats, hw, req, int4, gpu_int4, measured)

@@ -44,7 +44,7 @@ def profile(
     from rich.console import Console
 
     from hotcold.artifacts import artifact_dir
-    from hotcold.models.loader import default_model_path, load_model
+    from hotcold.models.loader import default_model_path, describe_model, load_model, resolve_device, resolve_dtype
     from hotcold.profiler.artifact import write_profile
     from hotcold.profiler.data import default_source, read_source, tokenise
     from hotcold.profiler.profile import ProfileOptions, run_profile, thresholded_kinds
@@ -52,11 +52,17 @@ def profile(
 
     if sparsity is not None and ppl_budget is not None:
         raise HotcoldError("give either --sparsity or --ppl-budget, not both")
+    # what can be checked from the config alone, before the model loads (minutes for a large one)
+    path = model if model is not None else default_model_path()
+    if sparsity is None and heldout < seq_len and describe_model(path).config.activation != "relu":
+        raise HotcoldError(f"--heldout-tokens {heldout} is less than one --seq-len window ({seq_len}); "
+                           "the perplexity budget needs held-out text (or give --sparsity)")
+    resolve_dtype(dtype, resolve_device(device))
     sources = [read_source(p) for p in data] or [default_source()]
     if threads:
         torch.set_num_threads(threads)
     console = Console(stderr=True)
-    lm = load_model(model if model is not None else default_model_path(), device, dtype)
+    lm = load_model(path, device, dtype)
     if lm.tokenizer is None:
         raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; profiling needs a tokenizer")
     folder = artifact_dir(lm.path, lm.fingerprint, out)
@@ -67,9 +73,6 @@ def profile(
     opts = ProfileOptions(tokens=tokens, seq_len=seq_len, sparsity=sparsity if gated else None,
                           ppl_budget=ppl_budget if ppl_budget is not None else 0.01, samples=samples,
                           heldout_tokens=heldout if gated else 0, seed=seed)
-    if gated and opts.sparsity is None and heldout < seq_len:
-        raise HotcoldError(f"--heldout-tokens {heldout} is less than one --seq-len window ({seq_len}); "
-                           "the perplexity budget needs held-out text (or give --sparsity)")
     cal = tokenise(lm.tokenizer, sources, tokens, seq_len, opts.heldout_tokens)
     if cal.reused:
         have = sum(s.tokens for s in sources) - len(cal.heldout)

@@ -1,0 +1,82 @@
+"""Argument mistakes: one line on stderr, exit code 2, found before any model loads.
+
+Most run `hotcold.cli.main` in this process (no model is ever opened: each mistake is caught first);
+the truncated-file case opens only a file's header."""
+
+from __future__ import annotations
+
+import pytest
+
+from hotcold.cli import main
+
+
+def one_line_error(capsys, *args: str) -> str:
+    """The error line `hotcold ARGS` prints; fails unless it is one line, exit code 2, no traceback."""
+    with pytest.raises(SystemExit) as done:
+        main(list(map(str, args)))
+    out = capsys.readouterr()
+    assert done.value.code == 2, out.err
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1, out.err
+    assert lines[0].startswith("error: ") and "Traceback" not in out.err, out.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("run", "--max-tokens", "0"), ("--max-tokens", "greater than or equal to 1", "hotcold run --help")),
+    (("run", "-n", "0"), ("--max-tokens",)),
+    (("run", "--top-p", "2"), ("--top-p", "less than or equal to 1")),
+    (("perplexity", "--ctx", "many"), ("--ctx", "integer")),
+    (("serve", "--port", "70000"), ("--port",)),
+    (("run", "--promt", "hi"), ("No such option: --promt", "--prompt")),
+    (("run", "--max-tokens"), ("--max-tokens", "requires an argument")),
+    (("rnu",), ("No such command 'rnu'", "Did you mean 'run'")),
+    (("plna",), ("Did you mean 'plan'",)),
+])
+def test_usage_mistakes_are_one_line(capsys, args, needles):
+    line = one_line_error(capsys, *args)
+    for n in needles:
+        assert n in line, line
+
+
+def test_plan_reports_a_bad_size_first(capsys, tmp_path):
+    """A mistyped --vram comes before the missing profile (the model has none under tmp_path) and
+    before any measurement of the machine."""
+    line = one_line_error(capsys, "plan", "--vram", "12XB", "--profile", tmp_path / "none")
+    assert "--vram" in line and "12XB" in line and "profile" not in line.split("12XB")[1]
+    assert "--ram" in one_line_error(capsys, "plan", "--vram", "0", "--ram", "lots")
+    assert "--hardware" in one_line_error(capsys, "plan", "--vram", "0", "--hardware", tmp_path / "nope.json")
+
+
+def test_checked_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    """Option values are refused before any weights are read: loading is made to fail loudly."""
+    from hotcold.models import loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    assert "--heldout-tokens 256" in one_line_error(capsys, "profile", "--heldout-tokens", "256")
+    assert "--json needs --prompt" in one_line_error(capsys, "run", "--json")
+    assert "--dtype" in one_line_error(capsys, "run", "-p", "hi", "--dtype", "int3")
+    assert "--device" in one_line_error(capsys, "run", "-p", "hi", "--device", "tpu")
+    assert "--quantize" in one_line_error(capsys, "run", "-p", "hi", "--quantize", "q9")
+    assert "no such file" in one_line_error(capsys, "perplexity", "--data", tmp_path / "missing.txt")
+    assert "no such file" in one_line_error(capsys, "run", tmp_path / "missing.gguf", "-p", "hi")
+
+
+def test_truncated_gguf_in_the_users_terms(capsys, gemma3_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(gemma3_path, "rb") as src:
+        cut.write_bytes(src.read(100_000))  # inside the header (the tokenizer's vocabulary)
+    line = one_line_error(capsys, "run", cut, "-p", "hi")
+    assert "cut.gguf: file is truncated or corrupt" in line and "100,000 bytes" in line and "re-download" in line
+    assert "numpy" not in line and "buffer" not in line and "offset" not in line
+
+
+def test_help_and_version_exit_zero(capsys):
+    for args in (["--version"], ["run", "--help"], []):
+        with pytest.raises(SystemExit) as done:
+            main(args)
+        assert done.value.code == 0
+    assert "hotcold" in capsys.readouterr().out
