@@ -120,8 +120,10 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     info = describe_model(path)
     plan_path = find_plan(info.path, info.fingerprint, plan) if use_plan else None
     if plan_path is None:
-        notes = ["no plan for this model: running dense (`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` "
-                 "split it between GPU and CPU)"] if use_plan else []
+        split = ("`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` split it between GPU and CPU"
+                 if resolve_device(device).type == "cuda" else
+                 "`hotcold profile MODEL` then `hotcold plan MODEL` plan it for this machine's CPU")
+        notes = [f"no plan for this model: running dense ({split})"] if use_plan else []
         if gpu_int4 is None:
             gpu_int4 = dense_int4_default(info.path, quantize, resolve_device(device))
             if gpu_int4:

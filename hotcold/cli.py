@@ -115,8 +115,9 @@ def run(
     plan: Optional[Path] = typer.Option(None, "--plan", help="Plan to run by (plan.safetensors or its folder; "
                                                               "default: the model's own, when `hotcold plan` made one)."),
     no_plan: bool = typer.Option(False, "--no-plan", help="Ignore any plan: run the dense model."),
-    stats: bool = typer.Option(False, "--stats", help="Per-token time split into GPU, CPU, transfer and wait, "
-                                                      "beside the plan's prediction."),
+    stats: bool = typer.Option(False, "--stats", help="Per-token time split into the fast tier (the GPU, where "
+                                                      "there is one), CPU, transfer and wait, beside the plan's "
+                                                      "prediction."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -220,16 +221,20 @@ def _print_stats(setup, gen_stats) -> None:
     if setup.engine is not None:
         d = setup.engine.stats()["decode"]
         t = d["per_token"]
-        line += (f" ({d['tokens']} steps timed): GPU {t['gpu_ms']:.2f} ms, CPU {t['cpu_ms']:.2f} ms, transfer {t['transfer_ms']:.2f} ms, "
-                 f"wait {t['wait_ms']:.2f} ms, CPU attention/predictors {t['host_ms']:.2f} ms; rows per token GPU {t['rows_gpu']:.0f}, CPU {t['rows_cpu']:.0f}")
+        # the fast tier is the GPU only where there is one: on the CPU device both tiers are CPU threads
+        fast, slow = ("GPU", "CPU") if setup.engine.tier.cuda else ("fast tier (CPU)", "CPU worker")
+        line += (f" ({d['tokens']} steps timed): {fast} {t['gpu_ms']:.2f} ms, {slow} {t['cpu_ms']:.2f} ms, "
+                 f"transfer {t['transfer_ms']:.2f} ms, wait {t['wait_ms']:.2f} ms, "
+                 f"CPU attention/predictors {t['host_ms']:.2f} ms; rows per token {fast} {t['rows_gpu']:.0f}, "
+                 f"{slow} {t['rows_cpu']:.0f}")
         if t.get("experts_gpu") or t.get("experts_cpu"):
-            line += f"; experts per token GPU {t['experts_gpu']:.1f}, CPU {t['experts_cpu']:.1f}"
+            line += f"; experts per token {fast} {t['experts_gpu']:.1f}, {slow} {t['experts_cpu']:.1f}"
             if d.get("cache_hit_rate") is not None:
                 line += f"; expert cache hit rate {d['cache_hit_rate']:.0%}"
             if d.get("lookahead_recall") is not None:
                 line += f", look-ahead recall {d['lookahead_recall']:.0%}"
         if measured == measured and measured > 0:  # idle: the token's time outside the GPU spans / the worker's compute
-            line += (f"; idle GPU {max(0.0, 1 - t['gpu_ms'] / measured):.0%}, "
+            line += (f"; idle {fast} {max(0.0, 1 - t['gpu_ms'] / measured):.0%}, "
                      f"CPU worker {max(0.0, 1 - (t['cpu_ms'] + t['host_ms']) / measured):.0%}")
         eng = setup.engine
         graphed = any(getattr(f, "host_nodes", False) for f in (*eng.moe.values(), *eng.layers.values())) or \
@@ -237,7 +242,7 @@ def _print_stats(setup, gen_stats) -> None:
         if eng.tier.cuda and graphed:
             line += "; timed with the CPU parts run eagerly (without --stats they run as host nodes of CUDA graphs)"
     else:
-        line += " (dense: no GPU/CPU split)"
+        line += " (dense: no GPU/CPU split)" if _on_cuda(setup) else " (dense: the whole model on the CPU)"
     mem = huge_page_share()
     if mem is not None:  # weights copied to 4 KiB pages read slower: a low share explains a slow run
         line += (f"; host memory {mem[0] / 2**30:.1f} GiB resident, {mem[1] / 2**30:.1f} GiB anonymous, "
@@ -245,6 +250,10 @@ def _print_stats(setup, gen_stats) -> None:
     if setup.predicted_ms_per_token is not None:
         line += f"; plan predicted {setup.predicted_ms_per_token:.2f} ms/token"
     print(line, file=sys.stderr)
+
+
+def _on_cuda(setup) -> bool:
+    return getattr(setup.lm.device, "type", "cpu") == "cuda"
 
 
 def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped,

@@ -273,16 +273,20 @@ def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
     title = (f"hotcold plan: {meta['mode']} — VRAM {meta['budget']['vram']}, RAM {meta['budget']['ram']}, "
              f"ctx {meta['budget']['ctx']}, batch {meta['budget']['batch']}, {meta['weights']['format']}")
     console.print(title)
+    # an all-CPU plan (the machine has no GPU, or --vram 0) has no GPU column: the words match the machine
+    has_gpu = meta["mode"] != "cpu"
     comp = Table()
     comp.add_column("component")
-    comp.add_column("GPU", justify="right")
+    if has_gpu:
+        comp.add_column("GPU", justify="right")
     comp.add_column("CPU", justify="right")
     gpu, cpu = meta["bytes"]["gpu"], meta["bytes"]["cpu"]
     for k in ("attention", "kv_cache", "ffn", "predictors", "router_shared", "expert_cache", "lm_head", "embedding",
               "workspace", "reserve", "total"):
         if gpu.get(k) or cpu.get(k):
+            cells = [format_size(gpu.get(k, 0)) if gpu.get(k) else "-"] if has_gpu else []
             comp.add_row(k.replace("router_shared", "MoE router/shared").replace("_", " ").replace("ffn", "FFN / experts"),
-                         format_size(gpu.get(k, 0)) if gpu.get(k) else "-", format_size(cpu.get(k, 0)) if cpu.get(k) else "-")
+                         *cells, format_size(cpu.get(k, 0)) if cpu.get(k) else "-")
     console.print(comp)
     layers = meta["layers"]
     groups = _groups(layers, 20)
@@ -292,7 +296,10 @@ def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
         size = -(-len(layers) // 10)
         groups = [layers[i:i + size] for i in range(0, len(layers), size)]
     lt = Table()
-    for c in ("layers", "attention+KV", "predictor", "FFN on GPU", "of activations", "µs/layer", "bound by"):
+    columns = ("layers", "attention+KV", "predictor", "FFN on GPU", "of activations", "µs/layer", "bound by")
+    if not has_gpu:  # every layer wholly on the CPU: where its time goes is all there is to say
+        columns = ("layers", "µs/layer")
+    for c in columns:
         lt.add_column(c, justify="right" if c in ("of activations", "µs/layer") else "left")
     for g in groups:
         a, b = g[0]["layer"], g[-1]["layer"]
@@ -308,14 +315,17 @@ def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
         t = sum(x["time_us"] for x in g) / len(g)
         cpu_bound = sum(1 for x in g if x["ffn_cpu_us"] > x["ffn_gpu_us"])
         bound = "CPU" if cpu_bound == len(g) else "GPU" if cpu_bound == 0 else f"CPU {cpu_bound}/{len(g)}"
-        lt.add_row(f"{a}" if a == b else f"{a}-{b}", _mix(g, "attention"), _mix(g, "predictor"), ffn,
-                   f"{100 * share:.0f}%", f"{t:.0f}", bound)
+        span = f"{a}" if a == b else f"{a}-{b}"
+        if not has_gpu:
+            lt.add_row(span, f"{t:.0f}")
+            continue
+        lt.add_row(span, _mix(g, "attention"), _mix(g, "predictor"), ffn, f"{100 * share:.0f}%", f"{t:.0f}", bound)
     console.print(lt)
     bd = pred["breakdown_s"]
     console.print(f"predicted [bold]{pred['tokens_per_s']:.2f} tok/s[/bold] ({1e3 * pred['time_per_step_s']:.2f} ms per "
                   f"step): FFN {1e3 * bd['ffn']:.2f} ms, attention {1e3 * bd['attention']:.2f} ms, predictors "
                   f"{1e3 * bd['predictors']:.2f} ms, sync {1e3 * pred['sync_s']:.2f} ms, lm_head {1e3 * bd['lm_head']:.2f} ms, "
-                  f"fixed {1e3 * bd['fixed']:.2f} ms; lm_head on {meta['lm_head'].upper()}")
+                  f"fixed {1e3 * bd['fixed']:.2f} ms" + (f"; lm_head on {meta['lm_head'].upper()}" if has_gpu else ""))
     s = meta["solver"]
     if s.get("name"):
         gap = "-" if s.get("gap") is None else f"{100 * s['gap']:.2f}%"

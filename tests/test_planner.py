@@ -580,6 +580,7 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     assert r.exit_code == 0 and json.loads(r.output)["mode"] == "gpu"
     r = _cli("plan", model, "--vram", "0", "--hardware", "h200", "--solver", "highs")
     assert r.exit_code == 0 and load_plan(tmp_path / "tiny.hotcold").mode == "cpu"
+    assert "GPU" not in r.output and "µs/layer" in r.output, r.output  # an all-CPU plan's tables: no GPU column
     # --uniform needs no profile; --out chooses the folder
     r = _cli("plan", model, "--vram", "1GiB", "--hardware", "rtx4090", "--uniform", "--out", tmp_path / "o")
     assert r.exit_code == 0, r.output
