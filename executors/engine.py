@@ -26,6 +26,7 @@ from hotcold.executors.host_attention import HostAttention, HostEmbedding, HostH
 from hotcold.executors.host_block import host_blocks
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.expert_cache import ExpertCache, slot_kind
+from hotcold.executors.expert_stream import EXPERT_STREAM_BYTES, ExpertStreamer, streamable
 from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_experts, split_moe
 from hotcold.executors.prefill import (REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, measure_cpu_flops,
                                       pin_host, unpin_host)
@@ -47,11 +48,13 @@ class HybridEngine:
 
     def __init__(self, lm: LoadedModel, layers: dict[int, HybridFFN], cpu: CPUExecutor, tier: FastTier,
                  book: StatsBook, streamer: ColdStreamer | None, pinned: list[int],
-                 moe: dict[int, HybridMoE] | None = None, whole: dict[int, nn.Module] | None = None):
+                 moe: dict[int, HybridMoE] | None = None, whole: dict[int, nn.Module] | None = None,
+                 experts_streamer: ExpertStreamer | None = None):
         self.lm, self.layers, self.cpu, self.tier, self.book = lm, layers, cpu, tier, book
         self.moe = moe or {}
         self.whole = whole or {}  # dense/gated FFNs kept int4 whole on the fast tier (not split)
         self.streamer = streamer
+        self.experts_streamer = experts_streamer  # quantised host experts streamed for prefill
         # pinned host memory must be unregistered before it is freed: at close() or when collected
         self._unpin = weakref.finalize(self, unpin_host, pinned)
 
@@ -82,7 +85,7 @@ class HybridEngine:
             "host_buffer_bytes": sum(f.decode_io.nbytes + f.cold.n for f in ffns) + sum(m.buffer_bytes for m in moes)
             + (first.prefill_io.nbytes if first is not None else 0)
             + (next(iter(moes)).prefill_routing.nbytes if moes else 0),
-            "stream_workspace_bytes": self.streamer.workspace_bytes if self.streamer else 0,
+            "stream_workspace_bytes": sum(s.workspace_bytes for s in (self.streamer, self.experts_streamer) if s),
             "expert_cache_bytes": next((m.cache.nbytes for m in moes if m.cache is not None), 0),
         }
 
@@ -133,7 +136,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 attention_cpu: set[int] | frozenset = frozenset(),
                 predictor_cpu: set[int] | frozenset = frozenset(),
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
-                stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_cache_bytes: int = 0,
+                stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_stream_bytes: int = EXPERT_STREAM_BYTES,
+                expert_cache_bytes: int = 0,
                 prefetch_experts: int | None = None, expert_cache_policy: str = "lru",
                 cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
                 embed_cpu: bool = False, head_cpu: bool = False,
@@ -157,6 +161,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     gpu_experts: per MoE layer, the experts placed on the fast tier; a missing layer has none (all on the CPU).
     stream_slots_bytes: fast-tier bytes of the two slots prefill streams cold rows through (the
       planner reserves the default, planner.costs.Constants.stream_slots_bytes).
+    expert_stream_bytes: fast-tier bytes through which prefill streams quantised host experts (two
+      raw slots and the decoded group, executors/expert_stream.py; on a CPU tier only with
+      prefill="stream", for tests).
     expert_cache_bytes: fast-tier bytes for the MoE expert cache (0: none); prefetch_experts: how
       many experts of the next MoE layer the look-ahead names per token (default top-k / 2: on a
       4-layer Qwen3-30B-A3B shape with a 128-expert cache, naming 4 / 8 / 16 gave hit rates of 47 /
@@ -321,6 +328,12 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
         for c in colds.values():
             pinned += pin_host(c)
+    qcolds = {l: mp.cold for l, mp in moe_parts.items() if streamable(mp.cold)}
+    experts_streamer = ExpertStreamer(tier, qcolds, lm.config.hidden_size, expert_stream_bytes) \
+        if qcolds and prefill in ("auto", "stream") and (tier.cuda or prefill == "stream") else None
+    if experts_streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
+        for c in qcolds.values():
+            pinned += pin_host(c)
     prefill_io = HostRows(tier.host_empty, lm.config.hidden_size, 0)
     hybrid: dict[int, HybridFFN] = {}
     for l, (gpu, cold) in parts.items():
@@ -328,8 +341,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     moe: dict[int, HybridMoE] = {}
     prefill_routing = HostRouting(tier.host_empty, lm.config.top_k, 0) if moe_parts else None
     for l, mp in moe_parts.items():
-        moe[l] = model.layers[l].ffn = HybridMoE(l, mp, cpu, tier, book, prefill_io, prefill_routing, streamer,
-                                                 prefill, costs)
+        moe[l] = model.layers[l].ffn = HybridMoE(l, mp, cpu, tier, book, prefill_io, prefill_routing,
+                                                 experts_streamer if l in qcolds else streamer, prefill, costs)
     if host_nodes is None:
         host_nodes = os.environ.get("HOTCOLD_HOST_NODES", "1") != "0"
     for m in moe.values():
@@ -355,7 +368,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if tier.cuda and cuda_graphs:
         graph_blocks(model, ffn=cuda_graphs != "attention", step="host" if cuda_graphs == "step" else cuda_graphs is True)
     lm.device, lm.dtype = device, dtype
-    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe, whole)
+    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe, whole, experts_streamer)
 
 
 def _expert_cache(model, moe: dict[int, HybridMoE], tier: FastTier, kind: str, nbytes: int,

@@ -22,7 +22,8 @@ are replayed in a second graph (`graph_fast`) while the CPU experts run (`graph_
 For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the host first and
 `moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the fast tier from
 their rows streamed through the two slots (a long prompt routes tokens to nearly every expert, and
-the worker would re-read each one per token tile).
+the worker would re-read each one per token tile); quantised experts stream as their blocks, decoded
+on the fast tier (expert_stream.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows
+from hotcold.executors.expert_stream import ExpertStreamer
 from hotcold.executors.host_node import HostNode
 from hotcold.executors.prefill import ColdStreamer, PrefillCosts, cpu_tokens_per_pass, moe_prefill_regime
 from hotcold.executors.stats import StatsBook, now
@@ -369,7 +371,8 @@ class HybridMoE(FFN):
 
     def __init__(self, layer: int, parts: MoEParts, cpu: CPUExecutor, tier: FastTier, book: StatsBook,
                  prefill_io: HostRows, prefill_routing: HostRouting | None = None,
-                 streamer: ColdStreamer | None = None, prefill: str = "auto", costs: PrefillCosts | None = None):
+                 streamer: ColdStreamer | ExpertStreamer | None = None, prefill: str = "auto",
+                 costs: PrefillCosts | None = None):
         super().__init__()
         self.layer, self.cpu, self.tier, self.book = layer, cpu, tier, book
         self.router, self.shared, self.shared_gate = parts.router, parts.shared, parts.shared_gate
@@ -707,6 +710,12 @@ class HybridMoE(FFN):
         chunk (ColdStreamer): each chunk's rows of every routed expert, for that expert's tokens,
         scaled by their routing weights. x2: [N, D]; weights: [N, k]; ids: [N, k] host -> float32 [N, D]."""
         s, I, dev = self.streamer, self.hidden, x2.device
+        if isinstance(s, ExpertStreamer):  # whole quantised experts: their blocks, decoded on the fast tier
+            y, pairs = s.run(self.layer, x2, weights, ids, self.pos, self.fast.act)
+            for a, b in s.take_spans():
+                self.book.span("prefill", "transfer_s", a, b)
+            self.book.add("prefill", experts_gpu=pairs, rows_streamed=self.cold.n)
+            return y
         groups = {int(self.pos[e]): (torch.from_numpy(tok).to(dev), torch.from_numpy(slot).to(dev))
                   for e, tok, slot in routed(ids, lambda e: self.pos[e] >= 0)}  # position -> (tokens, slots)
         y = torch.zeros(x2.shape, dtype=torch.float32, device=dev)

@@ -15,7 +15,9 @@ MoE layers stream their host experts the same way (`moe_prefill_regime` decides 
 routing; the fast tier computes each routed expert's rows of a chunk for its tokens).
 Quantised cold parts (GGUF blocks, `ColdFFN.quantized`) and int8 ones are not streamed nor GEMM'd:
 the fast tier has no block kernels, so they always take the "cpu" regime (the worker decodes each block once per chunk
-of tokens, `qffn_rows_batch`); the streamer leaves them out (`ColdStreamer.streams`).
+of tokens, `qffn_rows_batch`); the streamer leaves them out (`ColdStreamer.streams`). A MoE layer's
+whole quantised experts are the exception: they stream as their blocks and are decoded on the fast
+tier (executors/expert_stream.py).
 """
 
 from __future__ import annotations

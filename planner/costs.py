@@ -63,6 +63,7 @@ class Constants:
     workspace_per_token_bytes_factor: int = 16  # bytes x (hidden + ffn + vocab) per batch token (float32 temporaries)
     cuda_context_bytes: int = 512 * MiB  # bytes: CUDA context + cuBLAS workspace + kernels, when the probe has no figure
     stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
+    expert_stream_bytes: int = 128 * MiB  # bytes: prefill's streamed host experts (executors/expert_stream.py)
     expert_cache_bytes: int = 0  # bytes: the MoE expert cache's slice (`hotcold plan --expert-cache`; MoE models only)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
@@ -516,6 +517,10 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     if has_gpu:  # the process's own GPU memory outside the weights: inside the --vram budget too
         ctx_bytes = hw.gpu_context_bytes if hw.gpu_context_bytes is not None else c.cuda_context_bytes
         workspace += ctx_bytes + min(c.stream_slots_bytes, 2 * _dense_ffn_bytes(cfg) * w)
+        if fmt.host_ffn_bytes_per_weight is not None and any(cfg.ffn_kind(l) == "moe" for l in range(cfg.num_layers)):
+            # quantised host experts stream for prefill: two raw slots and the decoded group, at most all experts
+            expert = 3 * h * cfg.moe_intermediate_size * (2 * wf + w)
+            workspace += min(c.expert_stream_bytes, cfg.num_experts * expert)
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,
         head_gpu_s=head_bytes / head_speed / gbw + c.head_gpu_kernels * launch,

@@ -818,3 +818,30 @@ def test_cuda_all_hot_layers_int4_whole_in_the_graphs(folder, kind):
     for i in range(T):
         assert rel_err(got[True][:, i], want[:, i]) < 2 * TOL[kind], f"decode step {i}"
     assert rel_err(got[True], got[False]) < 1e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_streamed_quantised_experts_match_reference(folder, family, kind, device):
+    """prefill="stream" on quantised experts: each MoE layer's host experts cross to the fast tier as
+    their blocks, one expert a group (the smallest workspace), are decoded there and computed for
+    their tokens; the prompt's logits stay within the quantised tolerance, every routed host pair
+    runs streamed and none on the CPU worker."""
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=13)
+    with torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, family, kind)
+    with make_hybrid(lm, random_hot(lm, 0.3, seed=1), None, device=device, threads=2, prefill="stream",
+                     gpu_experts=random_experts(lm, 0.25, seed=3), expert_stream_bytes=1) as eng:
+        s = eng.experts_streamer
+        assert s is not None and s.group == 1 and set(eng.moe) == set(s._groups)
+        assert eng.memory()["stream_workspace_bytes"] >= s.workspace_bytes > 0
+        with torch.inference_mode():
+            got = lm.model(toks.to(device)).cpu()
+        st = eng.stats()["prefill"]
+    assert rel_err(got, want) < TOL[kind]
+    assert st["regimes"]["stream"] == len(eng.moe) and st["experts_cpu"] == 0
+    assert st["experts_gpu"] == toks.shape[1] * lm.config.top_k * len(eng.moe)
+    assert st["rows_streamed"] > 0

@@ -1,0 +1,185 @@
+"""Prefill of quantised host experts on the fast tier: their blocks streamed, decoded where they land.
+
+A prompt chunk routes its tokens to nearly every expert of a layer, and the CPU's quantised expert
+kernels are compute-bound over a chunk; the GPU multiplies a chunk of tokens by an expert in a
+fraction of the time the expert's bytes take to cross PCIe. So, as llama.cpp does for batches of
+prompt tokens, a MoE layer whose experts live in host memory may copy them to the fast tier for the
+chunk instead (HybridMoE's "stream" regime, chosen by `moe_prefill_regime`).
+
+What crosses is the bytes the CPU kernels read (`host_quant_experts`: the file's blocks, or their
+row-interleaved copy), from pinned host memory, so no second copy is kept anywhere. The streamed
+layers' experts are cut into groups of `group` experts in one global order (layer by layer); group
+k fills raw slot k % 2 on a copy stream while group k - 1 computes, and the first group of the next
+streamed layer is copied while the last of this one computes. On the compute stream a group is
+decoded into one bf16 (the tier's dtype) workspace by torch ops (sparse_ops/blocks_torch.py), then
+its experts run for their tokens as three batched products over the group, tokens padded to the
+group's busiest expert (padding carries a zero routing weight):
+    X [g, T, D] = x[tokens]; h = act(X gate^T) * (X up^T) [g, T, I]; y[tokens] += w * (h down^T)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from hotcold.executors.tier import FastTier
+from hotcold.executors.weights import ColdFFN
+from hotcold.sparse_ops.blocks_torch import DECODABLE, dequantize
+
+EXPERT_STREAM_BYTES = 128 << 20  # fast-tier bytes of the two raw slots plus the decoded group (the planner reserves them)
+DECODE_PIECE = 1 << 22  # weights decoded per torch call: bounds the float32 temporaries (~12 bytes a weight)
+
+
+def streamable(cold: ColdFFN) -> bool:
+    """Whether a MoE layer's host experts can stream: whole quantised experts of decodable types."""
+    return (cold is not None and cold.quantized and cold.down is not None
+            and all(m.qtype in DECODABLE for m in (cold.gate, cold.up, cold.down)))
+
+
+class ExpertStreamer:
+    """The streamed MoE layers' host experts (layer -> ColdFFN of whole quantised experts), copied to
+    the fast tier in groups through two raw slots and decoded into one workspace. `run` computes a
+    layer's routed host experts for a chunk of tokens."""
+
+    def __init__(self, tier: FastTier, colds: dict[int, ColdFFN], dim: int, slots_bytes: int = EXPERT_STREAM_BYTES):
+        bad = [l for l, c in colds.items() if not streamable(c)]
+        if bad:
+            raise ValueError(f"layers {bad}: only whole quantised experts of {sorted(DECODABLE)} stream")
+        self.tier, self.colds, self.dim = tier, colds, dim
+        ref = next(iter(colds.values()))
+        self.n_experts = {l: c.down.rows // dim for l, c in colds.items()}
+        self.hidden = ref.up.rows // self.n_experts[next(iter(colds))]
+        I, D = self.hidden, dim
+        self.raw_bytes = max((c.gate.nbytes + c.up.nbytes + c.down.nbytes) // self.n_experts[l]
+                             for l, c in colds.items())  # one expert's bytes
+        decoded = 3 * I * D * torch.tensor([], dtype=tier.dtype).element_size()
+        self.group = max(1, min(max(self.n_experts.values()), slots_bytes // (2 * self.raw_bytes + decoded)))
+        self.order = [(l, a, min(self.n_experts[l], a + self.group))
+                      for l in sorted(colds) for a in range(0, self.n_experts[l], self.group)]
+        self._groups: dict[int, range] = {}
+        for k, (l, _, _) in enumerate(self.order):
+            r = self._groups.get(l)
+            self._groups[l] = range(k, k + 1) if r is None else range(r.start, k + 1)
+        self.stream = torch.cuda.Stream(tier.device) if tier.cuda else None
+        self.loaded: list[int | None] = [None, None]
+        self.ready: list = [None, None]
+        self.free: list = [None, None]
+        self.slots: list[dict | None] = [None, None]
+        self.decoded: dict | None = None
+        self.spans: list = []  # (start, end) marks of copies, collected by the layers' stats
+
+    def streams(self, layer: int) -> bool:
+        return layer in self._groups
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Fast-tier bytes of the two raw slots and the decoded group (allocated at the first use)."""
+        elt = torch.tensor([], dtype=self.tier.dtype).element_size()
+        return self.group * (2 * self.raw_bytes + 3 * self.hidden * self.dim * elt)
+
+    # ------------------------------------------------------------------ copies
+
+    def _spans(self, layer: int, a: int, b: int) -> dict[str, tuple[np.ndarray, int]]:
+        """Experts [a, b) of a layer: each matrix's raw bytes (a host view) and its logical rows."""
+        c, I, D = self.colds[layer], self.hidden, self.dim
+        out = {}
+        for name, m, n in (("gate", c.gate, I), ("up", c.up, I), ("down", c.down, D)):
+            per = m.data.shape[0] // self.n_experts[layer]  # data rows an expert holds (groups of 8 when interleaved)
+            out[name] = (m.data[a * per:b * per], (b - a) * n)
+        return out
+
+    def _fetch(self, k: int) -> None:
+        i = k % 2
+        layer, a, b = self.order[k]
+        spans = self._spans(layer, a, b)
+        if self.slots[i] is None:
+            with torch.inference_mode(False):
+                self.slots[i] = {name: torch.empty(self.group * self.raw_bytes, dtype=torch.uint8,
+                                                   device=self.tier.device) for name in spans}
+        slot, tier = self.slots[i], self.tier
+        ctx = torch.cuda.stream(self.stream) if tier.cuda else contextlib.nullcontext()
+        with ctx:
+            if self.free[i] is not None:
+                self.stream.wait_event(self.free[i])  # the slot's previous group is done with it
+            t0 = tier.mark(self.stream)
+            for name, (data, _) in spans.items():
+                slot[name][:data.nbytes].copy_(torch.from_numpy(data).reshape(-1), non_blocking=True)
+            self.spans.append((t0, tier.mark(self.stream)))
+            self.ready[i] = tier.event(self.stream) if tier.cuda else None
+        self.loaded[i] = k
+
+    def _prefetch(self, k: int) -> None:
+        if 0 <= k < len(self.order) and self.loaded[k % 2] != k:
+            self._fetch(k)
+
+    def _decode(self, k: int) -> dict[str, torch.Tensor]:
+        """Group k's experts on the fast tier in its dtype: gate, up [g, I, D]; down [g, D, I]."""
+        i = k % 2
+        if self.loaded[i] != k:
+            self._fetch(k)
+        self.tier.wait(self.ready[i])
+        layer, a, b = self.order[k]
+        g, I, D, c = b - a, self.hidden, self.dim, self.colds[layer]
+        if self.decoded is None:
+            with torch.inference_mode(False):
+                self.decoded = {name: torch.empty((self.group, *shape), dtype=self.tier.dtype, device=self.tier.device)
+                                for name, shape in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I)))}
+        out = {}
+        for name, (data, rows) in self._spans(layer, a, b).items():
+            m = getattr(c, name)
+            raw = self.slots[i][name][:data.nbytes].view(data.shape)
+            dst = self.decoded[name][:g].view(rows, m.cols)
+            step = max(8, DECODE_PIECE // m.cols // 8 * 8)  # whole interleaved groups of 8 rows
+            per = data.shape[0] // rows if not m.interleaved else None
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                src = raw[r0 // 8:r1 // 8] if m.interleaved else raw[r0 * per:r1 * per]
+                dequantize(src, m.qtype, (r1 - r0, m.cols), m.interleaved, out=dst[r0:r1])
+            out[name] = self.decoded[name][:g]
+        self.free[i] = self.tier.event()  # the raw slot may be refilled once the decode is done
+        return out
+
+    def take_spans(self) -> list:
+        spans, self.spans = self.spans, []
+        return spans
+
+    # ------------------------------------------------------------------ compute
+
+    def run(self, layer: int, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, pos: np.ndarray,
+            act) -> tuple[torch.Tensor, int]:
+        """The chunk's routed host experts of `layer`, each scaled by its routing weight and summed.
+        x2: [N, D]; weights: [N, k] on the fast tier; ids: int [N, k] on the host; pos: expert id ->
+        host position (-1: not a host expert); act: the activation. -> (float32 [N, D], pairs)."""
+        dev, n_exp = x2.device, self.n_experts[layer]
+        p = pos[ids]  # [N, k] host positions
+        tok, slot = np.nonzero(p >= 0)
+        where = p[tok, slot]
+        sort = np.argsort(where, kind="stable")
+        tok, slot, where = tok[sort], slot[sort], where[sort]
+        counts = np.bincount(where, minlength=n_exp)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        y = torch.zeros(x2.shape, dtype=torch.float32, device=dev)
+        groups = self._groups[layer]
+        for k in groups:
+            _, a, b = self.order[k]
+            width = int(counts[a:b].max())
+            if width == 0:  # no token routed to this group: its copy (if queued) is left unused
+                self._prefetch(k + 1) if k == groups[-1] else None
+                continue
+            idx = np.zeros((b - a, width), np.int64)  # padded tokens: token 0 with weight 0
+            sl = np.zeros((b - a, width), np.int64)
+            live = np.zeros((b - a, width), np.float32)
+            for j, e in enumerate(range(a, b)):
+                n = counts[e]
+                idx[j, :n], sl[j, :n], live[j, :n] = tok[starts[e]:starts[e + 1]], slot[starts[e]:starts[e + 1]], 1
+            w = self._decode(k)
+            self._prefetch(k + 1)  # the next group, of this layer or the next streamed one
+            t_idx, s_idx = torch.from_numpy(idx).to(dev), torch.from_numpy(sl).to(dev)
+            coef = weights[t_idx, s_idx].float() * torch.from_numpy(live).to(dev)  # [g, T]
+            xg = x2[t_idx].to(w["gate"].dtype)  # [g, T, D]
+            h = act(torch.bmm(xg, w["gate"].transpose(1, 2))) * torch.bmm(xg, w["up"].transpose(1, 2))  # [g, T, I]
+            o = torch.bmm(h, w["down"].transpose(1, 2)).float() * coef[..., None]  # [g, T, D]
+            y.index_add_(0, t_idx.reshape(-1), o.reshape(-1, o.shape[-1]))
+        return y, len(tok)

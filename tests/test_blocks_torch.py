@@ -1,0 +1,51 @@
+"""hotcold.sparse_ops.blocks_torch: GGUF blocks decoded by torch ops, against gguf.quants' decoders.
+
+Random valid blocks of each decodable type (`random_matrix`), in the file's layout and row-interleaved
+(`pack_rows`, where the type has that layout), decoded on the CPU; the CUDA case repeats it on a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hotcold.sparse_ops.blocks_torch import DECODABLE, dequantize, dequantize_matrix
+from hotcold.sparse_ops.quant import PACK_DEFAULT, QTYPES, pack_rows, random_matrix
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("qtype", sorted(DECODABLE))
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_decodes_as_gguf(qtype, interleaved):
+    m = random_matrix(qtype, (24, 2 * QTYPES[qtype][1]), seed=QTYPES[qtype][0])
+    want = m.dequantize()  # gguf.quants, in the file's layout
+    if interleaved:
+        if qtype not in PACK_DEFAULT:
+            pytest.skip(f"{qtype} has no interleaved layout")
+        m = pack_rows(m, xq=True)
+        assert m.interleaved
+    got = dequantize_matrix(m).numpy()
+    np.testing.assert_array_equal(got, want)  # the same float32 arithmetic: exact
+
+
+def test_bf16_output_into_a_view_and_unknown_types():
+    m = pack_rows(random_matrix("Q4_0", (16, 64), seed=1))
+    out = torch.full((2, 16, 64), float("nan"), dtype=torch.bfloat16)
+    dequantize(torch.from_numpy(m.data), m.qtype, m.shape, m.interleaved, out=out[1])
+    want = torch.from_numpy(random_matrix("Q4_0", (16, 64), seed=1).dequantize()).to(torch.bfloat16)
+    assert torch.equal(out[1], want) and torch.isnan(out[0].float()).all()  # only the view was written
+    with pytest.raises(ValueError, match="no torch decoder for Q5_0"):
+        dequantize(torch.from_numpy(random_matrix("Q5_0", (8, 32)).data), "Q5_0", (8, 32))
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("qtype", sorted(DECODABLE))
+def test_decodes_on_cuda(qtype):
+    m = random_matrix(qtype, (64, 4 * QTYPES[qtype][1]), seed=7)
+    if qtype in PACK_DEFAULT:
+        m = pack_rows(m, xq=True)
+    got = dequantize(torch.from_numpy(m.data).cuda(), m.qtype, m.shape, m.interleaved, torch.float32)
+    np.testing.assert_array_equal(got.cpu().numpy(), m.dequantize())
