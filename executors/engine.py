@@ -165,18 +165,16 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       raw slots and the decoded group, executors/expert_stream.py; on a CPU tier only with
       prefill="stream", for tests).
     expert_cache_bytes: fast-tier bytes for the MoE expert cache (0: none); prefetch_experts: how
-      many experts of the next MoE layer the look-ahead names per token (default top-k / 2: on a
-      4-layer Qwen3-30B-A3B shape with a 128-expert cache, naming 4 / 8 / 16 gave hit rates of 47 /
-      56 / 67% for 5 / 11 / 25 experts copied per token, and an H200's PCIe moves an expert in
-      about 1.4x the time its CPU computes it, so naming more than the hits repay costs time); the
+      many experts of the next MoE layer the look-ahead names per token (default top-k / 2: naming
+      more copies more experts per hit, and PCIe moves an expert in about 1.4x the time the CPU
+      computes it, so a copy must buy more than one hit); the
       look-ahead is the PredictorSet's corrected router where the profile trained one, else the
       next layer's router; expert_cache_policy: "lru" or "lfu" eviction.
     cuda_graphs: on CUDA, replay each block's attention half, and the device half of its hybrid FFN
       or MoE layer, as a CUDA graph in one-token steps (executors/graphs.py), and where every block's
       step is captured whole on the device, the whole step as one graph (StepGraph); "step": that
       also over layers whose CPU experts are host nodes (measured slower, see StepGraph); "layers":
-      graphs per layer only; "attention": the attention half only (the FFNs eager, as before
-      2026-11-30): to compare.
+      graphs per layer only; "attention": the attention half only (the FFNs eager): to compare.
     gpu_int4: a quantised model's 4-bit matrices stay 4-bit on a CUDA tier (torch's int4 kernels)
       instead of being expanded to dtype: outside the split FFNs (attention, LM head) as Int4Linear,
       and the split FFNs' hot up/gate rows as Int4Matrix (see int4_hot).
@@ -192,13 +190,13 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       the CPU (HostEmbedding, HostHead; a tied head follows the embedding), as a plan counts them.
     cpu_inline: run the CPU parts in the calling thread rather than a worker (default: on a CPU tier,
       and on CUDA with cuda_graphs=True, where a graph queues the fast tier's work of a layer before
-      its CPU part starts: 4-layer Qwen3-30B-A3B shape, 25% of experts on an H200, 140 -> 168 tok/s).
+      its CPU part starts, so a worker thread would only add a hand-off and a second OpenMP team).
     host_nodes: with cuda_graphs=True, a MoE layer's graphed decode step is one graph whose CPU
       experts run as a CUDA host node (executors/host_node.py; quantised host experts, no expert
       cache, stats=False); default: on unless the environment sets HOTCOLD_HOST_NODES=0.
     dense_host_nodes: the same for a dense or gated layer's cold rows (FFNHostNode); default: on
-      unless the environment sets HOTCOLD_DENSE_HOST_NODES=0 (H200, 4 llama-7b layers, 30% hot, bf16
-      cold rows: 247 -> 263 tok/s, tools/bench_hybrid.py --host-nodes no,yes, one run).
+      unless the environment sets HOTCOLD_DENSE_HOST_NODES=0 (tools/bench_hybrid.py --host-nodes no,yes
+      compares the two).
     host_block_steps: a layer whose attention and predictor are both on the CPU decodes as a
       HostBlock (executors/host_block.py: the residual stream on the host for its step, one crossing
       down); default: on unless the environment sets HOTCOLD_HOST_BLOCKS=0.
@@ -262,8 +260,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
             on_cpu = l in predictor_cpu
             # on the CPU (placed there, or the CPU tier): numba's kernels over Q8_0 blocks (float32
-            # where cpu_dtype asks for f32); torch's bfloat16 GEMV took 9.1 ms per token for a 4-layer
-            # 7B shape's 43 MB of predictors, the Q8_0 blocks 2.0 ms
+            # where cpu_dtype asks for f32): a 4-layer 7B shape's 43 MB of predictors take 2.0 ms a token
+            # as Q8_0 blocks against 9.1 through torch's bfloat16 GEMV
             mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device, predictor_dtype(dtype),
                                   host_threads=cpu_threads if on_cpu or not tier.cuda else None,
                                   host_qtype=None if cpu_dtype == "f32" else HOST_PREDICTOR_QTYPE,

@@ -26,8 +26,7 @@ Python), so the host does one replay a layer:
     attention half ─ graph_pre ─ D2H packed ─ host node: CPU experts ─ H2D sum ─┐
                               └ (forked stream) graph_fast ─────────────────────── + ─ res + h
 
-(H200, 6-layer Qwen3-30B-A3B shape, 20% of experts on the GPU: 218-225 -> 236-275 tok/s.) A
-HybridFFN with dense_host_nodes on takes the same "host" mode, its cold rows the host node. A dense
+A HybridFFN with dense_host_nodes on takes the same "host" mode, its cold rows the host node. A dense
 or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole) is captured
 whole with the attention half (then the whole layer is one graph); other FFNs run eagerly after the
 replay. Prefill (several tokens), CPU tiers, blocks whose attention runs on the host (HostAttention)
@@ -279,10 +278,10 @@ class StepGraph:
     the first step with a new cache runs block by block (capturing each block, which warms every
     kernel up), the next one captures the whole step, later ones replay it.
 
-    Measured on the H200 (2026-12-01): a 16-layer dense bf16 model wholly on the GPU decodes 438-457
-    -> 475-481 tok/s; but a 6-layer MoE whose layers' CPU experts are host nodes decodes 237-247 ->
-    167-183 tok/s with the whole step in one graph (layer 0's own graph then took 838 µs, not 350;
-    not yet explained), so blocks in "host" mode are held only with host_nodes=True (to compare)."""
+    A model wholly on the GPU decodes faster this way (a 16-layer dense bf16 model, about 8% on an
+    H200), but a MoE model whose layers' CPU experts are host nodes decodes slower with the whole step
+    in one graph (its layers' graphs take about twice as long inside it; the cause is unknown), so
+    blocks in "host" mode are held only with host_nodes=True (to compare)."""
 
     def __init__(self, model: nn.Module, pool=None, host_nodes: bool = False):
         self.model, self.pool = model, pool

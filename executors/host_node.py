@@ -2,8 +2,8 @@
 
 A graphed decode step of a MoE layer with CPU experts otherwise returns to Python between its two
 replays: the host queues the packed input's copy, runs the CPU experts, copies their sum up and adds
-it (graphs.py), ~20 torch calls and their Python a layer, 250-400 µs of host time on the H200's host
-against 200 µs of kernel (session 14's timeline). Here the whole step is one graph:
+it (graphs.py), ~20 torch calls and their Python a layer: 250-400 µs of host time around about 200
+µs of kernel on a 16-core host. Here the whole step is one graph:
 
     attention half ─ router, pack ─ D2H packed ─ host node: CPU experts ─ H2D sum ─┐
                                  └ (forked) shared + fast-tier experts ──────────── + ─ res + h
@@ -14,15 +14,14 @@ addresses and shapes of the layer's buffers and expert stacks. The cfunc reads t
 routed experts held on the host and runs the same `qexperts` kernel the eager step runs. Nothing in it
 can raise: an id out of range sets the block's status to -1 and `HostNode.check` raises on the main
 thread (HybridMoE.host_step calls it after each replay; the previous step's node has finished by
-then, its token having been read). H200, 6-layer Qwen3-30B-A3B shape, 20% of the experts on the GPU,
-15 threads: decode 218-225 -> 236-275 tok/s against the split graphs (tools/bench_moe_decode.py).
+then, its token having been read). `tools/bench_moe_decode.py --host-nodes no,yes` compares it with
+the split graphs.
 
 FFNHostNode does the same for a dense or gated layer (HybridFFN): its pinned input and cold mask come
 down, the function turns the mask into rows and runs the kernel the worker's ColdJob runs (`ffn_rows`
 for float/int8 rows, one compiled function per storage kind; `qffn_rows` for GGUF blocks), and the
-sum goes up (make_hybrid dense_host_nodes, default on; HOTCOLD_DENSE_HOST_NODES=0 turns it off; H200,
-4 llama-7b layers, 30% hot: 247 -> 263 tok/s against the split graphs, tools/bench_hybrid.py
---host-nodes no,yes).
+sum goes up (make_hybrid dense_host_nodes, default on; HOTCOLD_DENSE_HOST_NODES=0 turns it off;
+`tools/bench_hybrid.py --host-nodes no,yes` compares it with the split graphs).
 
 Each function times itself (CLOCK_MONOTONIC around its work, `busy_s`): the CPU's busy share of a
 token without a host-side timer (tools/bench_moe_decode.py --idle).

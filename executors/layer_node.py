@@ -2,8 +2,9 @@
 predictor the plan puts on the CPU, as one compiled function (a numba cfunc, no Python, no GIL).
 
 HostBlock's module path does that share in ~40 torch and numba calls a layer, each with its Python
-and dispatch around kernels of 50-500 µs: on the H200's host a 13B-shaped CPU-attention layer took
-5.8-6.0 ms where its parts timed 4.8-5.0 (session 21's timeline). Here one call does
+and dispatch around kernels of 50-500 µs: a 13B-shaped CPU-attention layer spends about a fifth of
+its time between its parts (5.8-6.0 ms where the parts take 4.8-5.0 on a 16-core host). Here one
+call does
 
     x ─ attn_norm ─ q/k/v GEMV(s) (+ bias) ─ rotary, cache write, attention ─ o (+ bias) ─ + x = res
       ─ ffn_norm = f ─ predictor: relu(W1 f + b1) → W2 · + b2 > threshold = mask (hot-first)
@@ -14,16 +15,10 @@ then computes the hot rows of f (mask[:H]) and adds: out = res + hot + cold. Hos
 function on the CPU worker (`__call__`) or, on CUDA with graphs, records it as a host node between
 the D2H copy of x and the H2D copy of `up` (`launch`), so the layer is one graph replay.
 
-H200 (16-core host, 15 threads), the 20-layer f16 ReLU 13B shape at 4 GiB (9 CPU-attention layers):
-17.2 -> 19.1 tok/s through `hotcold run`, 19.2 +- 1.3 against llama.cpp's 6.48 in one bench (2.97x;
-session 21: 15.4 against 7.07); with --stats (the call eager on the main thread, no host nodes) the
-same model decoded at 24.3-24.6 tok/s, 40.6-41.2 ms a token, CPU attention and predictors 23.5-24.0
-ms of it (2.6 ms a layer, 3.8-4.0 through the module path). Session 23 found runs of one config
-spreading by up to 30% on one host; as a host node the call runs on CUDA's callback thread, whose
-numba OpenMP team sits beside the main thread's, and with two teams libgomp's idle threads sleep
-after each region. Session 24 measured with repeats: the eager path tied the default (17.8 +- 1.7
-against 18.5 +- 0.7 tok/s) and a single team was not faster (20.7 +- 1.9 against 22.9 +- 0.8), so the
-graphed default stays (see README).
+On CUDA the graphed call (the default) and the eager one (`HOTCOLD_LAYER_GRAPHS=0`, and what --stats
+runs) decode at the same rate within the spread between runs. As a host node the call runs on CUDA's
+callback thread, whose numba OpenMP team sits beside the main thread's; that second team costs less
+than the spread between runs.
 
 The kernels are the module path's own (`gemv`'s row kernel or the GGUF block kernels, the decode
 attention kernel, RMSNorm, the cold FFN rows of FFNHostNode); norms and the residual are float32

@@ -246,8 +246,8 @@ EXPERT_BATCH_TOKENS = 48 if GEMM_BF16 else 256  # tokens of a chunk routed to on
 # AMX Xeon, 64 Q4_0 Qwen3-30B-A3B experts, 8 routed per token): qexperts_tokens 25 / 87 ms for 64 /
 # 256 tokens (8 / 32 an expert) against 79 / 98 ms decoding every expert for GEMMs; 374 against 166
 # ms for 1024 (128 an expert). Without bfloat16 GEMMs (float32, ~3x slower) the threshold is an
-# estimate: session 14 found per-token kernels faster than float32 GEMMs up to 64-128 tokens on a
-# 2-core AVX2 machine, and qexperts_tokens is 2.2-2.7x faster than per-token kernels.
+# estimate: per-token kernels are faster than float32 GEMMs up to 64-128 tokens on a 2-core AVX2
+# machine, and qexperts_tokens is 2.2-2.7x faster than per-token kernels.
 
 
 @dataclass

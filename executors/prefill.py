@@ -38,7 +38,7 @@ REGIMES = ("cpu", "dense", "stream")
 
 @dataclass
 class PrefillCosts:
-    """Measured rates (bytes/s, FLOP/s). Defaults: the H200 host of DESIGN.md (16 threads); cpu_flops
+    """Measured rates (bytes/s, FLOP/s). Defaults: an H200 host's (16 threads); cpu_flops
     None: unknown, the "dense" regime is not considered (`measure_cpu_flops` measures it)."""
 
     cpu_bw: float = 73e9  # weight bytes/s the numba kernels read

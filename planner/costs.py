@@ -6,7 +6,7 @@ Units (what the planner places):
               neuron *blocks* in frequency order (dense/gated) or as experts (MoE);
   per model   the lm_head (GPU or CPU); the embedding table always stays on the CPU (a row lookup).
 
-Time of one decode step (batch B tokens, all on the "hybrid" runtime of DESIGN.md), per layer l:
+Time of one decode step (batch B tokens, all on the hybrid runtime of docs/architecture.md), per layer l:
 
     t_l = attention part + predictor part + u_l + LAYER_OVERHEAD
     attention part = A_gpu                            if attention on the GPU

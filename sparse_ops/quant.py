@@ -26,11 +26,9 @@ Block layouts (from `gguf.quants`; d, dmin are fp16, element index i within the 
 
 Q8 activations (`xq=True`; every type): x is quantised per 32-block to int8 with a float32 scale, as
 llama.cpp does (it uses 256-blocks for the K-quants), and blocks are dotted in integers (AVX-512 VNNI
-where the CPU has it; see the LLVM IR sections). Measured (`tools/bench_quant.py --flush-mb 128`: rows
-from DRAM, 2-core AVX-512 machine, GB/s of weights, 1 / 2 threads), float x against xq:
-Q8_0 16.2 / 24.4 against 19.5 / 24.2, Q4_0 8.4 / 14.1 against 12.5 / 19.6, Q4_1 8.8 / 15.3 against
-12.7 / 20.6, Q5_0 8.7 / 14.8 against 12.5 / 19.8, Q5_1 8.9 / 15.0 against 12.7 / 20.4, Q4_K 7.2 / 12.5
-against 12.3 / 17.4, Q5_K 8.3 / 14.6 against 12.7 / 18.8, Q6_K 8.5 / 14.7 against 13.1 / 20.4. It costs
+where the CPU has it; see the LLVM IR sections). That reads the nibble and K-quant types' rows
+1.3-1.7x faster than float x (on 2 threads of a 2-core AVX-512 machine Q4_0 19.6 against 14.1 GB/s of
+weights; Q8_0's rows about the same; `tools/bench_quant.py --flush-mb 128` measures each). It costs
 accuracy (`tools/bench_quant.py --xq-error`: quantised Gaussian W [4096, 4096], relative RMS error of
 y = W x, Gaussian x | x with 8 outlier channels at 30x): against the stored weights 0.0053 | 0.0107 for
 every type (0 for float x); against the float weights, float x -> xq:
@@ -40,9 +38,8 @@ every type (0 for float x); against the float weights, float x -> xq:
   Q5_K 0.0377 -> 0.0379 | 0.0373 -> 0.0388     Q6_K 0.0192 -> 0.0199 | 0.0186 -> 0.0215
 xq is the default only where its error is lost in the weights' own (`XQ_DEFAULT`): Q4_0, Q4_1 and
 Q4_K (+0.1-0.3% / +1-1.4%). The 5-bit types' nearly is (Q5_0 +0.9% / +3%, Q5_1 +0.8% / +4%, Q5_K
-+0.5% / +4%); for Q6_K it would add 4% / 16%, for Q8_0 40% / 130%. (Gemma 3 270M Q4_K_M, whose
-attention and FFN gate / up are Q5_0, decodes at 57.5 tok/s on 2 threads, 60.0 with Q5_0 in
-XQ_DEFAULT; SmolLM2-135M Q4_1 at 73.5 (72.8-74.3) with float x, 81.0 (75.6-82.6) with xq.)
++0.5% / +4%); for Q6_K it would add 4% / 16%, for Q8_0 40% / 130%. (Q5_0 in XQ_DEFAULT would make
+Gemma 3 270M Q4_K_M, whose attention and FFN gate / up are Q5_0, decode about 4% faster.)
 """
 
 from __future__ import annotations
@@ -187,37 +184,19 @@ class QuantMatrix:
 # - Q8 activations: integer products, AVX-512 VNNI vpdpbusd (Q4_0's / Q5_0's q as u8 x int8 x) and
 #   vpmaddwd (Q8_0) when numba compiles for a CPU that has them, else even / odd int32 products,
 #   which LLVM lowers to pmaddwd where it can;
-# - 8 rows side by side rather than 4 (more memory streams in flight): +10-20% with rows from DRAM,
-#   1 / 2 threads (Q4_0 xq 7.9 / 14.3 -> 9.4 / 15.6 GB/s, Q8_0 xq 11.7 / 19.9 -> 14.1 / 21.7);
+# - 8 rows side by side rather than 4 (more memory streams in flight): +10-20% with rows from DRAM;
 # - while a group of rows is read, the next group's are prefetched into L2 (`_prefetch`: block b of
-#   each next row with block b of the current ones). The hardware prefetchers start over on every
-#   row, and a selection's rows are short and scattered; "no pf" below is without. Prefetching only
-#   the next rows' first lines gave +0-12%; prefetcht0 (into L1) instead of L2, less than L2; two
-#   groups ahead, the same as one.
-# Measured (`tools/bench_quant.py --flush-mb 128 --baseline`: rows from DRAM, 2-core AVX-512 VNNI
-# machine, GB/s of weights, 1 / 2 threads; "before": the numba block loops, 4 rows):
-#            qgemv_rows    qgemv_rows xq   qaxpy_rows    qffn_rows (one type for all three)
-#   Q8_0     16.2 / 24.4   19.5 / 24.2     15.4 / 21.0   16.9 / 25.4
-#   no pf    13.0 / 21.2   14.2 / 22.4     12.7 / 19.9   13.4 / 21.8
-#   before    8.0 / 14.4    7.3 / 13.5      7.3 / 13.1    7.8 / 14.4
-#   Q4_0      8.4 / 14.1   12.5 / 19.6      7.9 / 13.0   11.1 / 18.5
-#   no pf     7.3 / 12.4    9.6 / 15.1      7.0 / 11.0    8.5 / 14.3
-#   before    4.2 /  7.9    3.9 /  7.1      4.2 /  7.6    4.0 /  7.5
-# Re-reading one selection (rows in the L3 cache), Q4_0 xq at 2 threads: 30 against 9.5 (4 rows).
+#   each next row with block b of the current ones): +15-30% from DRAM. The hardware prefetchers start
+#   over on every row, and a selection's rows are short and scattered. Prefetching only the next rows'
+#   first lines gains less; prefetcht0 (into L1) less than L2; two groups ahead the same as one.
+# Together these kernels read rows from DRAM two to three times as fast as numba loops over blocks, 4
+# rows at a time (`tools/bench_quant.py --flush-mb 128 --baseline OLD_QUANT_PY` compares two versions
+# of this file).
 # Q4_1 (w = d q + m: the min times the block's sum of x, from _sums16; xq: times dx * sum of xq, from
-# _quantize_x, as Q5_1) takes the same kernels: 2 threads, from DRAM, qgemv_rows / qaxpy_rows /
-# qffn_rows 7.5 / 7.7 / 8.0 (numba loops) -> 12.9 / 10.4 / 12.8 (no pf) -> 14.8 / 11.6 / 15.2 GB/s
-# (SmolLM2's file is Q4_1); with xq, 1 / 2 threads, qgemv_rows 8.8 / 15.3 -> 12.7 / 20.6, qffn_rows
-# 8.5 / 15.0 -> 10.5 / 17.5.
-# So do Q5_0 / Q5_1, Q4_0 / Q4_1 with a 5th bit per element from the block's uint32 qh, a <32 x i1>
-# mask (on AVX-512 a mask register: one masked byte move puts 16 or 0 in each lane), xq included
-# (Gemma 3's Q4_K_M file stores attention and FFN gate / up as Q5_0). "before": numba block loops, 4
-# rows side by side (qffn_rows xq: gate / up with Q8 activations):
-#            qgemv_rows    qgemv_rows xq   qaxpy_rows    qffn_rows     qffn_rows xq
-#   Q5_0      8.7 / 14.8   12.5 / 19.8      8.5 / 13.4    9.0 / 15.9   11.5 / 19.3
-#   before    3.1 /  5.6                    3.5 /  6.0    3.2 /  5.9
-#   Q5_1      8.9 / 15.0   12.7 / 20.4      7.3 / 12.6    8.6 / 15.4   10.8 / 18.4
-#   before    3.2 /  6.2                    3.4 /  6.1    3.2 /  6.2
+# _quantize_x, as Q5_1) takes the same kernels (SmolLM2's file is Q4_1). So do Q5_0 / Q5_1, Q4_0 /
+# Q4_1 with a 5th bit per element from the block's uint32 qh, a <32 x i1> mask (on AVX-512 a mask
+# register: one masked byte move puts 16 or 0 in each lane), xq included (Gemma 3's Q4_K_M file stores
+# attention and FFN gate / up as Q5_0).
 #
 # A block's 32 values are handled in element order (Q4_0: its 16 low nibbles are elements 0-15, the
 # high ones 16-31; Q5_0: bit i of qh is element i's), as x and the Q8 activations are stored. Row
@@ -574,18 +553,8 @@ _q5_0_axpy, _q5_1_axpy = _make_axpy(Q5_0), _make_axpy(Q5_1)
 # Float x is compute-bound: per 16 weights a zero-extension, a conversion and 1-2 FMAs; rows in L2,
 # 1 thread, Q4_K / Q6_K reach 9.4 / 10.9 GB/s with float x, 20 / 26 with xq (one vpdpbusd per 32
 # weights, a conversion and an FMA per 8 lanes of it). Q6_K's -32 in int8 before the conversion
-# instead of in mn: 12% slower. Measured as the IR section above ("before": the numba block loops,
-# 2 rows side by side; qffn_rows with all three matrices of the type, gate / up with float x, xq:
-# with Q8 activations):
-#            qgemv_rows    qgemv_rows xq   qaxpy_rows    qffn_rows     qffn_rows xq
-#   Q4_K      7.2 / 12.5   12.3 / 17.4      7.2 / 12.0    9.4 / 16.1   13.8 / 20.7
-#   before    3.3 /  6.2                    3.7 /  6.4    4.3 /  8.2
-#   Q5_K      8.3 / 14.6   12.7 / 18.8      7.8 / 12.8   12.1 / 19.9   16.1 / 24.5
-#   before    2.8 /  5.1                    3.4 /  6.0    4.4 /  7.9
-#   Q6_K      8.5 / 14.7   13.1 / 20.4      8.2 / 13.6   11.8 / 21.1   15.7 / 24.7
-#   before    2.4 /  4.7                    3.0 /  5.6    3.6 /  6.9
-# Without the prefetch (`_prefetch`), 1 / 2 threads: Q4_K 5.0 / 9.5 float x, 7.5 / 13.2 xq; Q6_K 4.6 /
-# 8.5, 5.3 / 9.8.
+# instead of in mn: 12% slower. Like the IR kernels above, these read rows from DRAM two to three times
+# as fast as numba loops over blocks (`tools/bench_quant.py`).
 
 _IR_BLOCK_BYTES.update({Q4_K: 144, Q5_K: 176, Q6_K: 210})
 _K_GROUPS = {Q4_K: 8, Q5_K: 8, Q6_K: 16}  # scale groups per block
@@ -747,8 +716,8 @@ _q4_k_axpy, _q5_k_axpy, _q6_k_axpy = (_make_kaxpy(qt) for qt in (Q4_K, Q5_K, Q6_
 # Row-interleaved Q4_0 / Q4_1 / Q4_K / Q8_0 ("x8"): a dense matrix's rows in groups of 8 whose blocks are
 # interleaved, for the one-token GEMV over all rows (attention, the LM head, dense FFNs). The
 # kernels above handle a block per row: its scale, nibble unpacking, integer dot, conversion and
-# scaling cost ~14 instructions per 32 weights, and Q4_0 / Q4_K with Q8 activations ran compute-bound
-# at 13.5 / 14.8 Mrows/s (31 / 34 GB/s on 2 threads) where Q8_0's rows stream at 49 GB/s.
+# scaling cost ~14 instructions per 32 weights, so Q4_0 / Q4_K with Q8 activations are compute-bound
+# (on 2 threads of a 2-core machine 31 / 34 GB/s where Q8_0's rows stream at 49).
 # Interleaved, that work is shared by 8 rows. Block b of group g (rows 8g..8g+7) holds the same bytes
 # as the 8 rows' blocks b, field by field (`_X8_FIELDS`), each field cut into units (2 bytes for an
 # fp16, 1 for Q4_K's packed scales, 4 for quants) and stored unit-major: unit u of row 0, ..., of row
@@ -758,10 +727,10 @@ _q4_k_axpy, _q5_k_axpy, _q6_k_axpy = (_make_kaxpy(qt) for qt in (Q4_K, Q5_K, Q6_
 # the 8 rows are one vector load. About 5 instructions per row and 32 weights. Used where a matrix
 # is only read whole (`pack_rows`); row selections keep the GGUF layout. Q4_1 (its m beside d) and
 # Q8_0 (q + 128 as the unsigned operand) take the same scheme; Q8_0 only where Q8 activations are
-# accepted (CPU predictors, the LM head). Measured (1 / 2 threads, rows from DRAM, 2-core Zen 4):
-# Q4_0 16 -> 27 / 31 -> 47 GB/s, Q4_K 18 -> 26 / 34 -> 46; on the 16-core H200 host (Intel) 1 thread
-# is memory-latency-bound either way (7-10 GB/s) and 15 threads read 61-64 GB/s both ways; software
-# prefetch ahead of the group's single stream measured no gain here and was not kept.
+# accepted (CPU predictors, the LM head). On a 2-core machine interleaved rows read 1.3-1.7x faster
+# (Q4_0 on 2 threads 47 against 31 GB/s, the DRAM's rate); where many threads make both layouts
+# bandwidth-bound (15 threads of a 16-core host) they tie. Software prefetch ahead of the group's
+# single stream gains nothing here.
 
 X8 = 8  # rows per interleaved group
 _X8_FIELDS = {  # per type: (byte offset in the GGUF block, bytes, unit), in the interleaved order

@@ -271,8 +271,8 @@ def test_ram_of_a_quantised_gguf_is_about_its_file_size():
     """Issue 10: RAM within 10% of the file (+ buffers); expanding to float32 takes ~5x. Measured as
     what a second load of the model (its own mapping of the file) adds to a process that loaded it
     once: weights, metadata, tokenizer, forward buffers. Freed memory that glibc's heap keeps cached
-    is handed back first (malloc_trim): on 2026-11-30 this machine's runs held 48 MiB of it after the
-    forward passes (172 MiB without the trim, 124 with; the same at the commit that landed before)."""
+    is handed back first (malloc_trim): glibc may otherwise keep tens of MiB of the forward passes'
+    buffers cached, which would count as growth."""
     path = smollm2_gguf()
     size = os.path.getsize(path)
     grown = {}
@@ -323,7 +323,7 @@ def test_perplexity_against_transformers_and_llama_cpp(model, monkeypatch):
     0.1%); with the machine's default GEMMs (bfloat16 where the CPU has them) within 1.5% of llama.cpp,
     which rounds activations to Q8 (its own deviation from the exact value: SmolLM2 Q4_1 -0.85%,
     Gemma 3 Q4_K_M +1.08% on a 2-core AMX Xeon without its repacked buffers; -0.55% / -0.74% for ours
-    against it on a Zen 4, 2026-11-30)."""
+    against it on a Zen 4)."""
     from hotcold.models.perplexity import calibration_text, perplexity
     from hotcold.sparse_ops import quant
 

@@ -649,7 +649,7 @@ def llama_tensor_overrides(patterns: list[str]):
 
 # llama.cpp's extra CPU buffer types (weights repacked at load for AMX or other CPU kernels) off: on a
 # 2-core AMX Xeon, llama-cpp-python 0.3.36 built there segfaulted in llama_decode with them on SmolLM2
-# Q4_1 and Gemma 3 Q4_K_M (2026-12-01)
+# Q4_1 and Gemma 3 Q4_K_M
 NO_REPACK = {"use_extra_bufts": False}
 
 
