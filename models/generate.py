@@ -63,6 +63,10 @@ def split_stop(text: str, stops: Sequence[str]) -> tuple[str, bool, str]:
     return text[: len(text) - hold], False, text[len(text) - hold :]
 
 
+def _masked(logits: torch.Tensor, constraint) -> torch.Tensor:
+    return logits if constraint is None else constraint.apply(logits)
+
+
 class Generator:
     """Generates tokens for one sequence at a time, reusing the KV cache for a shared prompt prefix."""
 
@@ -125,8 +129,13 @@ class Generator:
         seed: int | None = None,
         logprobs: int | None = None,
         ignore_eos: bool = False,
+        constraint=None,
     ) -> Iterator[TokenEvent]:
-        """Yield TokenEvents until EOS, a stop string, max_tokens or the end of the context."""
+        """Yield TokenEvents until EOS, a stop string, max_tokens or the end of the context.
+
+        constraint: a grammar's per-sequence state (server/constrain.py's Constraint): `apply(logits)`
+        masks what it forbids before sampling, `accept(token)` advances it, and the generation
+        ends ("stop") when it is `done`."""
         if not prompt_ids:
             raise ContextLengthError("prompt is empty; give at least one token")
         self.check_fits(len(prompt_ids))
@@ -165,7 +174,7 @@ class Generator:
         while True:
             more = stats.completion_tokens + 1 < budget  # a step may follow this token
             if pipelined:
-                token_dev = sample_id(penalise(logits, history, sampling), sampling, gen)  # 0-d, on the GPU
+                token_dev = sample_id(_masked(penalise(logits, history, sampling), constraint), sampling, gen)
                 step = (lambda: self.forward(token_dev.view(1), len(self.cached_ids))[-1]) if more else None
                 token, logits = self._read_after(token_dev, step)  # logits: the next step's, queued
                 if more:
@@ -176,7 +185,9 @@ class Generator:
                     event.record()
                     event.synchronize()
                 logits = logits.cpu()
-                token = int(sample_id(penalise(logits, history, sampling), sampling, gen))
+                token = int(sample_id(_masked(penalise(logits, history, sampling), constraint), sampling, gen))
+            if constraint is not None:
+                constraint.accept(token)  # starts the next mask, computed while the next step runs
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t0
@@ -191,6 +202,8 @@ class Generator:
                     event.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
             if token in eos:
                 event.text, event.finish_reason = pending + (detok.flush() if detok else ""), "stop"
+            elif constraint is not None and constraint.done:  # the grammar is complete: nothing may follow
+                event.text, event.finish_reason = pending + (detok.add(token) + detok.flush() if detok else ""), "stop"
             else:
                 pending += detok.add(token) if detok else ""
                 event.text, stopped, pending = split_stop(pending, stop)
