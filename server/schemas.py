@@ -6,7 +6,7 @@ fields are ignored, as vLLM does. Ranges follow OpenAI's documented limits.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,10 +34,23 @@ class ContentPart(_Body):
     text: Optional[str] = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The content as one string; only text parts are supported."""
@@ -97,8 +110,70 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Sampling):
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+class JSONSchemaFormat(_Body):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    def schema_or_none(self) -> tuple[bool, Optional[dict]]:
+        """(whether the reply must be JSON, the schema it must follow or None for any JSON object)."""
+        if self.type not in RESPONSE_FORMATS:
+            raise BadRequest(f"response_format.type '{self.type}' does not exist; use one of "
+                             f"{', '.join(RESPONSE_FORMATS)}", "response_format")
+        if self.type == "text":
+            return False, None
+        if self.type == "json_object":
+            return True, None
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise BadRequest("response_format.json_schema.schema is missing; send "
+                             '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', "response_format")
+        return True, self.json_schema.json_schema
+
+
+class _Structured(_Sampling):
+    """response_format, shared by chat and text completions."""
+
+    response_format: Optional[ResponseFormat] = None
+
+    def json_schema(self) -> tuple[bool, Optional[dict]]:
+        return self.response_format.schema_or_none() if self.response_format else (False, None)
+
+
+class FunctionDef(_Body):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Body):
+    type: str = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_Structured):
     messages: list[Message] = Field(min_length=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
@@ -115,7 +190,7 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Structured):
     prompt: Union[str, list[str], list[int]]
     logprobs: Optional[int] = Field(None, ge=0, le=20)
 
