@@ -73,7 +73,7 @@ DECODE_ROWS_BYTES = 16 << 20  # GGUF bytes decoded at once by decode_int4
 # tools/int4_down_error.py (relative RMS of the FFN output on 512 tokens of real text, mean of the
 # layers, hot neurons a random 25 / 50 / 100% in random order): SmolLM2-135M Q4_1 +0.037 / 0.052 /
 # 0.074 (bf16's own rounding of W_down: 0.0011; ascending order helps only when every neuron is hot);
-# perplexity (the README's 3 x 256 tokens) 10.890 dense, 10.897 with int4 hot up/gate and W_down
+# perplexity (docs/quantization.md's 3 x 256 tokens) 10.890 dense, 10.897 with int4 hot up/gate and W_down
 # expanded, 12.172 (+11.8%) with W_down requantised. A generated ReLU llama (D 2048, I 5632, Q4_0 of
 # its f16 weights): +0.040 / 0.057 / 0.078, against the Q4_0 file's own error of 0.086 for W_down and
 # 0.148 for the whole FFN. int4 up/gate alone hold a hot neuron in 0.54x the bf16 bytes; with W_down

@@ -299,8 +299,8 @@ def tiny_llama(tmp_path_factory):
 
 def test_f16_matrices_as_views_of_the_file(tiny_llama):
     """tensors(copy=False), as load_model asks: an F16 matrix wanted as float16 comes as a view of the
-    mapped file (one copy into the model instead of two: 84 -> 55 s for a 13.8 GB file with the split
-    below), with the copying read's values; every other tensor as before."""
+    mapped file (one copy into the model instead of two, which takes about a third off the load of a
+    13.8 GB file), with the copying read's values; every other tensor as the copying read gives it."""
     path, _ = tiny_llama
     f = GGUFFile(path)
     lo = f._reader.data.ctypes.data

@@ -335,7 +335,7 @@ def format_table(report: dict, markdown: bool = False) -> str:
         rows.append([name, fmt_num(summ["load_s"]["median"]) if "load_s" in summ else "-",
                      cell("prefill_tok_per_s", fmt_num), cell("decode_tok_per_s", fmt_num), cell("ttft_s", fmt_num),
                      cell("peak_ram_bytes", fmt_bytes, False), cell("peak_vram_bytes", fmt_bytes, False)])
-    if markdown:  # the table alone, to paste into README.md
+    if markdown:  # the table alone, to paste into docs/performance.md
         return "\n".join(["| " + " | ".join(r) + " |" for r in rows[:1]] + ["|" + "---|" * len(header)]
                          + ["| " + " | ".join(r) + " |" for r in rows[1:]])
     else:
@@ -1365,7 +1365,7 @@ def make_parser() -> argparse.ArgumentParser:
                     help="an extra hotcold row with ARGS added to its options (repeatable)")
     ap.add_argument("--json", metavar="OUT", help="results file (default: bench-DATE.json here, or in the --e2e DIR)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run (default 3600)")
-    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for README.md)")
+    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for docs/performance.md)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation in each child")
     e = ap.add_argument_group("--e2e (make a model, profile, plan, bench)")
     e.add_argument("--e2e", metavar="PRESET", help="a tools/make_model.py preset")

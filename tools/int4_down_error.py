@@ -17,7 +17,7 @@ Python's documentation through the file's own model), relative RMS against the F
   own_down   h_f @ (W_q - W_f).T against y_f: W_down's share of it
 
 --float names the model's float weights (an HF folder, e.g. the `hf/` that tools/make_model.py
-writes beside a quantised GGUF). --ppl adds perplexities (3 windows of 256 tokens, as the README's
+writes beside a quantised GGUF). --ppl adds perplexities (3 windows of 256 tokens, as docs/quantization.md's
 table): the dense file, and the hybrid engine with every neuron hot on the CPU tier, int4 hot rows
 (torch's CPU int4 kernels), W_down in float32 or requantised (random and ascending order).
 
