@@ -229,3 +229,25 @@ def test_every_environment_variable_is_documented():
     assert used, "the scan found no variable at all"
     assert sorted(used - documented) == [], "add these to docs/configuration.md"
     assert sorted(documented - used) == [], "docs/configuration.md names variables the code no longer reads"
+
+
+# --- the README stays a README --------------------------------------------------------------------
+
+def test_readme_is_short_and_has_one_dated_performance_table():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    section = text.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+    tables = re.findall(r"((?:^\|.*\|\n)+)", section, re.M)
+    assert len(tables) == 1, "one performance table"
+    header, _, *rows = tables[0].splitlines()
+    for column in ("machine", "model", "budget", "hotcold", "llama.cpp", "ratio", "date"):
+        assert column in header
+    assert rows and all(re.search(r"\| 20\d\d-\d\d(-\d\d)? ", row) for row in rows), "every row is dated"
+    assert all(re.search(r"`-ngl \d+", row) for row in rows), "every row gives llama.cpp's flags"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_lab_notebook(page):
+    text = page.read_text(encoding="utf-8")
+    assert not re.search(r"\bsessions? \d", text, re.I)
+    assert "shared/" not in text and "DESIGN.md" not in text

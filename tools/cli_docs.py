@@ -5,8 +5,8 @@
 
 Every command, argument and option comes from the command tree that typer builds from
 `hotcold.cli.app`: each row is the pair of columns `--help` prints (names, then the help text with
-its default and bounds). `tests/test_docs.py` renders the
-page in memory and compares it with the file.
+its default and bounds). `tests/test_docs.py` renders the page in memory and compares it with the
+file.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ fits in the workflow: [workflow.md](workflow.md).
 
 
 def command_tree():
-    """The click-style group behind `hotcold`, as typer builds it from hotcold.cli.app."""
+    """The click group behind `hotcold`, as typer builds it from hotcold.cli.app."""
     import typer.main
 
     from hotcold import cli
@@ -42,15 +42,12 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def _context(cmd, name: str, parent=None):
-    # The Context class of the command tree typer built (typer vendors its own click).
-    return type(parent)(cmd, info_name=name, parent=parent) if parent is not None else _root_context(cmd)
+def _context(cmd, name: str, parent):
+    return cmd.context_class(cmd, info_name=name, parent=parent)
 
 
 def _root_context(group):
-    from typer._click import Context
-
-    return Context(group, info_name="hotcold")
+    return group.context_class(group, info_name="hotcold")  # click's Context, or typer's vendored one
 
 
 def _table(cmd, ctx) -> list[str]:
