@@ -124,6 +124,9 @@ def run(
     quantize: Optional[str] = QuantizeOpt,
     gpu_int4: Optional[bool] = GpuInt4Opt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE",
+                                               help="Constrain the reply to JSON that follows the JSON schema in "
+                                                    "FILE (with --prompt)."),
 ) -> None:
     """Generate text, streamed to the terminal, or chat interactively without --prompt."""
     from hotcold.models.generate import Generator
@@ -131,6 +134,7 @@ def run(
 
     if prompt is None and as_json:  # before the model loads
         raise HotcoldError("--json needs --prompt")
+    schema = _read_schema(json_schema, prompt) if json_schema is not None else None
     setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats, quantize, gpu_int4)
     lm = setup.lm
     try:
@@ -147,7 +151,7 @@ def run(
                 _interactive(gen, params, max_tokens, seed, stop, system)
                 return
             _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped,
-                      lambda: _first_token(setup, stats))
+                      lambda: _first_token(setup, stats), schema)
         if stats:
             _print_stats(setup, gen.stats)
     finally:
@@ -256,9 +260,28 @@ def _on_cuda(setup) -> bool:
     return getattr(setup.lm.device, "type", "cpu") == "cuda"
 
 
+def _read_schema(path: Path, prompt: Optional[str]) -> dict:
+    """--json-schema's file, read and checked before the model loads."""
+    from hotcold.server.constrain import check_schema
+
+    if prompt is None:
+        raise HotcoldError("--json-schema needs --prompt")
+    if not path.is_file():
+        raise HotcoldError(f"{path}: no such file; --json-schema takes a JSON schema file")
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise HotcoldError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise HotcoldError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                           "--json-schema takes a JSON schema file") from None
+    check_schema(schema, f"{path}")
+    return schema
+
+
 def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_eos, as_json, wrapped,
-              announce=lambda: None) -> None:
-    """One completion of --prompt, streamed (or as one JSON object)."""
+              announce=lambda: None, schema: Optional[dict] = None) -> None:
+    """One completion of --prompt, streamed (or as one JSON object); with `schema`, JSON that follows it."""
     lm = gen.lm
     tok = lm.tokenizer
     if chat or system:
@@ -266,8 +289,14 @@ def _complete(gen, prompt, chat, system, params, max_tokens, stop, seed, ignore_
         ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     else:
         ids = tok.encode(prompt)
+    constraint = None
+    if schema is not None:
+        from hotcold.server.constrain import compile_json
+
+        constraint = compile_json(tok, lm.config.vocab_size, schema, "--json-schema").matcher()
     text = []
-    for i, event in enumerate(gen.generate(ids, max_tokens, params, stop=stop, seed=seed, ignore_eos=ignore_eos)):
+    for i, event in enumerate(gen.generate(ids, max_tokens, params, stop=stop, seed=seed, ignore_eos=ignore_eos,
+                                           constraint=constraint)):
         if i == 0:
             announce()
         text.append(event.text)

@@ -17,6 +17,8 @@ from hotcold.server.engine import Busy, Engine, Job, NotReady
 from hotcold.server.metrics import Metrics, RequestCounter
 from hotcold.server.openai_format import SSE_DONE, APIError, Reply, error_body, sse
 from hotcold.server.schemas import BadRequest, ChatCompletionRequest, CompletionRequest
+from hotcold.server.tools import (Call, ToolStream, call_schema, check_tools, constrained_calls, parse_calls,
+                                  render_messages, syntax_of)
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
@@ -123,14 +125,26 @@ def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
         check_model(body.model)
         require_ready()
         tok = engine.lm.tokenizer
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        tools, choice = check_tools(body.tools, body.tool_choice)
+        syntax = syntax_of(tok.chat_template)
+        offered = tools if choice != "none" else []
+        messages, extra = render_messages(body.messages, syntax, offered)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except Exception as e:  # a template's raise_exception(...) or a malformed conversation
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         ids = tok.encode(text, add_special_tokens=False)
-        return await _serve(request, body, ids, "messages", body.limit(), body.n_logprobs(), chat=True)
+        for i, t in enumerate(tools):  # each tool's parameters must compile, whether or not it is forced
+            await _grammar(t["function"]["parameters"], f"tools[{i}].function.parameters", "tools")
+        if choice in ("none", "auto"):
+            grammar = await _response_grammar(body)
+            mode = ToolMode("auto", syntax=syntax) if offered else None
+        else:
+            schema = call_schema(tools, choice, body.parallel_tool_calls is not False)
+            grammar = await _grammar(schema, "the tool call's arguments", "tools")
+            mode = ToolMode(choice)
+        return await _serve(request, body, ids, "messages", body.limit(), body.n_logprobs(), chat=True,
+                            grammar=grammar, tools=mode)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -145,10 +159,28 @@ def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
             if any(not 0 <= i < vocab for i in prompt):
                 raise BadRequest(f"token ids must be in [0, {vocab})", "prompt")
             ids = list(prompt)
-        return await _serve(request, body, ids, "prompt", body.limit(), body.logprobs, chat=False)
+        grammar = await _response_grammar(body)
+        return await _serve(request, body, ids, "prompt", body.limit(), body.logprobs, chat=False, grammar=grammar)
+
+    async def _grammar(schema: Optional[dict], where: str, param: str):
+        """The compiled grammar of JSON following schema (None: any object); a 400 naming what fails."""
+        from hotcold.server.constrain import GrammarError, compile_json
+
+        try:
+            return await asyncio.to_thread(compile_json, engine.lm.tokenizer, engine.lm.config.vocab_size, schema,
+                                           where)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=param, code="invalid_schema") from None
+
+    async def _response_grammar(body):
+        wants_json, schema = body.json_schema()
+        if not wants_json:
+            return None
+        where = "response_format.json_schema.schema" if schema is not None else "response_format"
+        return await _grammar(schema, where, "response_format")
 
     async def _serve(request: Request, body, ids: list[int], param: str, limit: Optional[int],
-                     n_logprobs: Optional[int], chat: bool):
+                     n_logprobs: Optional[int], chat: bool, grammar=None, tools: Optional["ToolMode"] = None):
         if not ids:
             raise BadRequest("the prompt is empty", param)
         try:
@@ -157,7 +189,7 @@ def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         try:
             job = engine.submit(ids, limit or engine.max_context, body.sampling(), body.stops(), body.seed,
-                                n_logprobs, bool(body.ignore_eos))
+                                n_logprobs, bool(body.ignore_eos), grammar.matcher() if grammar else None)
         except Busy:
             raise APIError(429, f"the server is busy ({engine.max_concurrency} requests running or waiting, "
                                 "its --max-concurrency); retry later", "rate_limit_error",
@@ -167,11 +199,11 @@ def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
         reply = Reply(chat, model_name, "fp_" + engine.lm.fingerprint, lambda i: engine.lm.tokenizer.decode([i]),
                       include_usage=body.include_usage)
         if body.stream:
-            return StreamingResponse(_stream(job, reply), media_type="text/event-stream",
+            return StreamingResponse(_stream(job, reply, tools), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, job, reply)
+        return await _collect(request, job, reply, tools)
 
-    async def _collect(request: Request, job: Job, reply: Reply) -> JSONResponse:
+    async def _collect(request: Request, job: Job, reply: Reply, tools: Optional["ToolMode"] = None) -> JSONResponse:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         events = []
         try:
@@ -184,14 +216,22 @@ def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
         finally:
             watcher.cancel()
             job.cancel()
-        return JSONResponse(reply.response("".join(e.text for e in events), events, job.stats))
+        text = "".join(e.text for e in events)
+        if tools is None:
+            return JSONResponse(reply.response(text, events, job.stats))
+        content, calls = tools.split(text, job.stats.finish_reason)
+        return JSONResponse(reply.response(content, events, job.stats, [c.openai() for c in calls] or None))
 
-    async def _stream(job: Job, reply: Reply):
+    async def _stream(job: Job, reply: Reply, tools: Optional["ToolMode"] = None):
         """SSE chunks; if the client goes away, Starlette cancels this and `finally` frees the slot."""
         try:
             if reply.chat:
                 yield reply.chunk(text="", role=True)
             async for event in engine.stream(job):
+                if tools is not None:
+                    for chunk in tools.stream(reply, event):
+                        yield chunk
+                    continue
                 if event.text or event.logprob is not None:
                     yield reply.chunk(text=event.text, events=[event])
                 if event.finish_reason:
@@ -230,3 +270,58 @@ async def _cancel_on_disconnect(request: Request, job: Job, every_s: float = 0.2
     while not await request.is_disconnected():
         await asyncio.sleep(every_s)
     job.cancel()
+
+
+class ToolMode:
+    """How a chat reply with tools becomes content and tool_calls: "auto" parses the model's own
+    syntax; "required" or a function name reads the JSON the grammar constrained the reply to."""
+
+    def __init__(self, choice: str, syntax: str = "hermes"):
+        self.choice, self.syntax = choice, syntax
+        self._splitter = ToolStream(syntax) if choice == "auto" else None
+        self._text = ""
+        self._call: Optional[Call] = None  # a named function's call, its arguments streamed as they come
+
+    def split(self, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[Call]]:
+        """(content, calls) of a whole reply; an unfinished constrained call stays content."""
+        if self.choice == "auto":
+            return parse_calls(text, self.syntax)
+        if finish_reason != "stop":
+            return text, []
+        try:
+            return None, constrained_calls(text, self.choice)
+        except (ValueError, KeyError, TypeError):
+            return text, []
+
+    def stream(self, reply: Reply, event):
+        """The SSE chunks for one event of a streamed reply."""
+        self._text += event.text
+        if self.choice == "auto":
+            out = self._splitter.feed(event.text)
+            if out:
+                yield reply.chunk(text=out)
+            if event.finish_reason:
+                tail, calls = self._splitter.finish()
+                if tail:
+                    yield reply.chunk(text=tail)
+                yield from self._finish(reply, calls, event.finish_reason)
+        elif self.choice != "required":  # a named function: its arguments stream as they are generated
+            if self._call is None:
+                self._call = Call(self.choice, "")
+                yield reply.chunk(tool_calls=[{**self._call.openai(0), "function": {"name": self.choice,
+                                                                                    "arguments": ""}}])
+            if event.text:
+                yield reply.chunk(tool_calls=[{"index": 0, "function": {"arguments": event.text}}])
+            if event.finish_reason:
+                yield reply.chunk(finish_reason="tool_calls" if event.finish_reason == "stop" else "length")
+        elif event.finish_reason:
+            content, calls = self.split(self._text, event.finish_reason)
+            if content:
+                yield reply.chunk(text=content)
+            yield from self._finish(reply, calls, event.finish_reason)
+
+    @staticmethod
+    def _finish(reply: Reply, calls: list[Call], finish_reason: str):
+        if calls:
+            yield reply.chunk(tool_calls=[c.openai(i) for i, c in enumerate(calls)])
+        yield reply.chunk(finish_reason="tool_calls" if calls else finish_reason)

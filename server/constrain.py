@@ -111,10 +111,20 @@ def compile_json(tokenizer, n_vocab: int, schema: Optional[dict] = None, where: 
     try:
         return Grammar(json_grammar(schema, where), tokenizer, n_vocab, where)
     except GrammarError as e:
-        part = _failing_part(schema) if isinstance(schema, dict) else ""
-        if not part:
-            raise
-        raise GrammarError(str(e).replace(where, f"{where} at {part}", 1)) from None
+        raise _located(e, schema, where) from None
+
+
+def check_schema(schema: Any, where: str = "schema") -> None:
+    """Raise GrammarError if the engine cannot enforce `schema` (no tokenizer needed: before a model loads)."""
+    try:
+        check_grammar(json_grammar(schema, where), where=where)
+    except GrammarError as e:
+        raise _located(e, schema, where) from None
+
+
+def _located(e: GrammarError, schema: Any, where: str) -> GrammarError:
+    part = _failing_part(schema) if isinstance(schema, dict) else ""
+    return GrammarError(str(e).replace(where, f"{where} at {part}", 1)) if part else e
 
 
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

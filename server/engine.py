@@ -54,6 +54,7 @@ class Job:
     logprobs: Optional[int]
     ignore_eos: bool
     loop: asyncio.AbstractEventLoop
+    constraint: Any = None  # the request's grammar state (server/constrain.py), or None
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: str = "waiting"  # waiting -> running -> done, or cancelled while waiting
     stats: Optional[GenerationStats] = None
@@ -144,7 +145,8 @@ class Engine:
         events = None
         try:
             events = self.generator.generate(job.prompt_ids, job.max_tokens, job.sampling, stop=job.stop,
-                                             seed=job.seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos)
+                                             seed=job.seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos,
+                                             constraint=job.constraint)
             for event in events:
                 if job.cancelled:
                     break
@@ -162,12 +164,12 @@ class Engine:
                 events.close()
 
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: list[str],
-               seed: Optional[int], logprobs: Optional[int], ignore_eos: bool = False) -> Job:
+               seed: Optional[int], logprobs: Optional[int], ignore_eos: bool = False, constraint=None) -> Job:
         """Admit a job (from the event loop); raises NotReady or Busy."""
         if not self.ready:
             raise NotReady(self.load_error or "model is loading")
         job = Job(prompt_ids, max_tokens, sampling, stop, seed, logprobs, ignore_eos, asyncio.get_running_loop(),
-                  _engine=self)
+                  constraint, _engine=self)
         with self._lock:
             if self.waiting + self.running >= self.max_concurrency:
                 raise Busy()

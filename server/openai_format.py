@@ -88,24 +88,31 @@ class Reply:
         text = self.decode(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def response(self, text: str, events: list[TokenEvent], stats: GenerationStats) -> dict:
-        """The whole (non-streamed) response."""
-        choice = {"index": 0, "logprobs": self.logprobs(events), "finish_reason": stats.finish_reason}
+    def response(self, text: Optional[str], events: list[TokenEvent], stats: GenerationStats,
+                 tool_calls: Optional[list[dict]] = None) -> dict:
+        """The whole (non-streamed) response; with tool_calls, finish_reason is "tool_calls"."""
+        finish = "tool_calls" if tool_calls else stats.finish_reason
+        choice = {"index": 0, "logprobs": self.logprobs(events), "finish_reason": finish}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(stats)}
 
     def chunk(self, text: Optional[str] = None, events: Optional[list[TokenEvent]] = None,
-              finish_reason: Optional[str] = None, role: bool = False) -> str:
-        """One SSE chunk of a streamed response."""
+              finish_reason: Optional[str] = None, role: bool = False,
+              tool_calls: Optional[list[dict]] = None) -> str:
+        """One SSE chunk of a streamed response (tool_calls: deltas, each with its "index")."""
         choice = {"index": 0, "logprobs": self.logprobs(events or []), "finish_reason": finish_reason}
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -200,3 +200,34 @@ def test_real_models_follow_schemas(model, smollm2_path, gemma3_path):
         text = "".join(e.text for e in gen.generate(ids, 200, GREEDY, constraint=constraint))
         assert gen.stats.finish_reason == "stop", (name, text)
         _valid(text, schema)
+
+
+# -- the CLI ----------------------------------------------------------------------------------------
+
+
+def test_cli_json_schema_prints_json_that_validates(chat_dir, tmp_path):
+    from conftest import run_cli
+
+    schema = SCHEMAS["order"]
+    path = tmp_path / "order.json"
+    path.write_text(json.dumps(schema))
+    r = run_cli("run", make_chat_tiny("qwen", chat_dir), "-p", "An order:", "--json-schema", path, "--json",
+                "-t", "1", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", "1", "-n", "160",
+                "--device", "cpu", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "stop"
+    _valid(out["text"], schema)
+
+
+def test_cli_bad_schema_file_is_one_line_before_the_model_loads(tmp_path):
+    from conftest import run_cli
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object", "properties": {"a": {"type": "string", "pattern": "([a"}}}')
+    broken = tmp_path / "broken.json"
+    broken.write_text("{oops")
+    for path, words in ((bad, "at /properties/a"), (broken, "not JSON"), (tmp_path / "none.json", "no such file")):
+        r = run_cli("run", "/no/such/model", "-p", "hi", "--json-schema", path)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(f"error: {path}") and words in r.stderr  # the schema, not the missing model

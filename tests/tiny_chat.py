@@ -97,6 +97,7 @@ def make_chat_tiny(family: str, root: Path, seed: int = 0) -> Path:
     _tokenizer(out)
     config = tiny_configs()[arch]
     config.vocab_size = VOCAB
+    config.max_position_embeddings = 8192  # room for tool listings
     config.tie_word_embeddings = False
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(config)
