@@ -76,7 +76,9 @@ def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] for rotary embeddings, with linear or llama3 scaling."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # on the CPU even under a meta device context (the loader's): a meta tensor's arithmetic runs
+    # torch's Python reference ops, whose first call imports torch._dynamo (~1.4 s of a start-up)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     if not scaling:
         return inv.float()
     kind = scaling["rope_type"]

@@ -74,6 +74,13 @@ class Block(nn.Module):
         return x + h
 
 
+def _embedding(n: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialised (the loader fills every weight): initialising a meta
+    tensor, as the loader builds the model, runs torch's Python reference ops, whose first call
+    imports torch._dynamo (~1.4 s of a start-up)."""
+    return nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+
+
 class Transformer(nn.Module):
     """Decoder-only LM: tokens [B, T] at absolute positions start..start+T-1 -> logits."""
 
@@ -82,9 +89,9 @@ class Transformer(nn.Module):
         self.config = config
         c = config
         embed_dim = c.word_embed_proj_dim if isinstance(c, OPTConfig) else c.hidden_size
-        self.embed = nn.Embedding(c.vocab_size, embed_dim)
+        self.embed = _embedding(c.vocab_size, embed_dim)
         if isinstance(c, OPTConfig):
-            self.embed_positions = nn.Embedding(c.max_position_embeddings + 2, c.hidden_size)
+            self.embed_positions = _embedding(c.max_position_embeddings + 2, c.hidden_size)
             if embed_dim != c.hidden_size:
                 self.project_in = nn.Linear(embed_dim, c.hidden_size, bias=False)
                 self.project_out = nn.Linear(c.hidden_size, embed_dim, bias=False)
