@@ -108,13 +108,15 @@ def _prefill_costs(kind: str):
 
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
-                 quantize: str | None = None, gpu_int4: bool | None = None) -> RunSetup:
+                 quantize: str | None = None, gpu_int4: bool | None = None,
+                 compile_announced: bool = False) -> RunSetup:
     """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
     `load_model` (HF checkpoints quantised at load). gpu_int4: on CUDA, a quantised model's 4-bit
     matrices stay 4-bit on the GPU, the split FFNs' hot rows included (see make_hybrid); a plan made
     with --gpu-int4 turns it on, and says whether W_down's hot columns are requantised too; None
     (default): the plan's choice, or without a plan `dense_int4_default`; False: expanded unless the
-    plan counted int4 (its GPU bytes assume it)."""
+    plan counted int4 (its GPU bytes assume it). compile_announced: the caller said up front that the
+    CPU kernels are being compiled (kernel_cache.cold_kernels); no second note after the build."""
     from hotcold.planner.plan import find_plan, load_plan
 
     info = describe_model(path)
@@ -196,7 +198,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         notes.append(f"--gpu-int4: the hot FFN rows of layer{'s' * (len(ls) > 1)} {names} are expanded to "
                      f"{str(dt).removeprefix('torch.')}: {why}")
     built = host_node.BUILD_S[0] - built
-    if built > COMPILE_NOTE_S:  # numba's cache was cold: a first run on this machine or after an upgrade
+    if built > COMPILE_NOTE_S and not compile_announced:  # numba's cache was cold (and the caller had not said so)
         notes.append(f"compiled the CPU kernels for this machine in {built:.0f} s; later runs load them from "
                      "numba's cache")
     return RunSetup(lm, engine, p, notes)

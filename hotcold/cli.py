@@ -172,9 +172,23 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
         raise HotcoldError("--plan cannot be combined with --no-plan or --sparse")
     _check_load_options(device, dtype, quantize)
     path = model if model is not None else default_model_path()
+    compiling = _compile_note(device)
     with _loading(path):
-        setup = open_for_run(path, plan, not dense, device, dtype, threads, stats, quantize, gpu_int4)
+        setup = open_for_run(path, plan, not dense, device, dtype, threads, stats, quantize, gpu_int4,
+                             compile_announced=compiling)
     return setup
+
+
+def _compile_note(device) -> bool:
+    """On the CPU, before anything loads: whether numba must compile the CPU kernels (its cache is cold:
+    a first run on this machine, or after an upgrade), said at once since it takes about half a minute."""
+    from hotcold.executors.kernel_cache import COMPILE_NOTE, cold_kernels
+    from hotcold.models.loader import resolve_device
+
+    if resolve_device(device).type != "cpu" or not cold_kernels():
+        return False
+    print(f"note: {COMPILE_NOTE}", file=sys.stderr, flush=True)
+    return True
 
 
 def _check_load_options(device, dtype, quantize) -> None:

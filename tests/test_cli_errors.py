@@ -50,12 +50,14 @@ def test_plan_reports_a_bad_size_first(capsys, tmp_path):
 
 def test_checked_before_the_model_loads(capsys, monkeypatch, tmp_path):
     """Option values are refused before any weights are read: loading is made to fail loudly."""
+    from hotcold.executors import from_plan
     from hotcold.models import loader
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(loader, "load_model", no_load)
+    for module in (loader, from_plan):  # from_plan holds its own reference
+        monkeypatch.setattr(module, "load_model", no_load)
     assert "--heldout-tokens 256" in one_line_error(capsys, "profile", "--heldout-tokens", "256")
     assert "--json needs --prompt" in one_line_error(capsys, "run", "--json")
     assert "--dtype" in one_line_error(capsys, "run", "-p", "hi", "--dtype", "int3")
@@ -80,3 +82,45 @@ def test_help_and_version_exit_zero(capsys):
             main(args)
         assert done.value.code == 0
     assert "hotcold" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ the README's first command
+
+def test_kernel_cache_check_sees_a_cold_and_a_warm_cache(tmp_path, monkeypatch):
+    """cached_for_this_machine: False before a cache=True function's first compile, True after it
+    (and in a new process, which is what a later run is)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "kern.py").write_text("from numba import njit\n\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n")
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import kern; "
+             "from hotcold.executors.kernel_cache import cached_for_this_machine as c; "
+             "before = c(kern.twice); kern.twice(3); print(before, c(kern.twice))")
+    env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    first = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert first.stdout.split() == ["False", "True"], first.stderr
+    again = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert again.stdout.split() == ["True", "True"], again.stderr
+
+
+@pytest.mark.slow
+def test_first_command_says_it_compiles_once_up_front(capsys, monkeypatch):
+    """The README's first command (the embedded model, no plan) with numba's cache cold says, before
+    loading or generating anything, that it is compiling the CPU kernels, once; with it warm, nothing."""
+    from hotcold.executors import kernel_cache
+
+    args = ["run", "--prompt", "The three primary colours are", "--max-tokens", "3", "--device", "cpu"]
+    monkeypatch.setattr(kernel_cache, "cold_kernels", lambda: ["block step"])
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    out = capsys.readouterr()
+    assert done.value.code == 0, out.err
+    lines = out.err.strip().splitlines()
+    assert lines[0] == f"note: {kernel_cache.COMPILE_NOTE}", out.err  # the first thing said
+    assert sum("compil" in line for line in lines) == 1, out.err
+    assert "3 generated" in lines[-1] and out.out.strip(), out.err
+    monkeypatch.setattr(kernel_cache, "cold_kernels", lambda: [])
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    out = capsys.readouterr()
+    assert done.value.code == 0 and "compil" not in out.err, out.err
