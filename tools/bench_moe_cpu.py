@@ -47,6 +47,22 @@ from hotcold.sparse_ops.quant import (QuantMatrix, pack_rows, qexpert_batch, qex
                                      random_matrix)
 
 
+def random_experts(E: int, D: int, I: int, qtype: str = "Q4_0", down_qtype: str | None = None,
+                   seed: int = 1) -> tuple[QuantMatrix, QuantMatrix, QuantMatrix]:
+    """E random experts [D x I] in GGUF blocks, stacked as a file stores them: gate, up [E*I, D] and
+    down [E*D, I] (each expert's W_down as GGUF stores it), from seeds seed, seed+1, seed+2. Small
+    weights (scale 1e-3): silu is rarely exactly 0."""
+    return (random_matrix(qtype, (E * I, D), seed=seed, scale=1e-3),
+            random_matrix(qtype, (E * I, D), seed=seed + 1, scale=1e-3),
+            random_matrix(down_qtype or qtype, (E * D, I), seed=seed + 2, scale=1e-3))
+
+
+def packed_experts(mats) -> tuple[QuantMatrix, ...]:
+    """(gate, up, down) stacks as the engine holds them (`host_quant_experts`): each row-interleaved by
+    `pack_rows` where its type allows."""
+    return tuple(pack_rows(m) for m in mats)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", type=int, default=64, help="E, CPU experts of the layer (default 64)")
@@ -65,12 +81,10 @@ def main(argv=None) -> int:
     set_threads(args.threads or os.cpu_count() or 1)
 
     print(f"building {E} experts [{D} x {I}], gate/up {args.qtype}, down {dq} ...", flush=True)
-    gate = random_matrix(args.qtype, (E * I, D), seed=1, scale=1e-3)  # small weights: silu is rarely exactly 0
-    up = random_matrix(args.qtype, (E * I, D), seed=2, scale=1e-3)
-    down = random_matrix(dq, (E * D, I), seed=3, scale=1e-3)  # each expert's W_down as GGUF stores it
+    gate, up, down = random_experts(E, D, I, args.qtype, dq)
     down_t = QuantMatrix(np.concatenate([quant_cols_t(QuantMatrix(down.data[e * D:(e + 1) * D], dq, (D, I))).data
                                          for e in range(E)]), "Q8_0", (E * I, D))
-    packed = tuple(pack_rows(m) for m in (gate, up, down))
+    packed = packed_experts((gate, up, down))
     rng = np.random.default_rng(0)
     if args.prompt:
         return prompt_table(args, packed, rng)
