@@ -258,20 +258,48 @@ def write_hardware(hw: HardwareProfile, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- measuring
+REPEATS = 5  # batches of calls per rate; the fastest counts
+CALL_BOUND_S = 1e-3  # no per-call overhead or thread hand-off honestly takes this long: a preempted measurement
+
+
 def _rate(fn, min_time: float, max_reps: int = 10_000) -> float:
-    """Seconds per call: the best of three batches of calls lasting at least min_time/3 each."""
+    """Seconds per call: the best of REPEATS batches of calls lasting at least min_time/REPEATS each
+    (a batch the machine's other work preempted counts slower, not the rate), measured once more
+    when even the best batch is over twice the fastest single call seen (every batch was disturbed)."""
     fn()  # warm-up (and JIT compilation)
-    best = float("inf")
-    for _ in range(3):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            dt = time.perf_counter() - t0
-            if dt >= min_time / 3 or n >= max_reps:
-                break
-        best = min(best, dt / n)
+    for attempt in range(2):
+        best, fastest = float("inf"), float("inf")
+        for _ in range(REPEATS):
+            n, t0 = 0, time.perf_counter()
+            while True:
+                t = time.perf_counter()
+                fn()
+                fastest = min(fastest, time.perf_counter() - t)
+                n += 1
+                dt = time.perf_counter() - t0
+                if dt >= min_time / REPEATS or n >= max_reps:
+                    break
+            best = min(best, dt / n)
+        if best <= 2 * fastest:
+            break
     return best
+
+
+def _call_time(fn, reps: int, bound: float = CALL_BOUND_S, tries: int = 3) -> float:
+    """Seconds of one short call (an overhead: a one-row kernel, a thread hand-off): the fastest of
+    `reps` single calls, which one preempted call cannot raise (a median or mean of a busy moment set
+    8 ms where 4 µs is the machine's, in every later plan). Measured again while above `bound`, up
+    to `tries` times; then `bound`, with the busy warning of the profile's load to say why."""
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        if best <= bound:
+            return best
+    return bound
 
 
 def _median_time(fn, reps: int) -> float:
@@ -347,7 +375,7 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
             one = sel[:1].copy()
             out1 = np.empty(1, np.float32)
             m1 = next(pool)
-            hw.cpu_call_s = _rate(lambda: cpu.gemv_rows(m1, one, x, out1), min_time / 4)
+            hw.cpu_call_s = _call_time(lambda: cpu.gemv_rows(m1, one, x, out1), 200 if quick else 2000)
     _probe_quant(hw, raw, rows_n, d, sels, x, min_time, log)
 
 
@@ -500,7 +528,7 @@ def _probe_handoff(hw: HardwareProfile, quick: bool) -> None:
         to_w.put(1)
         to_m.get()
 
-    hw.thread_handoff_s = _median_time(trip, 50 if quick else 400)
+    hw.thread_handoff_s = _call_time(trip, 50 if quick else 400)
     to_w.put(None)
     th.join()
 
