@@ -12,11 +12,15 @@ with one scalar.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+_INIT = threading.Lock()
 
 
 class NeuronPredictor(nn.Module):
@@ -135,8 +139,9 @@ def fit_predictor(x: torch.Tensor, active: torch.Tensor, rank: int, weight: torc
                   epochs: int = 20, lr: float = 5e-3, batch: int = 512, seed: int = 0) -> NeuronPredictor:
     """Train a predictor with class-weighted BCE. x: [S, D] float, active: [S, I] bool; weight: [S, I]
     per-sample loss weights of the positives (see magnitude_loss_weight), or None."""
-    torch.manual_seed(seed)
-    model = NeuronPredictor(x.shape[1], active.shape[1], rank).to(x.device)
+    with _INIT:  # torch's global generator initialises the weights: one layer at a time (train.py's threads)
+        torch.manual_seed(seed)
+        model = NeuronPredictor(x.shape[1], active.shape[1], rank).to(x.device)
     # Class weights: a neuron that is rarely active gets its positives weighted up (capped).
     p = (active.sum(0, dtype=torch.float32) / max(1, len(active))).clamp(1e-3, 1 - 1e-3)  # [I]
     pos_weight = ((1 - p) / p).clamp(max=20.0)  # [I]

@@ -32,6 +32,44 @@ def sample_magnitude(ffn, x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         return torch.cat([ffn.activations(c.to(dtype)).abs().to(torch.float16) for c in x.split(chunk)])
 
 
+def _in_parallel(jobs: list, prepare, train, progress, device) -> None:
+    """prepare(job) in this thread (it runs the model's FFN, whose numba kernels are not to be called
+    from two threads at once), then train(i, *prepared) on a pool of one thread per CPU thread, each
+    running torch single-threaded: a predictor's steps are many small ops, which on 2 threads spend
+    most of their time at OpenMP barriers (10x slower per op on a busy 2-core machine), while layers
+    are independent. A GPU trains one layer at a time. At most workers + 1 layers' samples are held."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = 1 if torch.device(device).type == "cuda" else max(1, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    slots = threading.Semaphore(workers + 1)
+    done = [0]
+    lock = threading.Lock()
+
+    def run(i, prepared):
+        try:
+            train(i, *prepared)
+        finally:
+            slots.release()
+        with lock:
+            done[0] += 1
+            progress("predictors", done[0], len(jobs), "layer")
+
+    if workers > 1:
+        torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            futures = []
+            for i, job in enumerate(jobs):
+                slots.acquire()
+                futures.append(pool.submit(run, i, prepare(job)))
+            for f in futures:
+                f.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, budget: float = 0.04,
                      epochs: int = 20, device: str | torch.device = "cpu",
                      progress: Callable[[str, int, int], None] | None = None, weighted_loss: bool | None = None,
@@ -52,26 +90,37 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
                          [1 - rows[l]["sparsity"] for l in dense_layers],
                          [rows[l]["mass80"] or 1.0 for l in dense_layers], budget_params)
     preds = PredictorSet(lm.fingerprint)
-    layer_metrics = []
-    for i, (l, r) in enumerate(zip(dense_layers, ranks)):
+    jobs = []
+    for l, r in zip(dense_layers, ranks):
         samples = profile.samples(l)
-        if samples is None or len(samples[0]) < 10:
-            continue
-        x, active = samples
+        if samples is not None and len(samples[0]) >= 10:
+            jobs.append((l, r, samples))
+    layer_metrics = [None] * len(jobs)
+    progress("predictors", 0, len(jobs), "layer")
+
+    def prepare(job):
+        l, r, (x, active) = job
         x, active = x.to(device), active.to(device)
         wl = profile.threshold.get(l, 0.0) > 0 if weighted_loss is None else weighted_loss
         # |h| costs a full FFN pass over the samples (a minute per 13B-shaped layer on 2 CPU cores):
         # only where training needs it, or on a GPU (then the |h| recall is reported for every layer)
         need = wl or weighted_recall or torch.device(device).type == "cuda"
         mag = sample_magnitude(lm.model.layers[l].ffn, x.to(lm.device)).to(device) if need else None  # [S, I]
+        return l, r, x, active, mag, wl
+
+    def train(i, l, r, x, active, mag, wl):
         p, m = train_layer(x, active, r, layer=l, recall=recall, epochs=epochs, magnitude=mag, weighted_loss=wl,
                            weighted_recall=weighted_recall, per_neuron=per_neuron)
         preds.neurons[l] = p.cpu()
-        layer_metrics.append(dict(m.__dict__, weighted_loss=wl))
-        progress("predictors", i + 1, len(dense_layers))
+        layer_metrics[i] = dict(m.__dict__, weighted_loss=wl)
+
+    _in_parallel(jobs, prepare, train, progress, device)
+    preds.neurons = dict(sorted(preds.neurons.items()))
 
     lookahead = []
     moe_layers = [l for l in range(c.num_layers - 1) if c.ffn_kind(l + 1) == "moe"]
+    if moe_layers:
+        progress("look-ahead", 0, len(moe_layers), "layer")
     for i, l in enumerate(moe_layers):
         samples = profile.lookahead_samples(l)
         if samples is None:
@@ -82,7 +131,7 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
         if w is not None:
             preds.lookahead[l] = w.cpu()
         lookahead.append(m.__dict__)
-        progress("look-ahead", i + 1, len(moe_layers))
+        progress("look-ahead", i + 1, len(moe_layers), "layer")
 
     total = sum(p.n_params() for p in preds.neurons.values())
     metrics = {

@@ -78,6 +78,11 @@ def profile(
         have = sum(s.tokens for s in sources) - len(cal.heldout)
         console.print(f"note: the data has {have} tokens for counting, fewer than --tokens {tokens}; "
                       "reusing it with shifted windows")
+    counted = cal.sequences.numel()
+    if predictors and 0 < counted < samples:  # the reservoir keeps at most one sample per token counted
+        console.print(f"note: {counted:,} tokens counted give each layer {counted:,} predictor-training samples, "
+                      f"fewer than the {samples:,} its reservoir holds; the predictors train on those "
+                      f"(--tokens {samples} or more fills it)")
     with _progress(console) as update:
         tensors, meta = run_profile(lm, cal, opts, update)
     paths = write_profile(folder, tensors, meta, lambda p: plot(
@@ -155,7 +160,8 @@ def _sparse_ppl(lm, preds, ids, window: int) -> float:
 
 
 class _progress:
-    """A rich progress bar per stage: tokens done, tokens/s, time left."""
+    """A rich progress bar per stage: done of total in the stage's unit (tokens, evaluations, layers),
+    its rate since the stage began (tok/s; s per evaluation or layer), and the time left."""
 
     def __init__(self, console):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -171,10 +177,18 @@ class _progress:
     def __exit__(self, *exc):
         return self.bar.__exit__(*exc)
 
-    def update(self, stage: str, done: int, total: int) -> None:
-        if stage not in self.tasks:
+    def update(self, stage: str, done: int, total: int, unit: str = "tok") -> None:
+        if stage not in self.tasks:  # stages report done=0 as they start: the clock starts there
             self.tasks[stage] = self.bar.add_task(stage, total=total or None, rate="")
         task = self.tasks[stage]
-        elapsed = self.bar.tasks[task].elapsed or 0
-        rate = f"{done / elapsed:,.0f} tok/s" if total and elapsed > 0 else f"{done} evaluations"
-        self.bar.update(task, completed=done, rate=rate)
+        self.bar.update(task, completed=done, total=total or None, rate=rate_text(
+            done, self.bar.tasks[task].elapsed or 0.0, unit))
+
+
+def rate_text(done: int, elapsed: float, unit: str) -> str:
+    """'1,234 tok/s', or for slower units the seconds each took: '12.3 s/layer'; '' before the first."""
+    if done <= 0 or elapsed <= 0:
+        return ""
+    if unit == "tok":
+        return f"{done / elapsed:,.0f} tok/s"
+    return f"{elapsed / done:.1f} s/{unit}" if elapsed >= done else f"{done / elapsed:.1f} {unit}s/s"

@@ -125,18 +125,23 @@ class MagnitudeSampler:
         self.rate = {l: min(1.0, per_layer / max(1, n)) for l, n in expected_entries.items()}
         self.values: dict[int, list[torch.Tensor]] = {l: [] for l in expected_entries}
         self._gen = torch.Generator().manual_seed(seed)
+        self._sorted: dict[int, torch.Tensor] = {}  # layer -> its samples sorted, until more are added
 
     def add(self, layer: int, magnitude: torch.Tensor) -> None:
+        self._sorted.pop(layer, None)
         flat = magnitude.reshape(-1)
         k = min(flat.numel(), math.ceil(flat.numel() * self.rate[layer]))
         idx = torch.randint(flat.numel(), (k,), generator=self._gen).to(flat.device)
         self.values[layer].append(flat[idx].float().cpu())
 
     def thresholds(self, sparsity: float) -> dict[int, float]:
-        """Per layer, the |h| below which a `sparsity` fraction of activations fall."""
+        """Per layer, the |h| below which a `sparsity` fraction of activations fall. The samples are
+        sorted once (the sparsity search reads ~10 sparsities: 2.5 s a read for 30 layers unsorted)."""
         out = {}
         for layer, chunks in self.values.items():
-            v = torch.cat(chunks).sort().values
+            if layer not in self._sorted:
+                self._sorted[layer] = torch.cat(chunks).sort().values
+            v = self._sorted[layer]
             out[layer] = float(v[min(len(v) - 1, int(sparsity * len(v)))]) if sparsity > 0 else 0.0
         return out
 

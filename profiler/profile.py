@@ -12,12 +12,13 @@ import torch
 
 from hotcold.models.loader import LoadedModel
 from hotcold.models.perplexity import perplexity
-from hotcold.profiler.calibrate import search_sparsity
+from hotcold.profiler.calibrate import GRID, search_sparsity
 from hotcold.profiler.data import Calibration
 from hotcold.profiler.probes import MagnitudeSampler, Recorder, probed, run_layers
 from hotcold.profiler.report import layer_summary
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
+REFINE = 2  # bisections of the sparsity search after the grid
+Progress = Callable[..., None]  # (stage, done, total, unit="tok"): called with done=0 before a stage starts
 
 
 @dataclass
@@ -67,6 +68,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
                                    {l: calib.numel() * _intermediate(lm, l) for l in range(c.num_layers)}, opts.seed)
         with probed(model, magnitudes=sampler):
             done = 0
+            progress("thresholds", 0, calib.numel())
             for batch in _batches(calib, opts.batch_tokens):
                 run_layers(model, batch.to(dev))
                 done += batch.numel()
@@ -74,13 +76,18 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
 
         # 2. the sparsity: fixed, or the largest within the perplexity budget
         evals = [0]
+        # evaluations of the held-out perplexity: two at a fixed sparsity; the search's most otherwise
+        most = 2 if opts.sparsity is not None else 1 + len(GRID) + REFINE
 
         def ppl_at(s: float) -> float:
             with probed(model, sampler.thresholds(s)):
                 ppl = perplexity(model, cal.heldout, opts.seq_len, bos).ppl
             evals[0] += 1
-            progress("perplexity", evals[0], 0)
+            progress("perplexity", evals[0], most, "evaluation")
             return ppl
+
+        if cal.heldout:
+            progress("perplexity", 0, most, "evaluation")
 
         if not cal.heldout:
             if opts.sparsity is None:
@@ -90,7 +97,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
             target = opts.sparsity
             curve = [{"sparsity": 0.0, "ppl": ppl_at(0.0)}, {"sparsity": target, "ppl": ppl_at(target)}]
         else:
-            target, points = search_sparsity(ppl_at, opts.ppl_budget)
+            target, points = search_sparsity(ppl_at, opts.ppl_budget, refine=REFINE)
             curve = [{"sparsity": p.sparsity, "ppl": p.ppl} for p in points]
         dense_ppl = curve[0]["ppl"] if curve else None
         thresholds = sampler.thresholds(target)
@@ -99,6 +106,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
     recorder = Recorder(model, opts.samples, opts.seed)
     start, done = time.perf_counter(), 0
     with probed(model, thresholds, recorder):
+        progress("counting", 0, seqs.numel())
         for batch in _batches(seqs, opts.batch_tokens):
             recorder.start_batch(batch.numel())
             run_layers(model, batch.to(dev))

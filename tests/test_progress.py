@@ -1,0 +1,44 @@
+"""profile's progress bars: every stage says its total before it starts, and its rate in its own unit."""
+
+from __future__ import annotations
+
+import pytest
+
+from hotcold.models.loader import load_model
+from hotcold.predictors.train import train_predictors
+from hotcold.profiler.artifact import load_profile, write_profile
+from hotcold.profiler.command import rate_text
+from hotcold.profiler.data import Source, tokenise
+from hotcold.profiler.profile import ProfileOptions, run_profile
+from tiny_models import add_tiny_tokenizer, make_tiny
+
+TEXT = "\n".join(f"The value of item {i} is computed by the function f({i % 7}) and stored." for i in range(300))
+
+
+def test_rate_text_in_the_stages_unit():
+    assert rate_text(4096, 2.0, "tok") == "2,048 tok/s"
+    assert rate_text(10, 120.0, "layer") == "12.0 s/layer"
+    assert rate_text(3, 0.5, "evaluation") == "6.0 evaluations/s"
+    assert rate_text(0, 5.0, "layer") == ""
+
+
+def test_every_stage_starts_at_zero_with_its_total(tmp_path):
+    lm = load_model(add_tiny_tokenizer(make_tiny("llama", tmp_path)), "cpu", "float32")
+    opts = ProfileOptions(tokens=512, seq_len=64, samples=64, heldout_tokens=256)
+    cal = tokenise(lm.tokenizer, [Source("t", TEXT)], opts.tokens, opts.seq_len, opts.heldout_tokens)
+    calls = []
+    tensors, meta = run_profile(lm, cal, opts, lambda *a: calls.append(a))
+    (tmp_path / "out").mkdir()
+    paths = write_profile(tmp_path / "out", tensors, meta, None)
+    train_predictors(lm, load_profile(paths[0], lm.fingerprint), progress=lambda *a: calls.append(a))
+    stages = {}
+    for stage, done, total, *unit in calls:
+        stages.setdefault(stage, []).append((done, total, unit[0] if unit else "tok"))
+    assert {"thresholds", "perplexity", "counting", "predictors"} <= set(stages), stages
+    units = {"thresholds": "tok", "counting": "tok", "perplexity": "evaluation", "predictors": "layer"}
+    for stage, seq in stages.items():
+        assert seq[0][0] == 0, (stage, seq)  # said before its work starts: the clock starts there
+        assert all(total > 0 and 0 <= done <= total for done, total, _ in seq), (stage, seq)
+        assert {u for *_, u in seq} == {units[stage]}, (stage, seq)
+    assert stages["predictors"][-1][:2] == (lm.config.num_layers, lm.config.num_layers)
+    assert stages["counting"][-1][0] == stages["counting"][-1][1]
