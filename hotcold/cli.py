@@ -381,7 +381,8 @@ def perplexity(
     ids = lm.tokenizer.encode(text)
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
     with Progress(transient=True, disable=as_json) as bar, _sparse(lm, sparse) as wrapped:
-        task = bar.add_task("perplexity", total=None)
+        windows = len(ids) // ctx if chunks is None else min(len(ids) // ctx, chunks)
+        task = bar.add_task("perplexity", total=windows or None)  # windows of --ctx tokens, known up front
         result = compute(lm.model, ids, ctx, bos, chunks, lambda done, total: bar.update(task, completed=done, total=total))
     if as_json:
         print(json.dumps({"ppl": result.ppl, "tokens_scored": result.tokens_scored, "ctx": ctx, "windows": result.windows,
