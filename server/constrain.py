@@ -219,6 +219,16 @@ class Constraint:
             self.overlap = True
         if self._m.is_error():
             raise HotcoldError(f"constrained decoding failed: {_one_line(self._m.get_error())}")
+        if not logits.is_cuda:  # numpy: no OpenMP region to wake torch's threads for (they may be asleep)
+            src = logits.numpy()
+            idx = ids.numpy()
+            if keep:
+                out = np.full_like(src, -np.inf)
+                out[idx] = src[idx]
+            else:
+                out = src.copy()
+                out[idx] = -np.inf
+            return torch.from_numpy(out)
         ids = ids.to(logits.device, non_blocking=True)
         if keep:
             out = torch.full_like(logits, float("-inf"))

@@ -153,8 +153,11 @@ def render_messages(messages: list[Message], syntax: str, tools: list[dict]) -> 
 
 def _as_text(messages: list[dict], tools: list[dict]) -> list[dict]:
     """For a template without tools: the tools in a system message, calls and results as plain turns."""
+    if not tools and not any(d.get("tool_calls") or d["role"] == "tool" for d in messages):
+        return messages
     out = []
     for d in messages:
+        result = d["role"] == "tool"
         if d.get("tool_calls"):
             calls = "\n".join(f"{HERMES_OPEN}\n" + json.dumps({"name": c["function"]["name"],
                                                               "arguments": c["function"]["arguments"]},
@@ -163,7 +166,7 @@ def _as_text(messages: list[dict], tools: list[dict]) -> list[dict]:
             d = {"role": "assistant", "content": (d["content"] + "\n" if d["content"] else "") + calls}
         elif d["role"] == "tool":
             d = {"role": "user", "content": f"<tool_response>\n{d['content']}\n</tool_response>"}
-        if out and out[-1]["role"] == d["role"] == "user":  # templates that need alternating turns
+        if result and out and out[-1]["role"] == "user":  # results join one turn: templates may need alternation
             out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + d["content"]}
             continue
         out.append(d)

@@ -51,7 +51,7 @@ def chat_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("chat_tiny")
 
 
-@pytest.fixture(scope="module", params=["qwen", "llama3", "mistral"])
+@pytest.fixture(scope="module", params=["qwen", "llama3", "mistral", "plain"])
 def served(request, chat_dir):
     s = Served(make_chat_tiny(request.param, chat_dir))
     yield s
@@ -172,7 +172,8 @@ def test_tools_are_rendered_by_the_template(served):
     messages, extra = render_messages(history, syntax, [WEATHER])
     text = tok.apply_chat_template(messages, **extra)
     assert "get_weather" in text and "Weather in a city" in text and "Oslo" in text and "sunny" in text
-    marker = {"hermes": "<tool_call>", "llama3": '"parameters": {"city": "Oslo"}', "mistral": "[TOOL_CALLS]"}[syntax]
+    marker = {"hermes": "<tool_call>", "llama3": '"parameters": {"city": "Oslo"}', "mistral": "[TOOL_CALLS]",
+              "generic": "<tool_call>"}[syntax]
     assert marker in text
 
 

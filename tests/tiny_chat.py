@@ -29,6 +29,7 @@ FAMILIES = {
     "qwen": ("qwen2", "hermes", None, "<|im_end|>"),
     "llama3": ("llama", "llama3", "<|begin_of_text|>", "<|eot_id|>"),
     "mistral": ("mistral", "mistral", "<s>", "</s>"),
+    "plain": ("qwen2", None, None, "<|im_end|>"),  # no template: the built-in ChatML, which renders no tools
 }
 CLOSERS = ('"', "}", "]")
 
@@ -103,8 +104,9 @@ def make_chat_tiny(family: str, root: Path, seed: int = 0) -> Path:
     model = T.AutoModelForCausalLM.from_config(config)
     _bias_closers(model, out / "tokenizer.json", eos)
     model.save_pretrained(out)
-    config_json = {"eos_token": eos, "add_bos_token": bos is not None,
-                   "chat_template": (TEMPLATES / f"{template}.jinja").read_text()}
+    config_json = {"eos_token": eos, "add_bos_token": bos is not None}
+    if template:
+        config_json["chat_template"] = (TEMPLATES / f"{template}.jinja").read_text()
     if bos:
         config_json["bos_token"] = bos
     (out / "tokenizer_config.json").write_text(json.dumps(config_json))
