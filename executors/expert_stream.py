@@ -29,7 +29,7 @@ from hotcold.executors.weights import ColdFFN
 from hotcold.sparse_ops.blocks_torch import DECODABLE, dequantize
 
 EXPERT_STREAM_BYTES = 128 << 20  # fast-tier bytes of the two raw slots plus the decoded group (the planner reserves them)
-DECODE_PIECE = 1 << 22  # weights decoded per torch call: bounds the float32 temporaries (~12 bytes a weight)
+DECODE_PIECE = 1 << 24  # weights decoded per torch call: bounds the temporaries (~4 bytes a weight in bf16)
 
 
 def streamable(cold: ColdFFN) -> bool:
@@ -152,34 +152,62 @@ class ExpertStreamer:
         """The chunk's routed host experts of `layer`, each scaled by its routing weight and summed.
         x2: [N, D]; weights: [N, k] on the fast tier; ids: int [N, k] on the host; pos: expert id ->
         host position (-1: not a host expert); act: the activation. -> (float32 [N, D], pairs)."""
-        dev, n_exp = x2.device, self.n_experts[layer]
-        p = pos[ids]  # [N, k] host positions
-        tok, slot = np.nonzero(p >= 0)
-        where = p[tok, slot]
-        sort = np.argsort(where, kind="stable")
-        tok, slot, where = tok[sort], slot[sort], where[sort]
-        counts = np.bincount(where, minlength=n_exp)
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        y = torch.zeros(x2.shape, dtype=torch.float32, device=dev)
+        routes = Routes.of(pos[ids], self.n_experts[layer])
+        y = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
         groups = self._groups[layer]
         for k in groups:
             _, a, b = self.order[k]
-            width = int(counts[a:b].max())
-            if width == 0:  # no token routed to this group: its copy (if queued) is left unused
-                self._prefetch(k + 1) if k == groups[-1] else None
+            picked = routes.padded(a, b, x2.device)
+            if picked is None:  # no token routed to this group: its copy (if queued) goes unused
+                self._prefetch(k + 1)
                 continue
-            idx = np.zeros((b - a, width), np.int64)  # padded tokens: token 0 with weight 0
-            sl = np.zeros((b - a, width), np.int64)
-            live = np.zeros((b - a, width), np.float32)
-            for j, e in enumerate(range(a, b)):
-                n = counts[e]
-                idx[j, :n], sl[j, :n], live[j, :n] = tok[starts[e]:starts[e + 1]], slot[starts[e]:starts[e + 1]], 1
             w = self._decode(k)
             self._prefetch(k + 1)  # the next group, of this layer or the next streamed one
-            t_idx, s_idx = torch.from_numpy(idx).to(dev), torch.from_numpy(sl).to(dev)
-            coef = weights[t_idx, s_idx].float() * torch.from_numpy(live).to(dev)  # [g, T]
-            xg = x2[t_idx].to(w["gate"].dtype)  # [g, T, D]
-            h = act(torch.bmm(xg, w["gate"].transpose(1, 2))) * torch.bmm(xg, w["up"].transpose(1, 2))  # [g, T, I]
-            o = torch.bmm(h, w["down"].transpose(1, 2)).float() * coef[..., None]  # [g, T, D]
-            y.index_add_(0, t_idx.reshape(-1), o.reshape(-1, o.shape[-1]))
-        return y, len(tok)
+            group_products(x2, weights, y, picked, w["gate"], w["up"], w["down"], act)
+        return y, routes.pairs
+
+
+class Routes:
+    """A chunk's routed (token, slot) pairs grouped by the position of their expert in a stack.
+    where: int [N, k], each routed expert's position (-1: not in the stack); n: the stack's size."""
+
+    def __init__(self, tok: np.ndarray, slot: np.ndarray, counts: np.ndarray):
+        self.tok, self.slot, self.counts = tok, slot, counts
+        self.starts = np.concatenate([[0], np.cumsum(counts)])
+
+    @classmethod
+    def of(cls, where: np.ndarray, n: int) -> "Routes":
+        tok, slot = np.nonzero(where >= 0)
+        p = where[tok, slot]
+        order = np.argsort(p, kind="stable")
+        return cls(tok[order], slot[order], np.bincount(p, minlength=n))
+
+    @property
+    def pairs(self) -> int:
+        return len(self.tok)
+
+    def padded(self, a: int, b: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Positions [a, b): tokens, slots int64 [b - a, T] and live float32 [b - a, T] on device, T the
+        busiest position's count (padding: token 0, slot 0, live 0); None when none is routed."""
+        width = int(self.counts[a:b].max(initial=0))
+        if width == 0:
+            return None
+        idx = np.zeros((3, b - a, width), np.int64)
+        for j in range(b - a):
+            lo, hi = self.starts[a + j], self.starts[a + j + 1]
+            idx[0, j, :hi - lo], idx[1, j, :hi - lo], idx[2, j, :hi - lo] = self.tok[lo:hi], self.slot[lo:hi], 1
+        t = torch.from_numpy(idx).to(device)
+        return t[0], t[1], t[2].float()
+
+
+def group_products(x2: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, picked: tuple, gate: torch.Tensor,
+                   up: torch.Tensor, down: torch.Tensor, act) -> None:
+    """y[tokens] += routing weight * expert(x[tokens]) for a group of g experts at once (three batched
+    products). x2: [N, D]; weights: [N, k]; y: float32 [N, D]; picked: `Routes.padded`; gate, up:
+    [g, I, D]; down: [g, D, I]."""
+    t_idx, s_idx, live = picked
+    coef = weights[t_idx, s_idx].float() * live  # [g, T]
+    xg = x2[t_idx].to(gate.dtype)  # [g, T, D]
+    h = act(torch.bmm(xg, gate.transpose(1, 2))) * torch.bmm(xg, up.transpose(1, 2))  # [g, T, I]
+    o = torch.bmm(h, down.transpose(1, 2)).float() * coef[..., None]  # [g, T, D]
+    y.index_add_(0, t_idx.reshape(-1), o.reshape(-1, o.shape[-1]))

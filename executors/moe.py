@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows
-from hotcold.executors.expert_stream import ExpertStreamer
+from hotcold.executors.expert_stream import ExpertStreamer, Routes, group_products
 from hotcold.executors.host_node import HostNode
 from hotcold.executors.prefill import ColdStreamer, PrefillCosts, cpu_tokens_per_pass, moe_prefill_regime
 from hotcold.executors.stats import StatsBook, now
@@ -69,8 +69,9 @@ class FastExperts:
     act_name: str = "silu"
     slot_of: torch.Tensor | None = None  # int32 [E] on the fast tier: each expert's slot, -1 elsewhere
 
-    def weight(self, which: str, g: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slot g's gate | up [I, D] or down [D, I] (a Q4Stack's dequantised to dtype)."""
+    def weight(self, which: str, g, dtype: torch.dtype) -> torch.Tensor:
+        """Slot g's gate | up [I, D] or down [D, I] (a Q4Stack's dequantised to dtype); g a slice or an
+        index tensor: [g, I, D] / [g, D, I]."""
         w = getattr(self, which)
         return w.dequantize(g, dtype) if isinstance(w, Q4Stack) else w[g]
 
@@ -237,8 +238,10 @@ def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]
 
 
 # kernel launches of a chunk's GPU experts (HybridMoE._token_by_token): per token through the decode
-# kernels (two, and the token's rows), per routed expert through its dequantised weights
-TOKEN_LAUNCHES, EXPERT_LAUNCHES_INT4, EXPERT_LAUNCHES = 6, 40, 10
+# kernels (two, and the token's rows), per group of routed experts through their batched products
+# (4-bit stacks decoded first, FAST_GROUP_INT4 experts at a time)
+TOKEN_LAUNCHES, GROUP_LAUNCHES_INT4, GROUP_LAUNCHES = 6, 48, 12
+FAST_GROUP_INT4 = 4
 
 EXPERT_BATCH_TOKENS = 48 if GEMM_BF16 else 256  # tokens of a chunk routed to one quantised CPU expert
 # from which it is decoded once for a torch GEMM (qexpert_batch) rather than computed from its blocks
@@ -381,6 +384,8 @@ class HybridMoE(FFN):
         self.fast_bytes, self.host_bytes = parts.fast_bytes, parts.host_bytes
         self.n_cold = int((parts.pos >= 0).sum())
         self.slot = {e: g for g, e in enumerate(self.fast.ids)}  # expert id -> fast tier slot
+        self.slot_pos = np.full(len(parts.pos), -1, np.int64)  # the same as an array (-1: not on the fast tier)
+        self.slot_pos[self.fast.ids] = np.arange(len(self.fast.ids))
         self.dim = self.router.in_features
         I = self.hidden = parts.hidden
         self.streamer, self.prefill, self.costs = streamer, prefill, costs or PrefillCosts()
@@ -674,9 +679,10 @@ class HybridMoE(FFN):
             return "stream"
         _, counts = np.unique(ids[self.pos[ids] >= 0], return_counts=True)  # tokens per routed host expert
         c, I = self.costs, self.hidden
+        quant = isinstance(self.streamer, ExpertStreamer)  # the CPU's block kernels are compute-bound over a chunk
         return moe_prefill_regime(counts.tolist(), self.cold.nbytes / self.n_cold, self.n_cold, 3 * I * self.dim,
                                   c.cpu_bw, c.pcie_bw, c.gpu_flops, tokens_per_pass=cpu_tokens_per_pass(self.dim),
-                                  cuda=self.tier.cuda)
+                                  cuda=self.tier.cuda, cpu_flops=c.cpu_expert_flops if quant else None)
 
     def _forward_prefill(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g0) -> torch.Tensor:
         """Several tokens when the host experts may stream: the routing reaches the host first, then
@@ -763,18 +769,35 @@ class HybridMoE(FFN):
                                               f.act_name) for i in range(len(x2))])  # float32 [N, D]
             self.book.add(phase, experts_gpu=int((self.pos[ids] < 0).sum()))
             return y + out.to(y.dtype)
+        if len(x2) > 1:
+            return y + self._grouped_fast(x2, weights, ids, phase).to(y.dtype)
         out = torch.zeros_like(x2)
         pairs = 0
-        for e, tok, slot in routed(ids, self.slot.__contains__):
-            g = self.slot[e]
-            if len(x2) == 1:  # no index tensors to build: the slot is a host int
-                out += self.fast.expert(g, x2) * weights[:, int(slot[0]), None].to(x2.dtype)
-            else:
-                t, s = (torch.from_numpy(a).to(x2.device) for a in (tok, slot))
-                out.index_add_(0, t, self.fast.expert(g, x2[t]) * weights[t, s, None].to(x2.dtype))
+        for e, tok, slot in routed(ids, self.slot.__contains__):  # one token: its routed experts
+            out += self.fast.expert(self.slot[e], x2) * weights[:, int(slot[0]), None].to(x2.dtype)
             pairs += len(tok)
         self.book.add(phase, experts_gpu=pairs)
         return out + y
+
+    def _fast_group(self) -> int:
+        """Fast-tier experts computed together for a chunk: all (their stacks are views) unless a
+        stack is 4-bit, which is decoded for the group first (float32 temporaries)."""
+        return FAST_GROUP_INT4 if self.fast.int4 else max(1, len(self.fast.ids))
+
+    def _grouped_fast(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, phase: str) -> torch.Tensor:
+        """A chunk's routed fast-tier experts a group of slots at a time, each group's experts in three
+        batched products over their tokens (expert_stream.group_products). -> float32 [N, D]."""
+        f, step = self.fast, self._fast_group()
+        routes = Routes.of(self.slot_pos[ids], len(f.ids))
+        out = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
+        for a in range(0, len(f.ids), step):
+            picked = routes.padded(a, min(len(f.ids), a + step), x2.device)
+            if picked is not None:
+                s = slice(a, a + step)
+                group_products(x2, weights, out, picked, *(f.weight(w, s, x2.dtype) for w in ("gate", "up", "down")),
+                               f.act)
+        self.book.add(phase, experts_gpu=routes.pairs)
+        return out
 
     def _token_by_token(self, ids: np.ndarray) -> bool:
         """Whether a chunk's GPU experts (routed ids [N, k] on the host) run token by token through the
@@ -784,9 +807,8 @@ class HybridMoE(FFN):
         f = self.fast
         if not self.device_kernels():
             return False
-        routed_here = len(np.unique(ids[self.pos[ids] < 0]))
-        per_expert = EXPERT_LAUNCHES_INT4 if f.int4 else EXPERT_LAUNCHES
-        return len(ids) * TOKEN_LAUNCHES < routed_here * per_expert
+        groups = len(np.unique(self.slot_pos[ids][self.slot_pos[ids] >= 0] // self._fast_group()))
+        return len(ids) * TOKEN_LAUNCHES < groups * (GROUP_LAUNCHES_INT4 if f.int4 else GROUP_LAUNCHES)
 
     def device_kernels(self) -> bool:
         """Whether the fast tier runs routed_experts' Triton kernels (CUDA, contiguous stacks)."""

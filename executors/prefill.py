@@ -45,6 +45,7 @@ class PrefillCosts:
     pcie_bw: float = 52e9  # pinned host -> device bytes/s
     gpu_flops: float = 400e12  # effective dense FLOP/s of the fast tier on these shapes
     cpu_flops: float | None = None  # torch GEMM FLOP/s on the CPU in the cold rows' dtype
+    cpu_expert_flops: float = 3e11  # FLOP/s of the quantised expert kernels over a prompt chunk (15 threads, H200 host)
 
     @classmethod
     def from_hardware(cls, hw, kind: str = "bf16") -> "PrefillCosts":
@@ -107,7 +108,8 @@ def prefill_regime(T: int, cold_bytes: int, cpu_bw: float, pcie_bw: float, gpu_f
 
 
 def moe_prefill_regime(counts: list[int], expert_bytes: float, n_experts: int, expert_params: int, cpu_bw: float,
-                       pcie_bw: float, gpu_flops: float, *, tokens_per_pass: int = 4, cuda: bool = True) -> str:
+                       pcie_bw: float, gpu_flops: float, *, tokens_per_pass: int = 4, cuda: bool = True,
+                       cpu_flops: float | None = None) -> str:
     """"cpu" or "stream" for a MoE layer's n_experts host experts (expert_bytes, expert_params each)
     when a chunk of tokens routes counts[j] tokens to the j-th routed one of them.
 
@@ -119,6 +121,8 @@ def moe_prefill_regime(counts: list[int], expert_bytes: float, n_experts: int, e
         return "cpu"
     tpp = max(1, tokens_per_pass)
     t_cpu = sum(math.ceil(c / tpp) for c in counts) * expert_bytes / cpu_bw
+    if cpu_flops:  # kernels that read each expert once per chunk but are bound by their arithmetic
+        t_cpu = max(t_cpu, 2.0 * sum(counts) * expert_params / cpu_flops)
     t_stream = max(n_experts * expert_bytes / pcie_bw, 2.0 * sum(counts) * expert_params / gpu_flops)
     return "stream" if t_stream < t_cpu else "cpu"
 

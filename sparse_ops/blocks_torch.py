@@ -9,8 +9,11 @@ chunk of experts decodes in a small fraction of the time its bytes take to cross
 Types: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (`DECODABLE`), GGUF layout or interleaved ("x8": groups of 8
 rows whose blocks are stored field by field, unit-major; `_X8_FIELDS`). An interleaved group-block
 is a fixed permutation of its 8 rows' blocks, so it is gathered back by one index (`_x8_order`).
-The arithmetic is gguf's reference decoders' (float32, rounded once to the output dtype);
-`QuantMatrix.dequantize` (gguf.quants) is the independent reference in the tests.
+The arithmetic is gguf's reference decoders': in float32 for a float32 output (bit-equal to
+`QuantMatrix.dequantize`, gguf.quants, the independent reference in the tests); for a 16-bit output
+the 4- and 8-bit types multiply in that dtype (the block scale rounded to it first: within a few of
+its ulps of the block's largest weight, far below the 4-bit quantisation error), which cuts the
+temporaries a decode allocates.
 """
 
 from __future__ import annotations
@@ -53,28 +56,28 @@ def gguf_rows(data: torch.Tensor, qtype: str, rows: int, interleaved: bool) -> t
     return blocks.reshape(g, -1, X8, ts).transpose(1, 2).reshape(rows, -1, ts)
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    # [..., 2] uint8 -> float32 [...] (little-endian fp16)
-    return b.contiguous().view(torch.float16)[..., 0].float()
+def _f16(b: torch.Tensor, ct: torch.dtype = torch.float32) -> torch.Tensor:
+    # [..., 2] uint8 -> ct [...] (little-endian fp16)
+    return b.contiguous().view(torch.float16)[..., 0].to(ct)
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
+def _q4_0(b: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
     qs = b[..., 2:18]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float() - 8  # elements 0-15 low nibbles, 16-31 high
-    return q * _f16(b[..., 0:2])[..., None]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).to(ct).sub_(8)  # elements 0-15 low nibbles, 16-31 high
+    return q.mul_(_f16(b[..., 0:2], ct)[..., None])
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
+def _q4_1(b: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
     qs = b[..., 4:20]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
-    return q * _f16(b[..., 0:2])[..., None] + _f16(b[..., 2:4])[..., None]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).to(ct)
+    return q.mul_(_f16(b[..., 0:2], ct)[..., None]).add_(_f16(b[..., 2:4], ct)[..., None])
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[..., 2:34].contiguous().view(torch.int8).float() * _f16(b[..., 0:2])[..., None]
+def _q8_0(b: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
+    return b[..., 2:34].contiguous().view(torch.int8).to(ct).mul_(_f16(b[..., 0:2], ct)[..., None])
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _q4_k(b: torch.Tensor, ct: torch.dtype) -> torch.Tensor:  # in float32 whatever ct
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [R, nb]
     s = b[..., 4:16].to(torch.int32)  # 12 bytes: 6-bit scales and mins of the 8 sub-blocks
     sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
@@ -85,7 +88,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     return w.flatten(-2)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _q6_k(b: torch.Tensor, ct: torch.dtype) -> torch.Tensor:  # in float32 whatever ct
     ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 64).to(torch.int32)  # two halves of 128 elements
     qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32).to(torch.int32)
     scales = b[..., 192:208].contiguous().view(torch.int8).float().reshape(*b.shape[:-1], 2, 4, 2)
@@ -107,7 +110,8 @@ def dequantize(data: torch.Tensor, qtype: str, shape: tuple[int, int], interleav
     if qtype not in _DECODE:
         raise ValueError(f"no torch decoder for {qtype} (decodable: {', '.join(sorted(DECODABLE))})")
     rows, cols = shape
-    w = _DECODE[qtype](gguf_rows(data, qtype, rows, interleaved)).reshape(rows, cols)
+    ct = out.dtype if out is not None else dtype  # the dtype the 4- and 8-bit types multiply in
+    w = _DECODE[qtype](gguf_rows(data, qtype, rows, interleaved), ct).reshape(rows, cols)
     if out is None:
         return w.to(dtype)
     return out.copy_(w)

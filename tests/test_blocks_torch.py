@@ -30,12 +30,16 @@ def test_decodes_as_gguf(qtype, interleaved):
     np.testing.assert_array_equal(got, want)  # the same float32 arithmetic: exact
 
 
-def test_bf16_output_into_a_view_and_unknown_types():
-    m = pack_rows(random_matrix("Q4_0", (16, 64), seed=1))
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_bf16_output_into_a_view_and_unknown_types(qtype):
+    """A 16-bit output multiplies in that dtype: within a few of its ulps (of the matrix's largest
+    weight: Q4_1's d * q + m may cancel) of gguf's float32 result."""
+    m = pack_rows(random_matrix(qtype, (16, 64), seed=1), xq=True)
     out = torch.full((2, 16, 64), float("nan"), dtype=torch.bfloat16)
     dequantize(torch.from_numpy(m.data), m.qtype, m.shape, m.interleaved, out=out[1])
-    want = torch.from_numpy(random_matrix("Q4_0", (16, 64), seed=1).dequantize()).to(torch.bfloat16)
-    assert torch.equal(out[1], want) and torch.isnan(out[0].float()).all()  # only the view was written
+    want = torch.from_numpy(random_matrix(qtype, (16, 64), seed=1).dequantize())
+    torch.testing.assert_close(out[1].float(), want, rtol=2 ** -6, atol=2 ** -7 * float(want.abs().max()))
+    assert torch.isnan(out[0].float()).all()  # only the view was written
     with pytest.raises(ValueError, match="no torch decoder for Q5_0"):
         dequantize(torch.from_numpy(random_matrix("Q5_0", (8, 32)).data), "Q5_0", (8, 32))
 

@@ -845,3 +845,28 @@ def test_streamed_quantised_experts_match_reference(folder, family, kind, device
     assert st["regimes"]["stream"] == len(eng.moe) and st["experts_cpu"] == 0
     assert st["experts_gpu"] == toks.shape[1] * lm.config.top_k * len(eng.moe)
     assert st["rows_streamed"] > 0
+
+
+def test_grouped_int4_fast_experts_in_prefill(folder, monkeypatch):
+    """A prompt chunk's 4-bit fast-tier experts decoded a group at a time for batched products (on
+    the CPU tier the Q4Stack is decoded by torch too): the prompt's logits within the quantised
+    tolerance, each group decoded once, every routed pair counted."""
+    from hotcold.sparse_ops.moe_gpu import Q4Stack
+
+    ref = reference(folder, "qwen3_moe", "q4_0")
+    toks = tokens(seed=14)
+    with torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, "qwen3_moe", "q4_0")
+    decoded = []
+    real = Q4Stack.dequantize
+    monkeypatch.setattr(Q4Stack, "dequantize", lambda self, s, dtype=torch.float32: decoded.append(s) or real(self, s, dtype))
+    with make_hybrid(lm, {}, None, threads=2, gpu_int4=True, int4_hot=True,
+                     gpu_experts=random_experts(lm, 0.75, seed=5)) as eng:
+        assert all(m.fast.int4 == ("gate", "up", "down") for m in eng.moe.values())
+        with torch.inference_mode():
+            got = lm.model(toks)
+        st = eng.stats()["prefill"]
+    assert rel_err(got, want) < TOL["q4_0"]
+    assert decoded and all(isinstance(s, slice) for s in decoded)  # whole groups, no expert on its own
+    assert st["experts_gpu"] + st["experts_cpu"] == toks.shape[1] * lm.config.top_k * len(eng.moe)

@@ -110,7 +110,7 @@ def test_prefill_and_decode_match_references(folder, family, placement):
 @pytest.mark.parametrize("family", MOE)
 def test_prefill_gpu_experts_token_by_token(folder, family, device, monkeypatch):
     """A chunk whose GPU experts take fewer launches token by token (the decode kernels, each token's
-    routed experts) than expert by expert: forced here (on the CPU tier through routed_experts' torch
+    routed experts) than group by group: forced here (on the CPU tier through routed_experts' torch
     twin), the same logits as the reference, every token through it once per MoE layer, every pair
     counted."""
     import hotcold.executors.moe as moe
@@ -132,8 +132,8 @@ def test_prefill_gpu_experts_token_by_token(folder, family, device, monkeypatch)
         ids = np.array([[e] for e in layer.fast.ids])  # one token a GPU expert
         assert layer.device_kernels() == (device == "cuda")  # Triton's kernels on CUDA only
         monkeypatch.setattr(HybridMoE, "device_kernels", lambda self: True)
-        assert layer._token_by_token(ids)  # N tokens, N experts: 6 launches a token against 10 an expert
-        assert not layer._token_by_token(np.repeat(ids[:1], 8, axis=0))  # 8 tokens, one expert
+        assert layer._token_by_token(ids[:1])  # one token: 6 launches against 12 for the group's batched products
+        assert not layer._token_by_token(np.repeat(ids[:1], 8, axis=0))  # 8 tokens, one group of float experts
         monkeypatch.setattr(moe, "routed_experts", counted)
         monkeypatch.setattr(moe, "TOKEN_LAUNCHES", 0)  # every chunk token by token
         with torch.inference_mode():
