@@ -185,6 +185,12 @@ def test_moe_prefill_regime_weighs_rereads_against_one_copy():
     assert moe_prefill_regime([32] * 120, eb, 120, params, **args) == "stream"
     assert moe_prefill_regime([32] * 120, eb, 120, params, **args, cuda=False) == "cpu"
     assert moe_prefill_regime([], eb, 120, params, **args) == "cpu"
+    # quantised experts (Q4_0: 2.65 MB each), 8 tokens each, one pass over each: the bytes alone
+    # favour the CPU, but its block kernels are compute-bound over a chunk and the copy wins
+    q4 = dict(args, tokens_per_pass=128)
+    assert moe_prefill_regime([8] * 120, 2.65e6, 120, params, **q4) == "cpu"
+    assert moe_prefill_regime([8] * 120, 2.65e6, 120, params, **q4, cpu_flops=3e11) == "stream"
+    assert moe_prefill_regime([1] * 8, 2.65e6, 120, params, **q4, cpu_flops=3e11) == "cpu"
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
