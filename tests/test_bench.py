@@ -756,3 +756,62 @@ def test_moe_cpu_bench_times_calls_after_idle_gaps():
     assert [float(r[0]) for r in rows] == [0.0, 50.0]
     assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
     assert "2 of 4 experts per call (0.06 MB)" in run.stdout  # 2 x 3 x 64 x 256 weights at 18 bytes per 32
+
+
+def test_e2e_gguf_only_profiles_and_plans_the_gguf(tmp_path, monkeypatch):
+    """--make-args="--format gguf": the model folder holds model.gguf alone (a full-depth MoE's two
+    forms do not fit one disk); profile and plan read it, every engine is given it, and a second
+    run reuses it."""
+    fake = tmp_path / "repo"
+    (fake / "tools").mkdir(parents=True)
+    (fake / "tools" / "make_model.py").write_text(
+        "import sys, pathlib\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "out.mkdir(parents=True)\n"
+        "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
+    monkeypatch.setattr(bench, "REPO", fake)
+    monkeypatch.setattr(bench, "hotcold_has", lambda command: True)
+    steps, make = [], bench.run_step
+    monkeypatch.setattr(bench, "run_step",
+                        lambda cmd, threads: make(cmd, threads) if cmd[1].endswith("make_model.py") else steps.append(cmd))
+    out = tmp_path / "model"
+    args = argparse.Namespace(e2e="qwen3-30b-a3b", out=str(out), make_args="--format gguf --dtype q4_0",
+                              regenerate=False, threads=1, vram="8GiB", profile_args="", plan_args="")
+    paths, notes, settings = bench.e2e(args)
+    gguf = out.resolve() / "model.gguf"
+    assert (paths.hf, paths.gguf, paths.hotcold) == (None, gguf, gguf)
+    assert [c[3:5] for c in steps] == [["profile", str(gguf)], ["plan", str(gguf)]]
+    steps.clear()
+    _, notes, settings = bench.e2e(args)
+    assert any("reused the model" in n for n in notes) and "make_model_s" not in settings
+    assert bench._make_format("--layers 8 --format=gguf") == "gguf" and bench._make_format("--layers 8") is None
+
+
+def test_trim_llama_sdist_keeps_what_the_build_reads(tmp_path):
+    import importlib.util
+    import io
+    import tarfile
+
+    spec = importlib.util.spec_from_file_location("trim_llama_sdist", Path(bench.REPO) / "tools" / "trim_llama_sdist.py")
+    trim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trim)
+    src = tmp_path / "llama_cpp_python-9.tar.gz"
+    names = ["p/CMakeLists.txt", "p/llama_cpp/llama.py", "p/vendor/llama.cpp/src/llama.cpp",
+             "p/vendor/llama.cpp/ggml/src/ggml-cuda/x.cu", "p/vendor/llama.cpp/ggml/src/ggml-cpu/y.c",
+             "p/vendor/llama.cpp/models/vocab.gguf", "p/vendor/llama.cpp/ggml/src/ggml-vulkan/z.cpp",
+             "p/vendor/llama.cpp/tools/ui/app.js", "p/vendor/llama.cpp/tools/mtmd/m.cpp", "p/.git/HEAD",
+             "p/vendor/llama.cpp/testsuite.txt"]
+    with tarfile.open(src, "w:gz") as t:
+        for n in names:
+            info = tarfile.TarInfo(n)
+            info.size = len(n)
+            t.addfile(info, io.BytesIO(n.encode()))
+    out = tmp_path / "trimmed.tar.gz"
+    assert trim.main([str(src), str(out)]) == 0
+    with tarfile.open(out) as t:
+        kept = sorted(t.getnames())
+        assert t.extractfile("p/llama_cpp/llama.py").read() == b"p/llama_cpp/llama.py"
+    assert kept == sorted(["p/CMakeLists.txt", "p/llama_cpp/llama.py", "p/vendor/llama.cpp/src/llama.cpp",
+                           "p/vendor/llama.cpp/ggml/src/ggml-cuda/x.cu", "p/vendor/llama.cpp/ggml/src/ggml-cpu/y.c",
+                           "p/vendor/llama.cpp/tools/mtmd/m.cpp", "p/vendor/llama.cpp/testsuite.txt"])
+    assert trim.main([str(tmp_path / "missing.tar.gz"), str(out)]) == 2

@@ -12,12 +12,14 @@ e.g. `python tools/bench.py --e2e llama-13b --out /data/llama-13b --device cuda 
 (presets: `python tools/make_model.py --list`). That runs `tools/make_model.py PRESET --out DIR
 MAKE_ARGS` (skipped when DIR/hf and DIR/model.gguf already exist; --regenerate forces it), then
 `hotcold profile DIR/hf` and `hotcold plan DIR/hf --vram SIZE` when those commands exist (skipped
-with a note if not), then the benchmark below on DIR/hf + DIR/model.gguf. llama.cpp on a GPU needs
+with a note if not), then the benchmark below on DIR/hf + DIR/model.gguf. With
+--make-args="--format gguf" (a full-depth MoE, whose two forms do not fit the GPU host's disk
+together) the folder holds model.gguf alone, which profile, plan and every engine read. llama.cpp on a GPU needs
 llama-cpp-python built with CUDA from its PyPI source package (a benchmark-time step):
 `--llama-cpp-src SDIST` builds it during the run (pip wheel with CUDA for this GPU, in the
 background while the model is made and profiled, finished before `plan` probes the machine;
-installed into DIR/llama-cpp/site; a 5.4 MB trimmed sdist took ~5.5 min on 14 jobs of the H200
-host; it imports `diskcache`, carry that wheel too). Or install it beforehand:
+installed into DIR/llama-cpp/site; a 5 MB sdist trimmed by tools/trim_llama_sdist.py took ~5.5 min
+on 14 jobs of the H200 host; it imports `diskcache`, carry that wheel too). Or install it beforehand:
 CMAKE_ARGS="-DGGML_CUDA=on" pip install --no-binary llama-cpp-python llama-cpp-python. Without
 either the bench stops at once with that hint.
 
@@ -386,9 +388,11 @@ def resolve_model(model: str, gguf: str | None) -> ModelPaths:
         elif (path / "hf" / "config.json").is_file():
             hf = path / "hf"
             default_gguf = path / "model.gguf" if (path / "model.gguf").is_file() else None
+        elif (path / "model.gguf").is_file():  # a make_model folder in the GGUF form only
+            default_gguf = path / "model.gguf"
         else:
             raise BenchError(f"MODEL: {path}: not an HF model folder (no config.json) nor a make_model folder "
-                             "(no hf/config.json)")
+                             "(no hf/config.json or model.gguf)")
     elif not _is_gguf(path):
         raise BenchError(f"MODEL: {path}: not a GGUF file (no GGUF magic) nor a folder")
     else:
@@ -401,7 +405,7 @@ def resolve_model(model: str, gguf: str | None) -> ModelPaths:
             raise BenchError(f"--gguf: {g}: not a GGUF file (no GGUF magic)")
         default_gguf = g
     label = (f"{hf} + {default_gguf.name}" if hf and default_gguf else str(hf or default_gguf))
-    return ModelPaths(hf, default_gguf, hf if hf is not None else path, label)
+    return ModelPaths(hf, default_gguf, hf if hf is not None else default_gguf or path, label)
 
 
 @dataclass
@@ -1289,6 +1293,17 @@ class LlamaCppBuild:
         return seconds
 
 
+def _make_format(make_args: str | None) -> str | None:
+    """The --format that --make-args gives tools/make_model.py (None: its default, both forms)."""
+    words = shlex.split(make_args or "")
+    for i, w in enumerate(words):
+        if w == "--format" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--format="):
+            return w.split("=", 1)[1]
+    return None
+
+
 def e2e(args) -> tuple[ModelPaths, list[str], dict]:
     make = REPO / "tools" / "make_model.py"
     if not make.is_file():
@@ -1307,7 +1322,8 @@ def e2e(args) -> tuple[ModelPaths, list[str], dict]:
 
 def _e2e_steps(args, make: Path, out: Path, notes: list[str], steps: dict, build: "LlamaCppBuild | None"
                ) -> tuple[ModelPaths, list[str], dict]:
-    have = (out / "hf" / "config.json").is_file() and (out / "model.gguf").is_file()
+    gguf_only = _make_format(args.make_args) == "gguf"
+    have = (out / "model.gguf").is_file() and (gguf_only or (out / "hf" / "config.json").is_file())
     if have and not args.regenerate:
         notes.append(f"reused the model in {out} (--regenerate to make it again)")
     else:
@@ -1316,7 +1332,9 @@ def _e2e_steps(args, make: Path, out: Path, notes: list[str], steps: dict, build
         run_step(cmd, args.threads)
         steps["make_model_s"] = time.perf_counter() - t
     steps["make_model_cmd"] = f"tools/make_model.py {args.e2e} --out {out} {args.make_args or ''}".strip()
-    model = out / "hf"
+    # the HF form where there is one; the GGUF where make_model wrote only that (--make-args="--format
+    # gguf": a full-depth MoE's two forms do not fit a 64 GiB disk together)
+    model = out / "hf" if (out / "hf" / "config.json").is_file() else out / "model.gguf"
     for command, extra in (("profile", []), ("plan", ["--vram", args.vram] if args.vram else [])):
         if command == "plan" and build is not None:  # plan probes the machine: not while it compiles
             steps["llama_cpp_build_s"] = build.finish()
