@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from hotcold.planner import probe
+from hotcold.planner import timing as probe
 
 
 def _sleeper(pattern):
