@@ -74,13 +74,14 @@ def serve(
 
 def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None,
           gpu_int4: Optional[bool] = None):
-    """The model per its plan (hybrid) or dense, saying which in the log."""
+    """The model per its plan (hybrid) or dense, saying which in the log: the RunSetup, which the
+    server's Engine keeps until it stops (the hybrid engine must outlive the loading)."""
     from hotcold.executors.from_plan import open_for_run
 
     setup = open_for_run(path, plan, not no_plan, device, dtype, quantize=quantize, gpu_int4=gpu_int4)
     for note in setup.notes:
         log.info("%s", note)
-    return setup.lm
+    return setup
 
 
 def _log_to_console() -> None:

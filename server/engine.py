@@ -86,6 +86,7 @@ class Engine:
         self.max_concurrency = max_concurrency
         self.on_finished = on_finished
         self.lm = None
+        self._setup = None  # executors.from_plan.RunSetup when `load` returns one
         self.generator: Optional[Generator] = None
         self.state = "loading"  # loading -> ready, or failed
         self.load_error: Optional[str] = None
@@ -117,18 +118,31 @@ class Engine:
 
     def _main(self, on_fatal: Callable[[], None]) -> None:
         try:
-            lm = self._load()
+            loaded = self._load()
+            # a RunSetup is kept whole: its hybrid engine owns the CPU worker and the page-locked host
+            # weights (released when it is collected), so they live as long as the server
+            self._setup = loaded if hasattr(loaded, "engine") else None
+            lm = loaded.lm if self._setup is not None else loaded
             if lm.tokenizer is None:
                 raise HotcoldError(f"{lm.path}: no tokenizer in the model; hotcold serve needs one")
             ctx = self._ctx or min(lm.config.max_position_embeddings, DEFAULT_CTX)
             self.lm, self.generator = lm, Generator(lm, max_context=ctx)
         except Exception as e:  # any load failure ends the server with one line
+            if self._setup is not None:
+                self._setup.close()
             self.load_error = str(e) if isinstance(e, HotcoldError) else f"{type(e).__name__}: {e}"
             self.state = "failed"
             on_fatal()
             return
         self.state = "ready"
         log.info("model %s ready (context %d)", lm.name, self.generator.max_context)
+        try:
+            self._serve()
+        finally:
+            if self._setup is not None:
+                self._setup.close()
+
+    def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
             with self._lock:
                 if job.state == "cancelled":
