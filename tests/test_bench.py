@@ -526,17 +526,17 @@ def test_vram_poller_peaks_by_pid_else_device_delta(monkeypatch):
     assert p.stop() == (900, "device in use minus baseline")
 
 
-def fake_make_model(tmp_path: Path, monkeypatch) -> None:
+def fake_make_model(tmp_path: Path, monkeypatch, hf: bool = True) -> None:
     """bench.REPO pointed at a repo whose tools/make_model.py writes an empty model pair and records
-    its arguments in hf/config.json."""
+    its arguments in hf/config.json (hf=False: model.gguf alone, as --format gguf)."""
     fake = tmp_path / "repo"
     (fake / "tools").mkdir(parents=True)
     (fake / "tools" / "make_model.py").write_text(
         "import json, sys, pathlib\n"
         "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
-        "(out / 'hf').mkdir(parents=True)\n"
-        "(out / 'hf' / 'config.json').write_text(json.dumps(sys.argv[1:]))\n"
-        "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
+        + ("(out / 'hf').mkdir(parents=True)\n"
+           "(out / 'hf' / 'config.json').write_text(json.dumps(sys.argv[1:]))\n" if hf else "out.mkdir(parents=True)\n")
+        + "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
     monkeypatch.setattr(bench, "REPO", fake)
 
 
@@ -762,14 +762,7 @@ def test_e2e_gguf_only_profiles_and_plans_the_gguf(tmp_path, monkeypatch):
     """--make-args="--format gguf": the model folder holds model.gguf alone (a full-depth MoE's two
     forms do not fit one disk); profile and plan read it, every engine is given it, and a second
     run reuses it."""
-    fake = tmp_path / "repo"
-    (fake / "tools").mkdir(parents=True)
-    (fake / "tools" / "make_model.py").write_text(
-        "import sys, pathlib\n"
-        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
-        "out.mkdir(parents=True)\n"
-        "(out / 'model.gguf').write_bytes(b'GGUF' + bytes(12))\n")
-    monkeypatch.setattr(bench, "REPO", fake)
+    fake_make_model(tmp_path, monkeypatch, hf=False)
     monkeypatch.setattr(bench, "hotcold_has", lambda command: True)
     steps, make = [], bench.run_step
     monkeypatch.setattr(bench, "run_step",

@@ -24,17 +24,21 @@ class _Hybrid:
         self.closed += 1
 
 
-def test_engine_holds_the_run_setup_while_serving_and_closes_it(tmp_path):
-    lm = load_model(add_tiny_tokenizer(make_tiny("llama", tmp_path)), "cpu", "float32")
-    hybrid = _Hybrid()
-    alive = weakref.ref(hybrid)
-    engine = Engine(lambda: RunSetup(lm, engine=hybrid))
+def _started(engine: Engine) -> Engine:
     engine.start()
     deadline = time.monotonic() + 60
     while not engine.ready:
         assert engine.state != "failed", engine.load_error
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    return engine
+
+
+def test_engine_holds_the_run_setup_while_serving_and_closes_it(tmp_path):
+    lm = load_model(add_tiny_tokenizer(make_tiny("llama", tmp_path)), "cpu", "float32")
+    hybrid = _Hybrid()
+    alive = weakref.ref(hybrid)
+    engine = _started(Engine(lambda: RunSetup(lm, engine=hybrid)))
     del hybrid
     gc.collect()
     assert alive() is not None and alive().closed == 0  # kept, not collected, while serving
@@ -46,13 +50,7 @@ def test_engine_holds_the_run_setup_while_serving_and_closes_it(tmp_path):
 
 def test_engine_takes_a_bare_model_too(tmp_path):
     lm = load_model(add_tiny_tokenizer(make_tiny("llama", tmp_path)), "cpu", "float32")
-    engine = Engine(lambda: lm)
-    engine.start()
-    deadline = time.monotonic() + 60
-    while not engine.ready:
-        assert engine.state != "failed", engine.load_error
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    engine = _started(Engine(lambda: lm))
     assert engine.lm is lm and engine._setup is None
     engine.close()
     engine._thread.join(30)
