@@ -241,7 +241,7 @@ def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]
 # kernels (two, and the token's rows), per group of routed experts through their batched products
 # (4-bit stacks decoded first, FAST_GROUP_INT4 experts at a time)
 TOKEN_LAUNCHES, GROUP_LAUNCHES_INT4, GROUP_LAUNCHES = 6, 48, 12
-FAST_GROUP_INT4 = 4
+FAST_GROUP, FAST_GROUP_INT4 = 16, 4  # experts a group: [g, T, D] float32 products, T up to the chunk
 
 EXPERT_BATCH_TOKENS = 48 if GEMM_BF16 else 256  # tokens of a chunk routed to one quantised CPU expert
 # from which it is decoded once for a torch GEMM (qexpert_batch) rather than computed from its blocks
@@ -780,9 +780,9 @@ class HybridMoE(FFN):
         return out + y
 
     def _fast_group(self) -> int:
-        """Fast-tier experts computed together for a chunk: all (their stacks are views) unless a
-        stack is 4-bit, which is decoded for the group first (float32 temporaries)."""
-        return FAST_GROUP_INT4 if self.fast.int4 else max(1, len(self.fast.ids))
+        """Fast-tier experts computed together for a chunk: FAST_GROUP of float stacks (views; the
+        padded activations bound it), fewer of 4-bit ones (decoded for the group first, in float32)."""
+        return FAST_GROUP_INT4 if self.fast.int4 else FAST_GROUP
 
     def _grouped_fast(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, phase: str) -> torch.Tensor:
         """A chunk's routed fast-tier experts a group of slots at a time, each group's experts in three
