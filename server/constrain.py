@@ -61,15 +61,40 @@ def ll_tokenizer(tokenizer, n_vocab: int):
         return cached[n_vocab]
 
 
+def closed(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with every object that lists its `properties` and says nothing of others closed to
+    them (`additionalProperties: false`), as OpenAI's strict mode and xgrammar do: a model is not
+    invited to invent keys (a small one echoes the schema's own words as keys until max_tokens).
+    Objects combined with allOf/anyOf/oneOf/$ref, and allOf's branches, stay open: closing one part
+    would exclude the keys another part adds."""
+    if isinstance(schema, list):
+        return [closed(s, in_all_of) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMAS:
+            out[key] = closed(value, key == "allOf")
+        else:
+            out[key] = value
+    combined = any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref", "additionalProperties",
+                                       "patternProperties", "unevaluatedProperties"))
+    if isinstance(out.get("properties"), dict) and not in_all_of and not combined:
+        out["additionalProperties"] = False
+    return out
+
+
 def json_grammar(schema: Optional[dict] = None, where: str = "schema") -> str:
-    """The llguidance grammar of JSON following `schema` (None: any JSON object)."""
+    """The llguidance grammar of JSON following `schema` (None: any JSON object), its objects closed."""
     llg = _llguidance()
     if schema is None:
         schema = ANY_JSON_OBJECT
     if not isinstance(schema, dict):
         raise GrammarError(f"{where}: a JSON schema must be an object, not {type(schema).__name__}")
     try:
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(closed(schema)), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"{where}: {_one_line(str(e))}") from None
 
