@@ -31,11 +31,13 @@ def calibration_text() -> str:
 def window_nll(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[float, int]:
     """Sum of NLL over the second half of one window, as llama-perplexity scores it.
 
-    logits: [N, V] fp32 for tokens: [N]; positions first..N-2 predict tokens first+1..N-1.
+    logits: [N, V] fp32 for tokens: [N], or [N - N // 2, V] for positions N // 2.. only;
+    positions first..N-2 predict tokens first+1..N-1.
     """
     n = tokens.shape[0]
     first = n // 2
-    logp = torch.log_softmax(logits[first : n - 1].double(), dim=-1)
+    at = first if logits.shape[0] == n else 0  # the row of position `first`
+    logp = torch.log_softmax(logits[at : at + n - 1 - first].double(), dim=-1)
     target = tokens[first + 1 :]
     nll = -logp.gather(1, target[:, None]).sum()
     return float(nll), int(target.numel())
@@ -64,7 +66,7 @@ def perplexity(
         window = torch.tensor(ids[w * ctx : (w + 1) * ctx], device=device)
         if bos_id is not None:
             window[0] = bos_id
-        logits = model(window[None])[0]  # [ctx, V]
+        logits = model(window[None], logits_from=ctx // 2)[0]  # [ctx - ctx // 2, V]: the scored half's
         nll, n = window_nll(logits, window)
         nll_sum += nll
         scored += n

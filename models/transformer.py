@@ -132,9 +132,11 @@ class Transformer(nn.Module):
         return logits
 
     def forward(
-        self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None, last_only: bool = False
+        self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None, last_only: bool = False,
+        logits_from: int = 0,
     ) -> torch.Tensor:
-        """tokens: [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), fp32."""
+        """tokens: [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only; [B, T - logits_from, V] for
+        positions logits_from.. only: perplexity scores a window's second half), fp32."""
         T = tokens.shape[1]
         step = self.__dict__.get("step_graph")  # executors/graphs.py: a one-token step as one CUDA graph
         if step is not None and T == 1 and step.ready(tokens, cache):
@@ -145,4 +147,6 @@ class Transformer(nn.Module):
             x = block(x, positions, cache.layers[i] if cache is not None else None, start_pos)
         if last_only:
             x = x[:, -1:]
+        elif logits_from:
+            x = x[:, logits_from:]
         return self.head(x)
