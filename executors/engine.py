@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import weakref
 from typing import Literal
 
@@ -34,6 +35,7 @@ from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn, whole_int4, whole_int4_reason
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
+from hotcold.models.load_times import LoadTimes
 from hotcold.models.loader import LoadedModel
 from hotcold.models.quantized import (HalfEmbedding, QuantEmbedding, QuantLinear, dequantize_model,
                                       drop_module_pages, pack_for_decode, quant_bytes)
@@ -143,7 +145,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 embed_cpu: bool = False, head_cpu: bool = False,
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
                 host_nodes: bool | None = None, dense_host_nodes: bool | None = None,
-                host_block_steps: bool | None = None, layer_nodes: bool | None = None) -> HybridEngine:
+                host_block_steps: bool | None = None, layer_nodes: bool | None = None,
+                times: LoadTimes | None = None) -> HybridEngine:
     """Convert lm in place into a hybrid engine and return it.
 
     hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
@@ -204,7 +207,9 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
       (executors/layer_node.py, LayerHostNode); default: on unless the environment sets
       HOTCOLD_LAYER_NODES=0. On CUDA with cuda_graphs=True the call is a host node of the layer's
       own graph unless the environment sets HOTCOLD_LAYER_GRAPHS=0.
+    times: each stage's seconds (split, upload, repack, pin, kernels, graphs) are added to it.
     """
+    times = times if times is not None else LoadTimes()
     if prefill not in ("auto", *REGIMES):
         raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
     model = lm.model
@@ -244,6 +249,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     book = StatsBook(enabled=stats)
     parts = {}
     whole: dict[int, nn.Module] = {}
+    t_split = time.perf_counter()
     for l in layers:
         ffn = model.layers[l].ffn
         n = ffn.up.out_features  # I (a QuantLinear's weight property would decode it all)
@@ -280,8 +286,12 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         drop_module_pages(moe_ffn)
         model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
         del moe_ffn
-    for l in attention_cpu:  # its matrices interleaved for one-token GEMVs (quantised models)
-        pack_for_decode(model.layers[l].attn)
+    if tier.cuda:  # the copies queued: timed as they finish
+        torch.cuda.synchronize(device)
+    times.add("split", time.perf_counter() - t_split)
+    with times.stage("repack"):
+        for l in attention_cpu:  # its matrices interleaved for one-token GEMVs (quantised models)
+            pack_for_decode(model.layers[l].attn)
     host_attn = {l: HostAttention(model.layers[l].attn, dtype, cpu_threads, worker=cpu, book=book)
                  for l in sorted(attention_cpu)}
     for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
@@ -293,7 +303,11 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         model.embed = nn.Identity()  # out of the move, like the host attention
     if head is not None:
         model.lm_head = nn.Identity()
-    _move_rest(model, device, dtype, gpu_int4)
+    with times.stage("upload"):
+        _move_rest(model, device, dtype, gpu_int4)
+        if tier.cuda:
+            torch.cuda.synchronize(device)
+    t_pack = time.perf_counter()
     if embed is not None:  # (a model loaded on the device brings its float weights back)
         if isinstance(embed, (QuantEmbedding, HalfEmbedding)):
             embed.dtype = dtype
@@ -308,6 +322,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         model.lm_head = HostHead(head, cpu_threads)
     if not tier.cuda:  # the split FFNs have their rows: the rest can be interleaved
         pack_for_decode(model)
+    times.add("repack", time.perf_counter() - t_pack)
     for l, a in host_attn.items():
         model.layers[l].attn = a
     if host_attn:
@@ -323,6 +338,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         costs = dataclasses.replace(costs, cpu_flops=measure_cpu_flops(torch_view(gemm[0].up).dtype,
                                                                        lm.config.hidden_size, cpu_threads))
     pinned: list[int] = []
+    t_pin = time.perf_counter()
     if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
         for c in colds.values():
             pinned += pin_host(c)
@@ -332,6 +348,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if experts_streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
         for c in qcolds.values():
             pinned += pin_host(c)
+    times.add("pin", time.perf_counter() - t_pin)
     prefill_io = HostRows(tier.host_empty, lm.config.hidden_size, 0)
     hybrid: dict[int, HybridFFN] = {}
     for l, (gpu, cold) in parts.items():
@@ -354,17 +371,21 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         every[min(every)].first = True
     if expert_cache_bytes and moe:
         looks = predictors.lookahead if isinstance(predictors, PredictorSet) else {}
-        pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts,
-                                expert_cache_policy)
+        with times.stage("pin"):
+            pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts,
+                                    expert_cache_policy)
     if host_block_steps is None:
         host_block_steps = os.environ.get("HOTCOLD_HOST_BLOCKS", "1") != "0"
     if layer_nodes is None:
         layer_nodes = os.environ.get("HOTCOLD_LAYER_NODES", "1") != "0"
     if host_block_steps:  # before graph_blocks, which wraps only the plain Blocks left
-        host_blocks(model, node=layer_nodes,
-                    graphs=tier.cuda and layer_graphs and os.environ.get("HOTCOLD_LAYER_GRAPHS", "1") != "0")
+        with times.stage("kernels"):
+            host_blocks(model, node=layer_nodes,
+                        graphs=tier.cuda and layer_graphs and os.environ.get("HOTCOLD_LAYER_GRAPHS", "1") != "0")
     if tier.cuda and cuda_graphs:
-        graph_blocks(model, ffn=cuda_graphs != "attention", step="host" if cuda_graphs == "step" else cuda_graphs is True)
+        with times.stage("graphs"):
+            graph_blocks(model, ffn=cuda_graphs != "attention",
+                         step="host" if cuda_graphs == "step" else cuda_graphs is True)
     lm.device, lm.dtype = device, dtype
     return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe, whole, experts_streamer)
 

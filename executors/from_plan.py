@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hotcold.errors import HotcoldError
+from hotcold.models.load_times import LoadTimes
 from hotcold.models.loader import (LoadedModel, describe_model, load_model, resolve_device, resolve_dtype,
                                    stored_half_dtype)
 from hotcold.models.quantized import pack_for_decode
@@ -22,6 +23,7 @@ class RunSetup:
     engine: object | None = None  # HybridEngine when the model runs split
     plan: object | None = None  # planner.plan.Plan
     notes: list[str] = field(default_factory=list)
+    load_times: LoadTimes = field(default_factory=LoadTimes)  # where the load's time went (run --stats)
 
     @property
     def predicted_ms_per_token(self) -> float | None:
@@ -34,12 +36,13 @@ class RunSetup:
             self.engine.close()
 
 
-def _graphed(lm: LoadedModel) -> LoadedModel:
+def _graphed(lm: LoadedModel, times: LoadTimes) -> LoadedModel:
     """lm, its blocks' one-token attention replayed as CUDA graphs when it runs on CUDA (executors/graphs.py)."""
     if lm.device.type == "cuda":
         from hotcold.executors.graphs import graph_blocks
 
-        graph_blocks(lm.model)
+        with times.stage("graphs"):
+            graph_blocks(lm.model)
     return lm
 
 
@@ -54,25 +57,28 @@ def run_dtype(path: Path, dtype: str | None, device: torch.device) -> torch.dtyp
     return resolve_dtype(dtype, device)
 
 
-def _load_dense(path: Path, device, dtype, quantize: str | None, gpu_int4: bool) -> LoadedModel:
+def _load_dense(path: Path, device, dtype, quantize: str | None, gpu_int4: bool, times: LoadTimes) -> LoadedModel:
     """The whole model on `device`: as load_model does, or with gpu_int4 on CUDA, loaded in its
     blocks on the host and moved with its 4-bit matrices kept 4-bit (Int4Linear)."""
     dev = resolve_device(device)
     if not (gpu_int4 and dev.type == "cuda"):
         if dev.type == "cpu" and not quantize:
             dtype = str(run_dtype(path, dtype, dev)).removeprefix("torch.")
-        lm = load_model(path, device, dtype, quantize=quantize)
+        lm = load_model(path, device, dtype, quantize=quantize, times=times)
         if lm.device.type == "cpu":  # a quantised model's matrices interleaved for one-token GEMVs
-            pack_for_decode(lm.model)
-        return _graphed(lm)
+            with times.stage("repack"):
+                pack_for_decode(lm.model)
+        return _graphed(lm, times)
     from hotcold.executors.engine import _move_rest
 
     dt = resolve_dtype(dtype, dev)
-    lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantized=True, quantize=quantize)
-    with torch.no_grad():
+    lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantized=True, quantize=quantize, times=times)
+    with torch.no_grad(), times.stage("upload"):
         _move_rest(lm.model, dev, dt, int4=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     lm.device, lm.dtype = dev, dt
-    return _graphed(lm)
+    return _graphed(lm, times)
 
 
 def dense_int4_default(path: Path, quantize: str | None, device: torch.device) -> bool:
@@ -116,11 +122,24 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     with --gpu-int4 turns it on, and says whether W_down's hot columns are requantised too; None
     (default): the plan's choice, or without a plan `dense_int4_default`; False: expanded unless the
     plan counted int4 (its GPU bytes assume it). compile_announced: the caller said up front that the
-    CPU kernels are being compiled (kernel_cache.cold_kernels); no second note after the build."""
+    CPU kernels are being compiled (kernel_cache.cold_kernels); no second note after the build.
+    The setup's load_times says where the time went."""
+    times = LoadTimes()
+    setup = _open_timed(times, path, plan, use_plan, device, dtype, threads, stats, quantize, gpu_int4,
+                        compile_announced)
+    setup.load_times = times.finish()
+    return setup
+
+
+def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool, device: str | None,
+                dtype: str | None, threads: int | None, stats: bool, quantize: str | None,
+                gpu_int4: bool | None, compile_announced: bool) -> RunSetup:
+    """open_for_run, each stage's time added to `times`."""
     from hotcold.planner.plan import find_plan, load_plan
 
-    info = describe_model(path)
-    plan_path = find_plan(info.path, info.fingerprint, plan) if use_plan else None
+    with times.stage("parse"):
+        info = describe_model(path)
+        plan_path = find_plan(info.path, info.fingerprint, plan) if use_plan else None
     if plan_path is None:
         split = ("`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` split it between GPU and CPU"
                  if resolve_device(device).type == "cuda" else
@@ -131,8 +150,9 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
             if gpu_int4:
                 notes.append("its Q4_0/Q4_1/Q4_K matrices stay 4-bit on the GPU (torch's int4 kernels; "
                              "--no-gpu-int4 expands them)")
-        return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4), notes=notes)
-    p = load_plan(plan_path, info.fingerprint)
+        return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4, times), notes=notes)
+    with times.stage("parse"):
+        p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
     weights = p.meta.get("weights", {})
     if weights.get("gpu_int4"):  # planned with int4 GPU weights: its GPU bytes assume it
@@ -142,7 +162,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         if quantize and not gpu_int4:
             raise HotcoldError("--quantize keeps weights in host memory; this model's plan puts all of it on the GPU "
                                "(re-plan, drop --quantize, or add --gpu-int4)")
-        setup = RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4), plan=p,
+        setup = RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4, times), plan=p,
                          notes=[f"plan {plan_path}: the whole model on the GPU"])
         return setup
     notes = [f"plan {plan_path}: {p.mode}, predicted {p.meta['predicted']['tokens_per_s']:.1f} tok/s"]
@@ -153,7 +173,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
         notes.append("the plan splits between GPU and CPU but no CUDA GPU is in use: the CPU is the fast tier")
     dt = run_dtype(path, dtype, dev) if not quantize else resolve_dtype(dtype, dev)
     # Load on the host in the compute dtype; make_hybrid moves the fast tier's part to the device.
-    lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantize=quantize)
+    lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantize=quantize, times=times)
     from hotcold.executors import host_node
     from hotcold.executors.engine import make_hybrid
     from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN
@@ -164,8 +184,9 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     hot = {l: torch.from_numpy(p.gpu_neurons[l]) for l in split_layers if p.mode == "hybrid" and l in p.gpu_neurons}
     moe_layers = [l for l, b in enumerate(lm.model.layers) if isinstance(b.ffn, MoEFFN)]
     experts = {l: p.gpu_experts[l].tolist() for l in moe_layers if p.mode == "hybrid" and l in p.gpu_experts}
-    pred_path = find_predictors(lm.path, lm.fingerprint)
-    preds = load_predictors(pred_path, lm.fingerprint) if pred_path is not None else None
+    with times.stage("parse"):
+        pred_path = find_predictors(lm.path, lm.fingerprint)
+        preds = load_predictors(pred_path, lm.fingerprint) if pred_path is not None else None
     if preds is None:
         notes.append("no predictors for this model: every cold neuron is computed (run `hotcold profile MODEL`)")
     # the plan's placement of attention and predictors (on a CPU tier everything is on the CPU anyway)
@@ -192,7 +213,7 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
                          expert_cache_bytes=cache_bytes, gpu_int4=gpu_int4,
                          # the planner counts the embedding in host memory, and the LM head where it put it
                          embed_cpu=dev.type == "cuda", head_cpu=dev.type == "cuda" and not p.lm_head_gpu,
-                         int4_down=weights.get("gpu_int4_down", INT4_DOWN_DEFAULT))
+                         int4_down=weights.get("gpu_int4_down", INT4_DOWN_DEFAULT), times=times)
     for why, ls in engine.int4_skipped().items():
         names = ", ".join(map(str, ls[:8])) + (f" ... ({len(ls)} layers)" if len(ls) > 8 else "")
         notes.append(f"--gpu-int4: the hot FFN rows of layer{'s' * (len(ls) > 1)} {names} are expanded to "

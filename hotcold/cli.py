@@ -117,7 +117,7 @@ def run(
     no_plan: bool = typer.Option(False, "--no-plan", help="Ignore any plan: run the dense model."),
     stats: bool = typer.Option(False, "--stats", help="Per-token time split into the fast tier (the GPU, where "
                                                       "there is one), CPU, transfer and wait, beside the plan's "
-                                                      "prediction."),
+                                                      "prediction; and the load's time per stage."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -234,6 +234,7 @@ def _print_stats(setup, gen_stats) -> None:
     """--stats: where a decoded token's time went, and the plan's prediction beside it."""
     from hotcold.executors.stats import huge_page_share
 
+    print(f"[stats] {setup.load_times.line()}", file=sys.stderr)
     measured = 1000 / gen_stats.decode_tok_per_s if gen_stats.decode_tok_per_s else float("nan")
     line = f"[stats] decode {measured:.2f} ms/token measured"
     if setup.engine is not None:

@@ -15,6 +15,7 @@ from torch import nn
 from hotcold.errors import HotcoldError, ModelFileError
 from hotcold.models.config import ModelConfig, config_from_hf
 from hotcold.models.layers import Rotary
+from hotcold.models.load_times import LoadTimes
 from hotcold.models.transformer import Transformer
 from hotcold.sparse_ops.cpu import advise_hugepages
 
@@ -102,13 +103,31 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
         for owner in sorted({_owner(n) for n in quantized}):
             shapes = {k: tuple(v.shape) for k, v in model.get_submodule(owner).named_parameters(recurse=False)}
             _set_module(model, owner, _Pending(shapes))
-    model = model.to_empty(device=device)
+    _materialise(model, device)
     for p in model.parameters():  # before _fill's first touch: decoding streams these matrices
         advise_hugepages(p)
     for m in model.modules():
         if isinstance(m, Rotary):
             m.reset(device)
     return model
+
+
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """What `model.to_empty(device=device)` does for a meta-built model, with `torch.empty`: to_empty's
+    `empty_like` of a meta tensor goes through torch's Python references, whose first call imports
+    sympy (0.9 s of a 135M model's 1.5 s load on 2 cores). A parameter shared by several modules
+    stays shared."""
+    made: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else new
+                table[name] = made[id(t)]
 
 
 class _Pending(nn.Module):
@@ -257,12 +276,14 @@ def _existing(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, device: str | None = None, dtype: str | None = None,
-               quantized: bool | None = None, quantize: str | None = None) -> LoadedModel:
+               quantized: bool | None = None, quantize: str | None = None,
+               times: LoadTimes | None = None) -> LoadedModel:
     """Load an HF folder or a GGUF file. Raises HotcoldError subclasses with one-line messages.
 
     quantized: keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices in their blocks, mapped from the
     file (models/quantized.py); None: on the CPU, yes. quantize: q8_0 | q4_0 | q4_k quantises an HF
-    checkpoint's matrices the same way at load (CPU only)."""
+    checkpoint's matrices the same way at load (CPU only). times: each stage's seconds are added to it."""
+    times = times if times is not None else LoadTimes()
     path = _existing(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -279,29 +300,35 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
     if path.is_dir():
         from hotcold.models import hf_loader
 
-        raw = hf_loader.read_config(path)
-        config = config_from_hf(raw, source=str(path / "config.json"))
+        with times.stage("parse"):
+            raw = hf_loader.read_config(path)
+            config = config_from_hf(raw, source=str(path / "config.json"))
+            inventory = hf_loader.tensor_inventory(path)
         if dev.type == "cpu" and not quantize:
-            check_host_memory(path, sum(_numel(shape) for _, shape, _ in hf_loader.tensor_inventory(path))
-                              * dt.itemsize, dt)
-        model = _empty_model(config, dev, dt)
-        _fill(model, hf_loader.iter_tensors(path, config.sandwich_norms), str(path))
+            check_host_memory(path, sum(_numel(shape) for _, shape, _ in inventory) * dt.itemsize, dt)
+        with times.stage("build"):
+            model = _empty_model(config, dev, dt)
+        with times.stage("weights"):
+            _fill(model, hf_loader.iter_tensors(path, config.sandwich_norms), str(path))
         if quantize:
             from hotcold.models.quantized import quantize_model
 
-            quantize_model(model, quantize)
+            with times.stage("repack"):
+                quantize_model(model, quantize)
         tokenizer = None
         if (path / "tokenizer.json").is_file():
             from hotcold.models.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_hf_folder(path)
-        fp = fingerprint(raw, hf_loader.tensor_inventory(path))
+            with times.stage("tokenizer"):
+                tokenizer = Tokenizer.from_hf_folder(path)
+        fp = fingerprint(raw, inventory)
     else:
         from hotcold.models.gguf_loader import open_gguf
 
-        gguf = open_gguf(path)
-        raw = gguf.hf_config()
-        config = config_from_hf(raw, source=str(path))
+        with times.stage("parse"):
+            gguf = open_gguf(path)
+            raw = gguf.hf_config()
+            config = config_from_hf(raw, source=str(path))
         if quantize:
             raise HotcoldError(f"--quantize applies to HF checkpoints; {path.name} is a GGUF file and runs in "
                                "its own quantisation")
@@ -310,14 +337,19 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
             kept -= {"lm_head.weight"}
         if dev.type == "cpu":  # blocks kept in the file's pages are not copied
             check_host_memory(path, sum(n * dt.itemsize for _, _, n, _, k in gguf.tensor_storage() if not k), dt)
-        model = _empty_model(config, dev, dt, kept)
+        with times.stage("build"):
+            model = _empty_model(config, dev, dt, kept)
         # tensors come in the parameters' dtype (every parameter has it): an F16 matrix into a float16
         # model is then copied once, not widened to float32 and narrowed back (a 13.8 GB file: 24 s of 46)
-        _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized, copy=False)), str(path), dt)
+        with times.stage("weights"):
+            _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized, copy=False)),
+                  str(path), dt)
         from hotcold.models.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-        fp = fingerprint(raw, gguf.tensor_inventory())
+        with times.stage("tokenizer"):
+            tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        with times.stage("parse"):
+            fp = fingerprint(raw, gguf.tensor_inventory())
     model.eval()
     return LoadedModel(model, tokenizer, config, path, fp, dev, dt)
 

@@ -570,7 +570,7 @@ def run_hotcold(spec: dict) -> dict:
     ttft = s.ttft_s
     setup.close()
     return {
-        "load_s": load_s, "warmup_s": warmup_s, "ttft_s": ttft,
+        "load_s": load_s, "load_stages": setup.load_times.as_dict(), "warmup_s": warmup_s, "ttft_s": ttft,
         "prefill_tok_per_s": s.prompt_tokens / ttft if ttft > 0 else None,
         "decode_tok_per_s": s.decode_tok_per_s or None,
         "prompt_tokens": s.prompt_tokens, "prompt_ids_sha": _ids_digest(ids),
