@@ -222,8 +222,9 @@ def train_layer(x: torch.Tensor, active: torch.Tensor, rank: int, layer: int = 0
 
 
 def cpu_time_per_token(predictors: dict[int, NeuronPredictor], dim: int, repeats: int = 20) -> float:
-    """Seconds to run every layer's predictor for one token on the CPU: the fastest of repeats (on a
-    busy machine a median counted other work's preemption: 273 ms for SmolLM2's 30 predictors)."""
+    """Seconds to run every layer's predictor for one token on the CPU with torch's threads: the fastest
+    of repeats. (On the busy 2-core machine every small op on 2 threads waits milliseconds for the
+    other thread: SmolLM2's 30 predictors 250 ms a token, 0.9 ms on one thread.)"""
     x = torch.randn(1, dim)
     times = []
     with torch.inference_mode():
