@@ -317,9 +317,9 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
                 quantize_model(model, quantize)
         tokenizer = None
         if (path / "tokenizer.json").is_file():
-            from hotcold.models.tokenizer import Tokenizer
-
             with times.stage("tokenizer"):
+                from hotcold.models.tokenizer import Tokenizer
+
                 tokenizer = Tokenizer.from_hf_folder(path)
         fp = fingerprint(raw, inventory)
     else:
@@ -344,9 +344,9 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         with times.stage("weights"):
             _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized, copy=False)),
                   str(path), dt)
-        from hotcold.models.tokenizer import Tokenizer
+        with times.stage("tokenizer"):  # (the import too: the tokenizers package takes ~0.1-0.3 s)
+            from hotcold.models.tokenizer import Tokenizer
 
-        with times.stage("tokenizer"):
             tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         with times.stage("parse"):
             fp = fingerprint(raw, gguf.tensor_inventory())

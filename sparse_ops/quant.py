@@ -1051,12 +1051,23 @@ def _x8_dequant_kernel(qt, w, g0, out, bf16):
                 out[X8 * g + r, :] = buf[r]
 
 
-def _interleave(qt, rows: np.ndarray) -> np.ndarray:
-    # [G, 8, nb, T] GGUF rows of type qt -> [G, nb * 8 * T] interleaved (the fields of _X8_FIELDS)
-    g, _, nb, _ = rows.shape
-    parts = [rows[..., off:off + size].reshape(g, X8, nb, size // unit, unit).transpose(0, 2, 3, 1, 4)
-             .reshape(g, nb, X8 * size) for off, size, unit in _X8_FIELDS[qt]]
-    return np.concatenate(parts, axis=2).reshape(g, -1)
+_UNIT_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _interleave(qt, src: np.ndarray, nb: int, ts: int, out: np.ndarray) -> None:
+    # src uint8 [G * 8 * nb * ts], G groups of 8 GGUF rows of type qt -> out uint8 [G * nb * 8 * ts],
+    # interleaved (the fields of _X8_FIELDS): one strided copy per field straight into out, in units
+    # of the field's unit (2- and 4-byte elements, possibly unaligned: 4-5x faster than byte copies
+    # through a transposed reshape and a concatenation)
+    g = src.size // (X8 * nb * ts)
+    base = 0
+    for off, size, unit in _X8_FIELDS[qt]:
+        dt, k = _UNIT_DTYPES[unit], size // unit
+        rows = np.ndarray((g, X8, nb, k), dt, buffer=src, offset=off, strides=(X8 * nb * ts, nb * ts, ts, unit))
+        dst = np.ndarray((g, nb, k, X8), dt, buffer=out, offset=base, strides=(X8 * nb * ts, X8 * ts, X8 * unit, unit))
+        dst[...] = rows.transpose(0, 2, 3, 1)
+        base += X8 * size
+
 
 @njit(**_INLINE)
 def _dot_rows_ir(dot, w, rows, lo, hi, x, xd, out):
@@ -1450,26 +1461,22 @@ def _check_m(m, name: str = "m", whole: bool = False) -> None:
         raise ValueError(f"{name} is interleaved (pack_rows): only qgemv and qdequantize read it")
 
 
-PACK_GROUPS = 512  # interleaved groups built at once by pack_rows (~1 MB of a 4096-wide Q4_0 matrix)
-
-
 def pack_rows(m: QuantMatrix, xq: bool | None = None) -> QuantMatrix:
     """m in the interleaved layout (see "Row-interleaved ..." above) when its type is in
     PACK_DEFAULT, its rows are a multiple of 8 and Q8 activations suit it (xq None: its type is in
     XQ_DEFAULT; True: the caller accepts them, e.g. for Q8_0 predictors); else m. For matrices only
     read whole: one-token qgemv over all rows runs 1.5-1.9x faster (1 thread, from DRAM); qdequantize
-    (prefill) reads it too; row selections do not. The copy is built PACK_GROUPS groups at a time;
-    m's data is left as it is (the caller may drop its file pages)."""
+    (prefill) reads it too; row selections do not. m's data is left as it is (the caller may drop
+    its file pages)."""
     _check_m(m, whole=True)
     if xq is None:
         xq = m.qtype in XQ_DEFAULT
     if m.interleaved or m.qtype not in PACK_DEFAULT or not xq or m.rows % X8:
         return m
     nb, ts = m.cols // QTYPES[m.qtype][1], QTYPES[m.qtype][2]
-    src = m.data.reshape(-1, X8, nb, ts)  # [G, 8, nb, ts]
-    out = np.empty((src.shape[0], X8 * nb * ts), np.uint8)
-    for a in range(0, src.shape[0], PACK_GROUPS):
-        out[a:a + PACK_GROUPS] = _interleave(m._id, src[a:a + PACK_GROUPS])
+    src = np.ascontiguousarray(m.data).reshape(-1)  # [G * 8 * nb * ts]: G groups of 8 rows
+    out = np.empty((m.rows // X8, X8 * nb * ts), np.uint8)
+    _interleave(m._id, src, nb, ts, out)
     return QuantMatrix(out, m.qtype, m.shape, interleaved=True)
 
 
