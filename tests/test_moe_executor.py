@@ -306,7 +306,7 @@ def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
     dense = run_cli(*args, "--no-plan")
     assert hybrid.returncode == 0 and dense.returncode == 0, hybrid.stderr + dense.stderr
     assert "hybrid" in hybrid.stderr and "experts per token" in hybrid.stderr
-    stats = next(l for l in hybrid.stderr.splitlines() if l.startswith("[stats]"))
+    stats = next(l for l in hybrid.stderr.splitlines() if l.startswith("[stats] decode"))
     if device == "cuda":
         assert "idle GPU" in stats, stats
     else:  # no GPU in use: the fast tier is not called one
