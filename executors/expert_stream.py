@@ -52,8 +52,9 @@ class ExpertStreamer:
         self.n_experts = {l: c.down.rows // dim for l, c in colds.items()}
         self.hidden = ref.up.rows // self.n_experts[next(iter(colds))]
         I, D = self.hidden, dim
-        self.raw_bytes = max((c.gate.nbytes + c.up.nbytes + c.down.nbytes) // self.n_experts[l]
-                             for l, c in colds.items())  # one expert's bytes
+        self.mat_bytes = {name: max(getattr(c, name).nbytes // self.n_experts[l] for l, c in colds.items())
+                          for name in ("gate", "up", "down")}  # one expert's bytes of each matrix
+        self.raw_bytes = sum(self.mat_bytes.values())
         decoded = 3 * I * D * torch.tensor([], dtype=tier.dtype).element_size()
         self.group = max(1, min(max(self.n_experts.values()), slots_bytes // (2 * self.raw_bytes + decoded)))
         self.order = [(l, a, min(self.n_experts[l], a + self.group))
@@ -94,10 +95,10 @@ class ExpertStreamer:
         i = k % 2
         layer, a, b = self.order[k]
         spans = self._spans(layer, a, b)
-        if self.slots[i] is None:
+        if self.slots[i] is None:  # one buffer of a group's raw bytes, a view per matrix
             with torch.inference_mode(False):
-                self.slots[i] = {name: torch.empty(self.group * self.raw_bytes, dtype=torch.uint8,
-                                                   device=self.tier.device) for name in spans}
+                flat = torch.empty(self.group * self.raw_bytes, dtype=torch.uint8, device=self.tier.device)
+            self.slots[i] = dict(zip(self.mat_bytes, flat.split([self.group * n for n in self.mat_bytes.values()])))
         slot, tier = self.slots[i], self.tier
         ctx = torch.cuda.stream(self.stream) if tier.cuda else contextlib.nullcontext()
         with ctx:

@@ -841,6 +841,8 @@ def test_streamed_quantised_experts_match_reference(folder, family, kind, device
         with torch.inference_mode():
             got = lm.model(toks.to(device)).cpu()
         st = eng.stats()["prefill"]
+        raw = [t for slot in s.slots for t in slot.values()]  # the raw slots hold a group's bytes, no more
+        assert sum(t.numel() for t in raw) == 2 * s.group * s.raw_bytes
     assert rel_err(got, want) < TOL[kind]
     assert st["regimes"]["stream"] == len(eng.moe) and st["experts_cpu"] == 0
     assert st["experts_gpu"] == toks.shape[1] * lm.config.top_k * len(eng.moe)
