@@ -337,16 +337,13 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
     if costs.cpu_flops is None and prefill == "auto" and gemm:  # the "dense" regime's rate, in the rows' dtype
         costs = dataclasses.replace(costs, cpu_flops=measure_cpu_flops(torch_view(gemm[0].up).dtype,
                                                                        lm.config.hidden_size, cpu_threads))
-    pinned: list[int] = []
-    t_pin = time.perf_counter()
-    if streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
-        for c in colds.values():
-            pinned += pin_host(c)
     qcolds = {l: mp.cold for l, mp in moe_parts.items() if streamable(mp.cold)}
     experts_streamer = ExpertStreamer(tier, qcolds, lm.config.hidden_size, expert_stream_bytes) \
         if qcolds and prefill in ("auto", "stream") and (tier.cuda or prefill == "stream") else None
-    if experts_streamer is not None and tier.cuda and (pin_cold if pin_cold is not None else True):
-        for c in qcolds.values():
+    pinned: list[int] = []
+    t_pin = time.perf_counter()
+    if tier.cuda and (pin_cold if pin_cold is not None else True):  # what streams, page-locked
+        for c in [*(colds.values() if streamer else ()), *(qcolds.values() if experts_streamer else ())]:
             pinned += pin_host(c)
     times.add("pin", time.perf_counter() - t_pin)
     prefill_io = HostRows(tier.host_empty, lm.config.hidden_size, 0)

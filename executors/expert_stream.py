@@ -48,15 +48,16 @@ class ExpertStreamer:
         if bad:
             raise ValueError(f"layers {bad}: only whole quantised experts of {sorted(DECODABLE)} stream")
         self.tier, self.colds, self.dim = tier, colds, dim
-        ref = next(iter(colds.values()))
         self.n_experts = {l: c.down.rows // dim for l, c in colds.items()}
-        self.hidden = ref.up.rows // self.n_experts[next(iter(colds))]
+        first = next(iter(colds))
+        self.hidden = colds[first].up.rows // self.n_experts[first]
         I, D = self.hidden, dim
         self.mat_bytes = {name: max(getattr(c, name).nbytes // self.n_experts[l] for l, c in colds.items())
                           for name in ("gate", "up", "down")}  # one expert's bytes of each matrix
         self.raw_bytes = sum(self.mat_bytes.values())
-        decoded = 3 * I * D * torch.tensor([], dtype=tier.dtype).element_size()
-        self.group = max(1, min(max(self.n_experts.values()), slots_bytes // (2 * self.raw_bytes + decoded)))
+        self.decoded_bytes = 3 * I * D * torch.tensor([], dtype=tier.dtype).element_size()  # one expert, decoded
+        per_expert = 2 * self.raw_bytes + self.decoded_bytes
+        self.group = max(1, min(max(self.n_experts.values()), slots_bytes // per_expert))
         self.order = [(l, a, min(self.n_experts[l], a + self.group))
                       for l in sorted(colds) for a in range(0, self.n_experts[l], self.group)]
         self._groups: dict[int, range] = {}
@@ -77,8 +78,7 @@ class ExpertStreamer:
     @property
     def workspace_bytes(self) -> int:
         """Fast-tier bytes of the two raw slots and the decoded group (allocated at the first use)."""
-        elt = torch.tensor([], dtype=self.tier.dtype).element_size()
-        return self.group * (2 * self.raw_bytes + 3 * self.hidden * self.dim * elt)
+        return self.group * (2 * self.raw_bytes + self.decoded_bytes)
 
     # ------------------------------------------------------------------ copies
 
@@ -133,10 +133,9 @@ class ExpertStreamer:
             raw = self.slots[i][name][:data.nbytes].view(data.shape)
             dst = self.decoded[name][:g].view(rows, m.cols)
             step = max(8, DECODE_PIECE // m.cols // 8 * 8)  # whole interleaved groups of 8 rows
-            per = data.shape[0] // rows if not m.interleaved else None
             for r0 in range(0, rows, step):
                 r1 = min(rows, r0 + step)
-                src = raw[r0 // 8:r1 // 8] if m.interleaved else raw[r0 * per:r1 * per]
+                src = raw[r0 // 8:r1 // 8] if m.interleaved else raw[r0:r1]  # data rows: groups of 8, or rows
                 dequantize(src, m.qtype, (r1 - r0, m.cols), m.interleaved, out=dst[r0:r1])
             out[name] = self.decoded[name][:g]
         self.free[i] = self.tier.event()  # the raw slot may be refilled once the decode is done
@@ -159,12 +158,10 @@ class ExpertStreamer:
         for k in groups:
             _, a, b = self.order[k]
             picked = routes.padded(a, b, x2.device)
-            if picked is None:  # no token routed to this group: its copy (if queued) goes unused
-                self._prefetch(k + 1)
-                continue
-            w = self._decode(k)
+            w = self._decode(k) if picked is not None else None  # (none routed: its copy, if queued, goes unused)
             self._prefetch(k + 1)  # the next group, of this layer or the next streamed one
-            group_products(x2, weights, y, picked, w["gate"], w["up"], w["down"], act)
+            if w is not None:
+                group_products(x2, weights, y, picked, w["gate"], w["up"], w["down"], act)
         return y, routes.pairs
 
 

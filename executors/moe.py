@@ -383,8 +383,7 @@ class HybridMoE(FFN):
         self.top_k, self.renormalise = parts.top_k, parts.renormalise
         self.fast_bytes, self.host_bytes = parts.fast_bytes, parts.host_bytes
         self.n_cold = int((parts.pos >= 0).sum())
-        self.slot = {e: g for g, e in enumerate(self.fast.ids)}  # expert id -> fast tier slot
-        self.slot_pos = np.full(len(parts.pos), -1, np.int64)  # the same as an array (-1: not on the fast tier)
+        self.slot_pos = np.full(len(parts.pos), -1, np.int64)  # expert id -> fast tier slot (-1: on the host)
         self.slot_pos[self.fast.ids] = np.arange(len(self.fast.ids))
         self.dim = self.router.in_features
         I = self.hidden = parts.hidden
@@ -773,8 +772,8 @@ class HybridMoE(FFN):
             return y + self._grouped_fast(x2, weights, ids, phase).to(y.dtype)
         out = torch.zeros_like(x2)
         pairs = 0
-        for e, tok, slot in routed(ids, self.slot.__contains__):  # one token: its routed experts
-            out += self.fast.expert(self.slot[e], x2) * weights[:, int(slot[0]), None].to(x2.dtype)
+        for e, tok, slot in routed(ids, lambda e: self.slot_pos[e] >= 0):  # one token: its routed experts
+            out += self.fast.expert(int(self.slot_pos[e]), x2) * weights[:, int(slot[0]), None].to(x2.dtype)
             pairs += len(tok)
         self.book.add(phase, experts_gpu=pairs)
         return out + y
@@ -807,7 +806,8 @@ class HybridMoE(FFN):
         f = self.fast
         if not self.device_kernels():
             return False
-        groups = len(np.unique(self.slot_pos[ids][self.slot_pos[ids] >= 0] // self._fast_group()))
+        slots = self.slot_pos[ids]
+        groups = len(np.unique(slots[slots >= 0] // self._fast_group()))
         return len(ids) * TOKEN_LAUNCHES < groups * (GROUP_LAUNCHES_INT4 if f.int4 else GROUP_LAUNCHES)
 
     def device_kernels(self) -> bool:
