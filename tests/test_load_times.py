@@ -31,4 +31,5 @@ def test_open_for_run_times_each_stage_of_a_gguf_load(smollm2_path):
     finally:
         setup.close()
     assert {"parse", "build", "weights", "tokenizer", "repack"} <= set(d)
-    assert sum(v for k, v in d.items() if k != "total") <= d["total"] + 1e-3
+    # each value is rounded to the millisecond, so the sum may exceed the total by half a ms per value
+    assert sum(v for k, v in d.items() if k != "total") <= d["total"] + 0.0005 * len(d) + 1e-9
