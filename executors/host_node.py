@@ -47,7 +47,7 @@ from numba.np.ufunc.parallel import _launch_threads
 
 from hotcold.sparse_ops.cpu import ACTS, HostMatrix, _ffn_one_kernel
 from hotcold.sparse_ops import quant as block_quant  # its XQ_DEFAULT read when a node is built (tests patch it)
-from hotcold.sparse_ops.quant import QuantMatrix, _qexperts_one_kernel, _qffn_one_kernel
+from hotcold.sparse_ops.quant import QuantMatrix, qexperts_one_kernel, qffn_one_kernel
 
 # the control block: int64 [N_CTL]; every node's starts with THREADS, STATUS, CALLS, BUSY_NS
 THREADS, STATUS, CALLS, BUSY_NS = range(4)
@@ -153,7 +153,7 @@ def _host_experts(user):
             coef[n] = w[j]
             n += 1
     if n:
-        _qexperts_one_kernel(x, first, coef, ctl[QU], gate, up, ctl[GU_X8] != 0, ctl[QD], down, ctl[D_X8] != 0,
+        qexperts_one_kernel(x, first, coef, ctl[QU], gate, up, ctl[GU_X8] != 0, ctl[QD], down, ctl[D_X8] != 0,
                              ctl[HIDDEN], ctl[ACT], ctl[XQ_UP] != 0, ctl[XQ_DOWN] != 0, out)
     _end(ctl, t0, n)
 
@@ -218,7 +218,7 @@ def _ffn_quant(ctl):
     down = numba.carray(_void_ptr(ctl[F_DOWN]), (c, ctl[F_DOWN_C]), np.uint8)
     n = rows.shape[0]
     if n:
-        _qffn_one_kernel(x, rows, ctl[F_QU], up, gate, ctl[F_QD], down, ctl[F_ACT], ctl[F_GATE] != ctl[F_UP],
+        qffn_one_kernel(x, rows, ctl[F_QU], up, gate, ctl[F_QD], down, ctl[F_ACT], ctl[F_GATE] != ctl[F_UP],
                          ctl[F_XQ] != 0, _ffn_bias(ctl), ctl[F_BIAS] != 0, np.zeros(1, np.float32), False,
                          min(ctl[THREADS], n), out)
     return n
@@ -367,8 +367,8 @@ class HostNode(_Node):
         for i, m in ((GATE, gate), (UP, up), (DOWN, down)):
             c[i], c[i + 1], c[i + 2] = _addr(m.data), *m.data.shape
         c[QU], c[QD], c[GU_X8], c[D_X8], c[HIDDEN] = up._id, down._id, up.interleaved, down.interleaved, down.cols
-        c[ACT], c[XQ_UP] = ACTS[act], up.interleaved or up.qtype in block_quant.XQ_DEFAULT
-        c[XQ_DOWN] = down.interleaved or down.qtype in block_quant.XQ_DEFAULT
+        c[ACT], c[XQ_UP] = ACTS[act], up.interleaved or up.qtype in block_quant.formats.XQ_DEFAULT
+        c[XQ_DOWN] = down.interleaved or down.qtype in block_quant.formats.XQ_DEFAULT
         self._threads(threads)
         self.failure = f"CPU experts (host node): an expert id out of range [0, {pos.shape[0]}) was routed"
         self.fn = host_function()
@@ -409,7 +409,7 @@ def cold_slots(c: np.ndarray, x: np.ndarray, mask: np.ndarray | None, cold, out:
     if kind == "quant":
         c[F_UP], c[F_UP_C], c[F_GATE] = _addr(up.data), up.data.shape[1], _addr(gate.data)
         c[F_DOWN], c[F_DOWN_C], c[F_QU], c[F_QD] = _addr(down.data), down.data.shape[1], up._id, down._id
-        c[F_XQ] = up.qtype in block_quant.XQ_DEFAULT
+        c[F_XQ] = up.qtype in block_quant.formats.XQ_DEFAULT
     else:
         c[F_UP], c[F_UP_S], c[F_GATE], c[F_GATE_S] = _addr(up._w), _addr(up._s), _addr(gate._w), _addr(gate._s)
         c[F_DOWN], c[F_DOWN_S] = _addr(down._w), _addr(down._s)

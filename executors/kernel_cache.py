@@ -21,7 +21,7 @@ def _entry_points() -> dict:
     from hotcold.sparse_ops import attention, norm, quant
 
     return {"block step": cpu_step._block_step, "attention": attention._decode_attention,
-            "RMSNorm": norm._rms_norm, "dequantisation": quant._qdequant_kernel}
+            "RMSNorm": norm._rms_norm, "dequantisation": quant.qdequant_kernel}
 
 
 def cached_for_this_machine(dispatcher) -> bool | None:

@@ -50,7 +50,7 @@ from hotcold.sparse_ops.attention import _decode_attention
 from hotcold.sparse_ops.cpu import HostMatrix, _gemv_rows_kernel
 from hotcold.sparse_ops.norm import _rms_norm
 from hotcold.sparse_ops import quant as block_quant  # its XQ_DEFAULT read when a node is built (tests patch it)
-from hotcold.sparse_ops.quant import QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
+from hotcold.sparse_ops.quant import QuantMatrix, qgemv_rows_kernel, qgemv_x8_kernel
 
 # the layer's slots
 (L_X, L_POS, L_S, L_RES, L_MASK, L_I, L_FP, L_NA, L_NF, L_PLUS1, L_H, L_HKV, L_DH, L_KC, L_VC, L_COS, L_SIN,
@@ -101,9 +101,9 @@ def _mv(ctl, m, x, out, quant):
     elif quant is not None:
         data = numba.carray(_void_ptr(ctl[m + M_ADDR]), (ctl[m + M_R0], ctl[m + M_R1]), np.uint8)
         if mode == 4:
-            _qgemv_rows_kernel(ctl[m + M_QID], data, rows, x, ctl[m + M_XQ] != 0, out)
+            qgemv_rows_kernel(ctl[m + M_QID], data, rows, x, ctl[m + M_XQ] != 0, out)
         else:
-            _qgemv_x8_kernel(ctl[m + M_QID], data, x, out)
+            qgemv_x8_kernel(ctl[m + M_QID], data, x, out)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -397,7 +397,7 @@ class LayerHostNode(_Node):
         if isinstance(m, QuantMatrix):
             c[slot + M_ADDR], (c[slot + M_R0], c[slot + M_R1]) = hn._addr(m.data), m.data.shape
             c[slot + M_MODE] = MODES["interleaved" if m.interleaved else "quant"]
-            c[slot + M_QID], c[slot + M_XQ] = m._id, m.interleaved or m.qtype in block_quant.XQ_DEFAULT
+            c[slot + M_QID], c[slot + M_XQ] = m._id, m.interleaved or m.qtype in block_quant.formats.XQ_DEFAULT
         else:
             c[slot + M_ADDR], c[slot + M_SCALE] = hn._addr(m._w), hn._addr(m._s)
             c[slot + M_R0], c[slot + M_R1] = m.data.shape

@@ -49,8 +49,9 @@ from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
 from hotcold.sparse_ops.moe_gpu import Q4Stack, kernels_ready, routed_experts
-from hotcold.sparse_ops.quant import (GEMM_BF16, check_expert_stacks, qdequantize, qexpert_batch, qexperts_tokens,
+from hotcold.sparse_ops.quant import (check_expert_stacks, qdequantize, qexpert_batch, qexperts_tokens,
                                      qexperts_trusted)
+from hotcold.sparse_ops.quant.ops import GEMM_BF16
 
 # ---------------------------------------------------------------------------------------------
 # Weights: the fast tier's experts and the host's

@@ -36,19 +36,19 @@ from numba import njit
 from hotcold.models.layers import Attention, GatedFFN, RMSNorm
 from hotcold.models.quantized import QuantLinear
 from hotcold.sparse_ops.attention import _decode_attention
-from hotcold.sparse_ops.cpu import ACTS, _act
+from hotcold.sparse_ops.selection import ACTS, activate
 from hotcold.sparse_ops.norm import _rms_norm
 from hotcold.sparse_ops import quant
-from hotcold.sparse_ops.quant import QuantMatrix, _qgemv_rows_kernel, _qgemv_x8_kernel
+from hotcold.sparse_ops.quant import QuantMatrix, qgemv_rows_kernel, qgemv_x8_kernel
 
 
 @njit(nogil=True, cache=True)
 def _gemv(m, x, out):
     # m: (type id, interleaved, Q8 activations, data uint8 [R, B], rows int64 [R]); x [cols] -> out [R]
     if m[1]:
-        _qgemv_x8_kernel(m[0], m[3], x, out)
+        qgemv_x8_kernel(m[0], m[3], x, out)
     else:
-        _qgemv_rows_kernel(m[0], m[3], m[4], x, m[2], out)
+        qgemv_rows_kernel(m[0], m[3], m[4], x, m[2], out)
 
 
 @njit(nogil=True, cache=True)
@@ -110,7 +110,7 @@ def _ffn_half(f_in, r, norm_w, eps, plus_one, sandwich, gate, up, down, act, buf
     _gemv(gate, f_in, g)
     _gemv(up, f_in, u)
     for i in range(I):
-        g[i] = _act(g[i], act) * u[i]
+        g[i] = activate(g[i], act) * u[i]
     _gemv(down, g, h)
     if sandwich:
         _norm(h, norm_w[3], eps, plus_one, h)
@@ -131,7 +131,7 @@ def _mat(lin) -> tuple:
     m = lin.qweight if isinstance(lin, QuantLinear) else lin  # a QuantMatrix
     if m._all_rows is None:
         m._all_rows = np.arange(m.rows, dtype=np.int64)
-    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.XQ_DEFAULT), m.data, m._all_rows)
+    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.formats.XQ_DEFAULT), m.data, m._all_rows)
 
 
 def _parts(block) -> tuple:
@@ -144,7 +144,7 @@ def _parts(block) -> tuple:
     lins = (am.get("q"), am.get("k"), am.get("v"), am.get("o"), fm.get("gate"), fm.get("up"), fm.get("down"))
     mods = (block, *(m for n, m in bm.items() if n != "ffn"), *am.values())  # every module but the FFN's
     return (mods, (f, *fm.values())), (a, f, a.__dict__.get("qkv"), *lins, *(getattr(lin, "qweight", None) for lin in lins),
-                  quant.XQ_DEFAULT)
+                  quant.formats.XQ_DEFAULT)
 
 
 @dataclass

@@ -7,7 +7,7 @@ MoE `Experts` of the reference model on the CPU:
 - one token (decode) multiplies straight from the blocks (`sparse_ops.quant.qgemv`, numba);
 - several tokens (prefill) decode the blocks `CHUNK_BYTES` of float32 rows at a time and multiply
   with torch (each block is decoded once per call, then reused by every token), in bfloat16 where
-  the CPU has bfloat16 dot products (`sparse_ops.quant.GEMM_BF16`).
+  the CPU has bfloat16 dot products (`sparse_ops.quant.ops.GEMM_BF16`).
 
 `dequantized(module, device, dtype)` turns them into ordinary modules for a GPU. `quantize_model`
 builds the same modules from an HF checkpoint's float weights (`--quantize q8_0|q4_0|q4_k`).
@@ -55,7 +55,7 @@ def qlinear(m: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
         y = torch.empty((n, m.rows), dtype=torch.float32)
         step = _rows_per_chunk(m.cols)
         buf = quant.gemm_scratch(min(step, m.rows), m.cols)
-        xg = xf.to(torch.bfloat16) if quant.GEMM_BF16 else xf  # [N, in]
+        xg = xf.to(torch.bfloat16) if quant.ops.GEMM_BF16 else xf  # [N, in]
         for a in range(0, m.rows, step):
             b = min(m.rows, a + step)
             w = quant.gemm_operands(m, np.arange(a, b, dtype=np.int64), buf)  # [b - a, in]
@@ -304,7 +304,7 @@ def pack_for_decode(model: nn.Module, tied: bool | None = None, is_head: bool = 
     for m in model.modules():
         if isinstance(m, QuantLinear) or (tied and isinstance(m, QuantEmbedding)):
             head = id(m) in heads or isinstance(m, QuantEmbedding)
-            packed = quant.pack_rows(m.qweight, xq=True if head and HEAD_XQ and quant.XQ_DEFAULT else None)
+            packed = quant.pack_rows(m.qweight, xq=True if head and HEAD_XQ and quant.formats.XQ_DEFAULT else None)
             if packed is not m.qweight:
                 drop_file_pages(m.qweight.data)
                 m.qweight, done = packed, done + packed.nbytes

@@ -42,7 +42,7 @@ FORMAT = "6"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over thre
 # 5: whole MoE experts' rates (cpu_expert_Bps); 6: AVX2 machines' Q8-activation kernels ~1.8x faster
 KINDS = ("f32", "bf16", "f16", "i8")
 EXPERTS_PER_CALL = 4  # CPU experts per qexperts call in the probe: a token's top-8 with about half on the GPU
-# GGUF block types the CPU kernels compute on (sparse_ops/quant.py), measured as the runtime uses them:
+# GGUF block types the CPU kernels compute on (sparse_ops/quant/), measured as the runtime uses them:
 # gate/up rows of the type, W_down transposed as Q8_0 (executors/weights.py); rates in quantised bytes.
 QKINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 

@@ -13,7 +13,9 @@ gpu  torch ops for the GPU's compacted hot neurons (device-agnostic): `compact_r
 fused_gpu  Triton kernels for CUDA: RMSNorm (`rms_norm_cuda`), the rotary embedding (`rope_cuda`) and
      a token's MoE routing packed for the host (`route_pack_cuda`), one kernel each instead of ~7,
      ~12 and ~10 torch ops.
-(also: quant (GGUF block kernels), gpu_quant (int4 GEMMs), moe_gpu (routed experts), norm (CPU RMSNorm).)
+(also: quant (GGUF block kernels, a package by format and concern), host_matrix (`HostMatrix`, huge pages),
+selection (what cpu and quant share: activations, row checks, threads), gpu_quant (int4 GEMMs), moe_gpu
+(routed experts), norm (CPU RMSNorm).)
 
 Row layout: one neuron is one row, so pass W_up/W_gate as [I, D] and W_down transposed, [I, D].
 """

@@ -7,7 +7,7 @@ Each decode is a handful of elementwise torch ops over the block tensor (memory-
 chunk of experts decodes in a small fraction of the time its bytes take to cross PCIe).
 
 Types: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (`DECODABLE`), GGUF layout or interleaved ("x8": groups of 8
-rows whose blocks are stored field by field, unit-major; `_X8_FIELDS`). An interleaved group-block
+rows whose blocks are stored field by field, unit-major; `X8_FIELDS`). An interleaved group-block
 is a fixed permutation of its 8 rows' blocks, so it is gathered back by one index (`_x8_order`).
 The arithmetic is gguf's reference decoders': in float32 for a float32 output (bit-equal to
 `QuantMatrix.dequantize`, gguf.quants, the independent reference in the tests); for a 16-bit output
@@ -23,7 +23,7 @@ import functools
 import numpy as np
 import torch
 
-from hotcold.sparse_ops.quant import _X8_FIELDS, QTYPES, X8, QuantMatrix
+from hotcold.sparse_ops.quant import QTYPES, X8, X8_FIELDS, QuantMatrix
 
 DECODABLE = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
 
@@ -35,7 +35,7 @@ def _x8_order(qtype: str) -> np.ndarray:
     ts = QTYPES[qtype][2]
     order = np.empty(X8 * ts, np.int64)
     base = 0
-    for off, size, unit in _X8_FIELDS[QTYPES[qtype][0]]:
+    for off, size, unit in X8_FIELDS[QTYPES[qtype][0]]:
         for u in range(size // unit):
             for r in range(X8):
                 for j in range(unit):

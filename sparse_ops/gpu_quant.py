@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, _qtype_name
+from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, qtype_name
 
 __all__ = ["Int4Matrix", "Int4Linear", "int4_supported", "int4_unsupported_reason", "int4_layout_reason",
            "cuda_int4_available", "int4_padded", "decode_int4", "decode_int4_halves", "quantize_int4", "INT4_QTYPES",
@@ -113,7 +113,7 @@ def int4_unsupported_reason(qtype, device, shape: tuple[int, int] | None = None,
                             inner_k_tiles: int | None = None) -> str | None:
     """Why a qtype matrix of shape (N rows, K cols) cannot be kept int4 on device; None if it can."""
     try:
-        name = _qtype_name(qtype)
+        name = qtype_name(qtype)
     except ValueError:
         return f"unsupported quantisation type {qtype!r}"
     if name not in INT4_QTYPES:

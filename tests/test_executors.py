@@ -453,7 +453,7 @@ def test_half_precision_predictor_agrees_with_float32(dtype, host, monkeypatch):
     from hotcold.executors.gpu_executor import LearnedMask, predictor_dtype
     from hotcold.sparse_ops import quant
 
-    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", False)
     torch.manual_seed(0)
     pred = NeuronPredictor(256, 1024, 32).eval()
     perm = torch.randperm(1024)

@@ -589,8 +589,8 @@ def test_smollm2_gguf_hybrid_greedy_tokens(monkeypatch):
     from conftest import smollm2_gguf
     from hotcold.sparse_ops import quant
 
-    monkeypatch.setattr(quant, "XQ_DEFAULT", frozenset())
-    monkeypatch.setattr(quant, "GEMM_BF16", False)  # the prompt's products in float32 too
+    monkeypatch.setattr(quant.formats, "XQ_DEFAULT", frozenset())
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", False)  # the prompt's products in float32 too
 
     path = smollm2_gguf()
     prompt = list(range(20, 40))

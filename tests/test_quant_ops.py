@@ -170,12 +170,12 @@ def test_qgemv_dense_and_out(qtype):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_xq_default_policy(qtype):
     """xq=None means Q8 activations for the types in XQ_DEFAULT (Q4_0, Q4_1, Q4_K), float x for the others."""
-    assert quant.XQ_DEFAULT == {"Q4_0", "Q4_1", "Q4_K"}
+    assert quant.formats.XQ_DEFAULT == {"Q4_0", "Q4_1", "Q4_K"}
     r, c = shapes(qtype)[1]
     m = random_q(qtype, (r, c), 5, "floats")
     x = np.random.default_rng(6).standard_normal(c).astype(np.float32)
     rows = selection(r, "unsorted")
-    use = qtype in quant.XQ_DEFAULT
+    use = qtype in quant.formats.XQ_DEFAULT
     np.testing.assert_array_equal(quant.qgemv_rows(m, rows, x), quant.qgemv_rows(m, rows, x, xq=use))
     np.testing.assert_array_equal(quant.qgemv(m, x), quant.qgemv(m, x, xq=use))
     g = random_q(qtype, (r, c), 7, "floats")
@@ -203,7 +203,7 @@ def test_qgemv_rows_q8_activations(qtype, how):
 
 def xhat(x: np.ndarray) -> np.ndarray:
     """x as the Q8-activation kernels see it: rounded to int8 per 32-block (`_quantize_x`), float64."""
-    xq, xd = quant._quantize_x(x)
+    xq, xd = quant.activations._quantize_x(x)
     return (xq.reshape(-1, 32).astype(np.float64) * xd[0::2, None]).ravel()
 
 
@@ -281,7 +281,7 @@ _PORTABLE_CHILD = """
 import sys
 import numpy as np
 from hotcold.sparse_ops import quant
-assert not quant._VNNI
+assert not quant.vector._VNNI
 res = {}
 rng = np.random.default_rng(0)
 for qt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
@@ -447,7 +447,7 @@ def test_qexperts_one_token(gtype, dtype, packed):
     layout gives the same result; out accumulates."""
     plain = expert_stacks(gtype, dtype)
     gate, up, down = (quant.pack_rows(m) for m in plain) if packed else plain
-    assert gate.interleaved == (packed and gtype in quant.PACK_DEFAULT and gtype in quant.XQ_DEFAULT)
+    assert gate.interleaved == (packed and gtype in quant.PACK_DEFAULT and gtype in quant.formats.XQ_DEFAULT)
     rng = np.random.default_rng(31)
     x = rng.standard_normal(gate.cols).astype(np.float32)
     experts, coef = np.array([3, 0, 4]), np.array([0.5, 0.3, 0.2], np.float32)
@@ -455,7 +455,7 @@ def test_qexperts_one_token(gtype, dtype, packed):
     out = out0.copy()
     assert quant.qexperts(x, experts, coef, gate, up, down, "silu", out=out) is out
     want = ref_experts(x, experts, coef, *plain, "silu")[0]
-    xq = gtype in quant.XQ_DEFAULT or dtype in quant.XQ_DEFAULT
+    xq = gtype in quant.formats.XQ_DEFAULT or dtype in quant.formats.XQ_DEFAULT
     assert_within(out - out0, want, (0.03 if xq else 1e-4) * np.abs(want).max())
     # the same rounding, composed: each matrix of each expert through qgemv (its default activations)
     composed = np.zeros_like(x)
@@ -491,7 +491,7 @@ def test_qexperts_tokens(gtype, dtype, packed):
     out = out0.copy()
     assert quant.qexperts_tokens(X, experts, coef, gate, up, down, "silu", out=out) is out
     assert np.array_equal(out[5], out0[5])
-    xq = gtype in quant.XQ_DEFAULT or dtype in quant.XQ_DEFAULT
+    xq = gtype in quant.formats.XQ_DEFAULT or dtype in quant.formats.XQ_DEFAULT
     for t in range(T):
         k = np.argsort(experts[t])
         k = k[experts[t][k] >= 0]
@@ -522,7 +522,7 @@ def test_qexperts_tokens_bad_arguments():
 def test_qexpert_batch(gtype, dtype, monkeypatch):
     """Several tokens through one expert, its blocks decoded once (float32 GEMMs here), equal the
     float64 reference; the routing weights scale each token; interleaved stacks decode the same."""
-    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", False)
     gate, up, down = expert_stacks(gtype, dtype, seed=40)
     X = np.random.default_rng(41).standard_normal((6, gate.cols)).astype(np.float32)
     coef = np.linspace(0.1, 1, 6).astype(np.float32)
@@ -705,7 +705,7 @@ def test_interleaving_applies_only_where_it_is_defined(monkeypatch):
     assert quant.pack_rows(random_q("Q6_K", (16, 256), 0), xq=True).interleaved is False
     assert quant.pack_rows(random_q("Q8_0", (16, 64), 0)).interleaved is False  # not in XQ_DEFAULT
     assert quant.pack_rows(random_q("Q4_0", (20, 64), 0)).interleaved is False
-    monkeypatch.setattr(quant, "XQ_DEFAULT", frozenset())
+    monkeypatch.setattr(quant.formats, "XQ_DEFAULT", frozenset())
     assert quant.pack_rows(random_q("Q4_0", (16, 64), 0)).interleaved is False
     monkeypatch.undo()
     p = quant.pack_rows(random_q("Q4_0", (16, 64), 0))

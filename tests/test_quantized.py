@@ -53,7 +53,7 @@ def test_quant_linear_matches_dequantised(qtype, tokens, bf16, monkeypatch):
     bfloat16 (GEMM_BF16, where the CPU has it) within bfloat16's rounding."""
     from hotcold.sparse_ops import quant
 
-    monkeypatch.setattr(quant, "GEMM_BF16", bf16)
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", bf16)
     m = random_matrix(qtype, (96, 256), seed=1)
     bias = torch.randn(96)
     layer = QuantLinear(m, bias)
@@ -72,7 +72,7 @@ def test_qffn_rows_batch_matches_one_token_kernels(bf16, gated, monkeypatch):
     the one-token fused kernel (float x) per token; in bfloat16 within its rounding."""
     from hotcold.sparse_ops import quant
 
-    monkeypatch.setattr(quant, "GEMM_BF16", bf16)
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", bf16)
     I, D, T = 300, 256, 9
     up, gate = random_matrix("Q4_K", (I, D), seed=5), random_matrix("Q4_K", (I, D), seed=6) if gated else None
     down_t = random_matrix("Q8_0", (I, D), seed=7)
@@ -81,7 +81,7 @@ def test_qffn_rows_batch_matches_one_token_kernels(bf16, gated, monkeypatch):
     act = "silu" if gated else "relu"
     bias = None if gated else np.random.default_rng(2).standard_normal(I).astype(np.float32) * 0.1
     want = np.stack([quant.qffn_rows(X[t], rows, up, down_t, act, gate=gate, up_bias=bias, xq=False) for t in range(T)])
-    monkeypatch.setattr(quant, "BATCH_CHUNK_BYTES", 64 * 4 * D)  # several chunks of rows
+    monkeypatch.setattr(quant.ops, "BATCH_CHUNK_BYTES", 64 * 4 * D)  # several chunks of rows
     got = quant.qffn_rows_batch(X, rows, up, down_t, act, gate=gate, up_bias=bias)
     tol = 2e-2 if bf16 else 1e-4
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
@@ -106,7 +106,7 @@ def test_quantize_model_matches_its_dequantised_copy(tmp_path, family, monkeypat
     in float32: bfloat16 GEMMs are checked in test_quant_linear_matches_dequantised)."""
     from hotcold.sparse_ops import quant
 
-    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", False)
     path = make_tiny(family, tmp_path)
     ref = load_model(path, "cpu", "float32").model
     lm = load_model(path, "cpu", "float32", quantize="q8_0")
@@ -145,8 +145,8 @@ def test_gguf_quantised_matches_dequantised_load(monkeypatch):
     decoder in test_quant_ops; here they would move a decode step's logits by ~1%)."""
     from hotcold.sparse_ops import quant
 
-    monkeypatch.setattr(quant, "XQ_DEFAULT", frozenset())
-    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    monkeypatch.setattr(quant.formats, "XQ_DEFAULT", frozenset())
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", False)
     q = load_model(smollm2_gguf(), "cpu", "float32")
     d = load_model(smollm2_gguf(), "cpu", "float32", quantized=False)
     assert isinstance(q.model.layers[0].ffn.up, QuantLinear) and isinstance(q.model.embed, QuantEmbedding)
@@ -166,7 +166,7 @@ def test_pack_for_decode_interleaves_and_keeps_the_logits(tmp_path, family, monk
     the interleaved rows), and the same embedding lookups."""
     from hotcold.sparse_ops import quant
 
-    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", False)
     path = make_tiny(family, tmp_path)
     lm = load_model(path, "cpu", "float32", quantize="q4_0")
     ids = torch.tensor([[1, 5, 9, 33, 7, 100, 2, 64]])
@@ -340,7 +340,7 @@ def test_perplexity_against_transformers_and_llama_cpp(model, monkeypatch):
     ref = _llama_cpp_ppl(path, windows)
     print(f"perplexity {model}: hotcold {ours:.4f} vs llama.cpp {ref:.4f} ({ours / ref - 1:+.2%})")
     assert abs(ours / ref - 1) < 0.015, f"hotcold {ours:.4f} vs llama.cpp {ref:.4f}"
-    monkeypatch.setattr(quant, "GEMM_BF16", False)
+    monkeypatch.setattr(quant.ops, "GEMM_BF16", False)
     exact = perplexity(lm.model, ids, ctx, bos, n_windows).ppl
     want = _transformers_ppl(path, windows)
     assert abs(exact / want - 1) < 0.001, f"hotcold float32 {exact:.5f} vs transformers {want:.5f}"

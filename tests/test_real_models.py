@@ -3,7 +3,7 @@
 Teacher-forced on real English text (Python's documentation), the top-1 next token of hotcold
 must agree with transformers' fp32 dequantised model on >= 99% of positions and with llama.cpp
 (which computes with quantised weights) on >= 94%. With the bfloat16 GEMMs of several tokens
-(`sparse_ops.quant.GEMM_BF16`, where the CPU has them: x, decoded weights and products rounded to
+(`sparse_ops.quant.ops.GEMM_BF16`, where the CPU has them: x, decoded weights and products rounded to
 bfloat16) on >= 95% and >= 94% (measured 98.4% / 97.2% against transformers).
 """
 
@@ -32,12 +32,12 @@ def loaded(request):
     assert len(ids) == N_TOKENS
     runs = {}  # GEMM_BF16 -> logits [T, V]
     with torch.inference_mode():
-        for bf16 in sorted({False, quant._gemm_bf16_supported()}):
-            saved, quant.GEMM_BF16 = quant.GEMM_BF16, bf16
+        for bf16 in sorted({False, quant.ops._gemm_bf16_supported()}):
+            saved, quant.ops.GEMM_BF16 = quant.ops.GEMM_BF16, bf16
             try:
                 runs[bf16] = lm.model(torch.tensor([ids]))[0]
             finally:
-                quant.GEMM_BF16 = saved
+                quant.ops.GEMM_BF16 = saved
     return request.param, path, lm, ids, runs
 
 

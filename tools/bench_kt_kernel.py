@@ -259,7 +259,7 @@ def settings(args, kt) -> dict:
     import torch
 
     from hotcold.executors.moe import EXPERT_BATCH_TOKENS
-    from hotcold.sparse_ops.quant import GEMM_BF16
+    from hotcold.sparse_ops.quant.ops import GEMM_BF16
 
     cpu = platform.processor()
     try:

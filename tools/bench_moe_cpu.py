@@ -175,7 +175,7 @@ def prompt_table(args, mats, rng) -> int:
     def tokens(X, ex, coef):
         qexperts_tokens(X, ex, coef, *mats, "silu")
 
-    ways = [("qexperts per token", per_token), (f"qexpert_batch ({'bf16' if quant.GEMM_BF16 else 'f32'} GEMM)", gemm),
+    ways = [("qexperts per token", per_token), (f"qexpert_batch ({'bf16' if quant.ops.GEMM_BF16 else 'f32'} GEMM)", gemm),
             ("qexperts_tokens", tokens)]
     print(f"\n{get_threads()} threads, {k} of {E} experts per token, ms per prompt chunk (speed against the first)\n")
     print(f"| {'tokens':>6} | {'tokens an expert':>16} | " + " | ".join(f"{n:>26}" for n, _ in ways) + " |")

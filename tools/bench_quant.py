@@ -16,11 +16,12 @@ Weights are random blocks (sane fp16 scales): speed does not depend on values.
 
     python tools/bench_quant.py [--rows 11008] [--dim 4096] [--frac 0.125] [--threads 2] [--repeats 10]
                                 [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--flush-mb 0]
-    python tools/bench_quant.py --baseline OLD_QUANT.py ...   (e.g. git show HEAD:sparse_ops/quant.py)
+    python tools/bench_quant.py --baseline OLD_QUANT_DIR ...
+        (e.g. mkdir /tmp/old && git archive HEAD sparse_ops/quant | tar -x -C /tmp/old: /tmp/old/sparse_ops/quant)
     python tools/bench_quant.py --requant [--gguf MODEL.gguf]
     python tools/bench_quant.py --xq-error [--rows 4096]
 
---baseline times an older copy of sparse_ops/quant.py on the same blocks, taking turns with the
+--baseline times an older copy of the sparse_ops/quant package on the same blocks, taking turns with the
 current kernels (rows marked "(base)"): an A/B comparison that the machine's load hits alike.
 
 --requant measures instead what `transpose_quantized` costs in accuracy: W_down [D, I] is quantised
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 
@@ -146,8 +148,10 @@ def xq_error(args) -> None:
 
 
 def load_baseline(path: str):
-    """An older copy of sparse_ops/quant.py, imported as a module of its own (for A/B runs)."""
-    spec = importlib.util.spec_from_file_location("hotcold_quant_baseline", path)
+    """An older copy of the sparse_ops/quant package (its directory), imported as a package of its own
+    (for A/B runs; its modules import each other relatively, so they load from the copy)."""
+    spec = importlib.util.spec_from_file_location("hotcold_quant_baseline", os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # numba's cache looks kernels' modules up by name
     spec.loader.exec_module(mod)
@@ -166,8 +170,8 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=0.5, help="seconds to let torch's threads go idle")
     ap.add_argument("--flush-mb", type=int, default=0,
                     help="read this many MiB before each timed call (> the L3 cache: rows come from DRAM)")
-    ap.add_argument("--baseline", default=None, metavar="QUANT_PY",
-                    help="also time the kernels of this copy of an older sparse_ops/quant.py, turn about")
+    ap.add_argument("--baseline", default=None, metavar="QUANT_DIR",
+                    help="also time the kernels of this copy of an older sparse_ops/quant package, turn about")
     ap.add_argument("--requant", action="store_true", help="measure transpose_quantized's error instead")
     ap.add_argument("--xq-error", action="store_true", help="measure the error of Q8 activations (xq) instead")
     ap.add_argument("--gguf", default=None, help="with --requant: also a GGUF file's ffn_down tensors")
@@ -247,10 +251,10 @@ def type_cases(name, args, k, x, coeff, out_k, out_d, baseline=None) -> list[dic
     kernels = [("qgemv_rows", 1, lambda q, u, dt, g: lambda s: q.qgemv_rows(u, s, x, out_k, xq=False))]
     kernels.append(("qgemv_rows xq", 1, lambda q, u, dt, g: lambda s: q.qgemv_rows(u, s, x, out_k, xq=True)))
     kernels.append(("qaxpy_rows (down_t)", 1, lambda q, u, dt, g: lambda s: q.qaxpy_rows(dt, s, coeff, out_d)))
-    if not args.no_ffn:  # gate / up with the type's default x (float or Q8, quant.XQ_DEFAULT), and with Q8
+    if not args.no_ffn:  # gate / up with the type's default x (float or Q8, quant.formats.XQ_DEFAULT), and with Q8
         kernels.append(("qffn_rows (x3 rows)", 3,  # where that is not the default
                         lambda q, u, dt, g: lambda s: q.qffn_rows(x, s, u, dt, "silu", gate=g, out=out_d)))
-        if name not in quant.XQ_DEFAULT:
+        if name not in quant.formats.XQ_DEFAULT:
             kernels.append(("qffn_rows xq (x3 rows)", 3, lambda q, u, dt, g: lambda s: q.qffn_rows(
                 x, s, u, dt, "silu", gate=g, out=out_d, xq=True)))
     return [dict(section=sec, name=kname + label, bytes=mult * k * rb, rows=k, fn=make(*impl))
