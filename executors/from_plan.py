@@ -12,7 +12,7 @@ from hotcold.errors import HotcoldError
 from hotcold.models.load_times import LoadTimes
 from hotcold.models.loader import (LoadedModel, describe_model, load_model, resolve_device, resolve_dtype,
                                    stored_half_dtype)
-from hotcold.models.quantized import pack_for_decode
+from hotcold.models.layout_cache import packed_for_decode
 
 COMPILE_NOTE_S = 5.0  # host functions built for longer than this (compiled, not loaded from cache) get a note
 
@@ -67,7 +67,7 @@ def _load_dense(path: Path, device, dtype, quantize: str | None, gpu_int4: bool,
         lm = load_model(path, device, dtype, quantize=quantize, times=times)
         if lm.device.type == "cpu":  # a quantised model's matrices interleaved for one-token GEMVs
             with times.stage("repack"):
-                pack_for_decode(lm.model)
+                packed_for_decode(lm)  # (mapped from the layout cache after the first load)
         return _graphed(lm, times)
     from hotcold.executors.engine import _move_rest
 

@@ -1,0 +1,134 @@
+"""The CPU layout a dense load of a GGUF file computes from its blocks, done once.
+
+`pack_for_decode` interleaves the matrices one-token decoding reads whole and fuses each attention's
+q, k and v (models/quantized.py): an anonymous copy of most of the file, rebuilt by every load.
+`packed_for_decode` keeps that result in a verified cache file (models/build_cache.py: safetensors,
+its bytes' digest checked on every read, written to a temporary name and renamed) and later loads
+set the same matrices as read-only views of a mapping of it: no copy, no interleaving pass, and
+pages that every process running the model shares through the page cache.
+
+One file per model file under `$HOTCOLD_HOME/cache/layout/`, named by the model's real path; its
+key covers the file's size, mtime and inode, the model's fingerprint, and the source of the code
+that computes the layout (models/quantized.py and sparse_ops/quant/), so a changed model or a
+changed layout rebuilds it, with one line saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from torch import nn
+
+from hotcold.models.build_cache import CacheInvalid, cache_dir, digest, read_cache_info, write_cache
+
+if TYPE_CHECKING:
+    from hotcold.models.loader import LoadedModel
+
+
+def packed_for_decode(lm: "LoadedModel") -> int:
+    """`pack_for_decode(lm.model)`, from the layout cache when it holds this model's layout; a GGUF
+    file's layout is written there for the next load. Returns the bytes interleaved (or mapped)."""
+    from hotcold.models.quantized import fuse_qkv, pack_for_decode
+
+    path = Path(lm.path)
+    if not path.is_file():  # an HF folder: its matrices are not blocks of a file
+        return pack_for_decode(lm.model)
+    key = layout_key(path, lm.fingerprint)
+    cache = cache_dir("layout") / f"{digest(os.path.realpath(path))}.safetensors"
+    try:
+        got = read_cache_info(cache, key)
+        if got is not None:
+            done = _apply(lm.model, *got)
+            fuse_qkv(lm.model)  # float16 / bfloat16 attentions (not cached: their weights are copies anyway)
+            return done
+    except (CacheInvalid, OSError) as e:
+        print(f"note: the layout cache {cache} {e}; rebuilding it", file=sys.stderr, flush=True)
+    done = pack_for_decode(lm.model)
+    tensors, layout = _collect(lm.model)
+    if tensors:
+        try:
+            write_cache(cache, key, tensors, json.dumps(layout))
+        except OSError:
+            pass  # a read-only home: the next load packs again
+    return done
+
+
+def layout_key(path: Path, fingerprint: str) -> str:
+    """What the cached layout depends on: the file's identity and version, the model's headers, the
+    packing code and its settings."""
+    from hotcold.models import quantized
+    from hotcold.sparse_ops import quant
+    from hotcold.sparse_ops.quant import formats
+
+    st = os.stat(path)
+    code_files = sorted(Path(quant.__file__).parent.glob("*.py")) + [Path(quantized.__file__)]
+    # (settings tests patch: formats' defaults are read at call time)
+    settings = repr((quantized.HEAD_XQ, sorted(formats.XQ_DEFAULT), sorted(formats.PACK_DEFAULT), formats.X8))
+    return digest("layout-1", os.path.realpath(path), str((st.st_size, st.st_mtime_ns, st.st_ino)), fingerprint,
+                  settings, *(f.read_bytes() for f in code_files))
+
+
+def _collect(model: nn.Module) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """The interleaved matrices pack_for_decode made (arrays to cache) and where each goes: a module's
+    `qweight` or an attention's `qkv`, or rows [start, stop) of a fused qkv for q, k and v."""
+    from hotcold.sparse_ops.quant import QuantMatrix
+
+    tensors: dict[str, np.ndarray] = {}
+    layout: list[dict] = []
+    in_qkv: set[str] = set()
+    for name, m in model.named_modules():
+        qkv = getattr(m, "qkv", None)
+        if isinstance(qkv, QuantMatrix):
+            tensors[f"{name}.qkv"] = qkv.data
+            layout.append(_entry(name, "qkv", qkv, f"{name}.qkv", None))
+            a = 0
+            for part in ("q", "k", "v"):
+                w = getattr(m, part).qweight
+                layout.append(_entry(f"{name}.{part}", "qweight", w, f"{name}.qkv", (a, a + len(w.data))))
+                in_qkv.add(f"{name}.{part}")
+                a += len(w.data)
+    for name, m in model.named_modules():
+        w = getattr(m, "qweight", None)
+        if isinstance(w, QuantMatrix) and w.interleaved and name not in in_qkv:
+            tensors[f"{name}.qweight"] = w.data
+            layout.append(_entry(name, "qweight", w, f"{name}.qweight", None))
+    return tensors, layout
+
+
+def _entry(module: str, attr: str, w, tensor: str, rows: tuple[int, int] | None) -> dict:
+    return {"module": module, "attr": attr, "qtype": w.qtype, "shape": list(w.shape), "tensor": tensor,
+            "rows": None if rows is None else list(rows)}
+
+
+def _apply(model: nn.Module, tensors: dict[str, np.ndarray], info: str) -> int:
+    """Set each cached matrix in place, after checking that every one fits the model as loaded (its
+    module exists, holds a matrix of that type and shape, not yet interleaved): a cache that does not
+    fit is refused as a whole (CacheInvalid) and the model is left as it was."""
+    from hotcold.sparse_ops.quant import QuantMatrix
+
+    try:
+        layout = json.loads(info)
+        todo = []
+        for e in layout:
+            m = model.get_submodule(e["module"])
+            data = tensors[e["tensor"]]
+            if e["rows"] is not None:
+                data = data[e["rows"][0]:e["rows"][1]]
+            new = QuantMatrix(data, e["qtype"], tuple(e["shape"]), interleaved=True)
+            if e["attr"] == "qweight":
+                old = getattr(m, "qweight", None)
+                if not isinstance(old, QuantMatrix) or old.interleaved or (old.qtype, old.shape) != (new.qtype, new.shape):
+                    raise ValueError(f"{e['module']} holds another matrix")
+            elif e["attr"] != "qkv" or getattr(m, "qkv", None) is not None:
+                raise ValueError(f"{e['module']}.{e['attr']} cannot be set")
+            todo.append((m, e["attr"], new))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CacheInvalid(f"does not fit this model ({e})") from None
+    for m, attr, new in todo:
+        setattr(m, attr, new)
+    return sum(v.nbytes for v in tensors.values())
