@@ -115,7 +115,7 @@ def _prefill_costs(kind: str):
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
                  quantize: str | None = None, gpu_int4: bool | None = None,
-                 compile_announced: bool = False) -> RunSetup:
+                 compile_announced: bool = False, input_sparse: bool = True) -> RunSetup:
     """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
     `load_model` (HF checkpoints quantised at load). gpu_int4: on CUDA, a quantised model's 4-bit
     matrices stay 4-bit on the GPU, the split FFNs' hot rows included (see make_hybrid); a plan made

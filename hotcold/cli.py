@@ -58,15 +58,18 @@ def _load(model: Optional[Path], device: Optional[str], dtype: Optional[str], th
     return load_model(model if model is not None else default_model_path(), device, dtype, quantize=quantize)
 
 
-SparseOpt = typer.Option(False, "--sparse", help="Compute each FFN only over the neurons its predictor expects to "
-                                                 "fire (needs `hotcold profile MODEL` first).")
+SparseOpt = typer.Option(None, "--sparse/--no-sparse",
+                         help="--sparse: compute each FFN only over the neurons its predictor expects to fire (needs "
+                              "`hotcold profile MODEL` first). --no-sparse: no sparsity at all. Default: the "
+                              "profile's input sparsity (every projection skips the weights of its small inputs), "
+                              "where the profile chose some.")
 
 
 def _sparse(lm, sparse: bool):
     """Context in which the model runs predictor-sparse (or a no-op); yields {layer: wrapper} or None."""
     import contextlib
 
-    if not sparse:
+    if not sparse:  # None (the default) or False
         return contextlib.nullcontext(None)
     from hotcold.predictors.artifact import find_predictors, load_predictors
     from hotcold.predictors.sparse import predicted_sparse
@@ -111,7 +114,7 @@ def run(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context length (default: the model's, up to 4096 in chat)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence (benchmarks)."),
-    sparse: bool = SparseOpt,
+    sparse: Optional[bool] = SparseOpt,
     plan: Optional[Path] = typer.Option(None, "--plan", help="Plan to run by (plan.safetensors or its folder; "
                                                               "default: the model's own, when `hotcold plan` made one)."),
     no_plan: bool = typer.Option(False, "--no-plan", help="Ignore any plan: run the dense model."),
@@ -135,7 +138,8 @@ def run(
     if prompt is None and as_json:  # before the model loads
         raise HotcoldError("--json needs --prompt")
     schema = _read_schema(json_schema, prompt) if json_schema is not None else None
-    setup = _open(model, plan, no_plan or sparse, device, dtype, threads, stats, quantize, gpu_int4)
+    setup = _open(model, plan, no_plan or bool(sparse), device, dtype, threads, stats, quantize, gpu_int4,
+                  input_sparse=sparse is None)
     lm = setup.lm
     try:
         if lm.tokenizer is None:
@@ -159,7 +163,7 @@ def run(
 
 
 def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtype, threads, stats: bool,
-          quantize: Optional[str] = None, gpu_int4: Optional[bool] = None):
+          quantize: Optional[str] = None, gpu_int4: Optional[bool] = None, input_sparse: bool = True):
     """The model per its plan (or dense), with the notes saying which printed to stderr."""
     import torch
 
@@ -175,7 +179,7 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
     compiling = _compile_note(device)
     with _loading(path):
         setup = open_for_run(path, plan, not dense, device, dtype, threads, stats, quantize, gpu_int4,
-                             compile_announced=compiling)
+                             compile_announced=compiling, input_sparse=input_sparse)
     return setup
 
 
@@ -262,6 +266,9 @@ def _print_stats(setup, gen_stats) -> None:
             line += "; timed with the CPU parts run eagerly (without --stats they run as host nodes of CUDA graphs)"
     else:
         line += " (dense: no GPU/CPU split)" if _on_cuda(setup) else " (dense: the whole model on the CPU)"
+    achieved = setup.input_sparsity.achieved() if setup.input_sparsity is not None else None
+    if achieved is not None:
+        line += f"; input sparsity: {achieved:.1%} of the thresholded projections' inputs skipped (by weights)"
     mem = huge_page_share()
     if mem is not None:  # weights copied to 4 KiB pages read slower: a low share explains a slow run
         line += (f"; host memory {mem[0] / 2**30:.1f} GiB resident, {mem[1] / 2**30:.1f} GiB anonymous, "
@@ -363,7 +370,7 @@ def perplexity(
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Score at most this many windows."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
-    sparse: bool = SparseOpt,
+    sparse: Optional[bool] = SparseOpt,
     threads: Optional[int] = ThreadsOpt,
     quantize: Optional[str] = QuantizeOpt,
     as_json: bool = typer.Option(False, "--json", help='Print {"ppl", "tokens_scored", "ctx"} as JSON.'),
@@ -378,6 +385,12 @@ def perplexity(
     lm = _load(model, device, dtype, threads, quantize)
     if lm.tokenizer is None:
         raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; perplexity needs a tokenizer")
+    if not sparse:
+        from hotcold.executors.input_sparse import open_input_sparsity
+
+        note = open_input_sparsity(lm, sparse is None)[1]
+        if note and not as_json:
+            print(f"note: {note}", file=sys.stderr)
     text = text if text is not None else calibration_text()
     ids = lm.tokenizer.encode(text)
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
@@ -387,7 +400,7 @@ def perplexity(
         result = compute(lm.model, ids, ctx, bos, chunks, lambda done, total: bar.update(task, completed=done, total=total))
     if as_json:
         print(json.dumps({"ppl": result.ppl, "tokens_scored": result.tokens_scored, "ctx": ctx, "windows": result.windows,
-                          "sparse": sparse}))
+                          "sparse": bool(sparse)}))
     else:
         print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens ({result.windows} windows of {ctx})"
               f"{_selected_fraction(wrapped)}")

@@ -37,6 +37,7 @@ from hotcold.models.layers import Attention, GatedFFN, RMSNorm
 from hotcold.models.quantized import QuantLinear
 from hotcold.sparse_ops.attention import _decode_attention
 from hotcold.sparse_ops.selection import ACTS, activate
+from hotcold.sparse_ops.input_sparse import F32, InputMajor, im_kernel
 from hotcold.sparse_ops.norm import _rms_norm
 from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QuantMatrix, qgemv_rows_kernel, qgemv_x8_kernel
@@ -44,7 +45,24 @@ from hotcold.sparse_ops.quant import QuantMatrix, qgemv_rows_kernel, qgemv_x8_ke
 
 @njit(nogil=True, cache=True)
 def _gemv(m, x, out):
-    # m: (type id, interleaved, Q8 activations, data uint8 [R, B], rows int64 [R]); x [cols] -> out [R]
+    # m: (type id, interleaved, Q8 activations, data uint8 [R, B], rows int64 [R], input sparsity); x [cols]
+    # -> out [R]. Input sparsity (executors/input_sparse.py): InputMajor.args(), with kind >= 0 the
+    # input-major kernel's; kind -2: x zeroed at or below the threshold sp[1], then the dense kernel
+    # (sp[7] counts the inputs kept); kind -1: none
+    sp = m[5]
+    if sp[0] >= 0:
+        im_kernel(x, out, sp[0], sp[1], sp[2], sp[3], sp[4], sp[5], sp[6], sp[7], sp[8])
+        return
+    if sp[0] == -2:
+        xs = np.empty_like(x)
+        kept = 0
+        for j in range(x.shape[0]):
+            keep = abs(x[j]) > sp[1]
+            xs[j] = x[j] if keep else np.float32(0.0)
+            kept += keep
+        sp[7][0] += kept
+        sp[7][1] += x.shape[0]
+        x = xs
     if m[1]:
         qgemv_x8_kernel(m[0], m[3], x, out)
     else:
@@ -131,7 +149,23 @@ def _mat(lin) -> tuple:
     m = lin.qweight if isinstance(lin, QuantLinear) else lin  # a QuantMatrix
     if m._all_rows is None:
         m._all_rows = np.arange(m.rows, dtype=np.int64)
-    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.formats.XQ_DEFAULT), m.data, m._all_rows)
+    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.formats.XQ_DEFAULT), m.data, m._all_rows,
+            _sparsity(lin))
+
+
+def _sparsity(lin) -> tuple:
+    """The input-sparsity member of a matrix's kernel arguments (see _gemv)."""
+    d = getattr(lin, "__dict__", {})
+    im = d.get("input_major")
+    if im is not None:
+        return im.args()
+    t = d.get("input_threshold")
+    if t is None:
+        return _DENSE
+    return (-2, np.float32(t), *_DENSE[2:7], d["input_counter"], 1)
+
+
+_DENSE = (-1, np.float32(0.0), *InputMajor(F32, 1, 1, 0.0, threads=1).args()[2:])  # no input sparsity
 
 
 def _parts(block) -> tuple:

@@ -12,6 +12,9 @@ profile.safetensors (metadata {"fingerprint", "format"}), per layer l:
     layers.{l}.lookahead_experts    int32 [S, k]     ... and the experts layer l+1 chose for that token
   every layer
     layers.{l}.threshold            float32 [1]      |h| above which a neuron counts as active (0: ReLU)
+  gated models with input sparsity (profiler/input_sparsity.py; absent otherwise)
+    layers.{l}.input_threshold      float32 [4]      |x| at or below which each projection input is zeroed,
+                                                     for the groups qkv, o, gate_up, down (0: dense)
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Profile:
     expert_freq: dict[int, torch.Tensor] = field(default_factory=dict)
     expert_neuron_freq: dict[int, torch.Tensor] = field(default_factory=dict)
     threshold: dict[int, float] = field(default_factory=dict)
+    input_threshold: dict[int, torch.Tensor] = field(default_factory=dict)  # [4] per layer (see GROUPS)
 
     @property
     def fingerprint(self) -> str:

@@ -33,6 +33,9 @@ def profile(
     predictor_budget: float = typer.Option(0.04, "--predictor-budget", min=0.001, max=1.0,
                                            help="Predictors: total size as a fraction of the FFN parameters "
                                                 "(every byte of it is read per token)."),
+    input_sparsity: bool = typer.Option(True, "--input-sparsity/--no-input-sparsity",
+                                        help="Gated models: choose thresholds on every projection's input "
+                                             "(q/k/v, o, gate/up, down) within --ppl-budget (TEAL)."),
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
@@ -72,7 +75,7 @@ def profile(
     samples = _sample_cap(lm, samples, console)
     opts = ProfileOptions(tokens=tokens, seq_len=seq_len, sparsity=sparsity if gated else None,
                           ppl_budget=ppl_budget if ppl_budget is not None else 0.01, samples=samples,
-                          heldout_tokens=heldout if gated else 0, seed=seed)
+                          heldout_tokens=heldout if gated else 0, seed=seed, input_sparsity=input_sparsity)
     cal = tokenise(lm.tokenizer, sources, tokens, seq_len, opts.heldout_tokens)
     if cal.reused:
         have = sum(s.tokens for s in sources) - len(cal.heldout)
@@ -88,6 +91,8 @@ def profile(
     paths = write_profile(folder, tensors, meta, lambda p: plot(
         {r["layer"]: tensors.get(f"layers.{r['layer']}.neuron_freq", tensors.get(f"layers.{r['layer']}.expert_freq"))
          for r in meta["layers"]}, meta, p))
+    if "input_sparsity" in meta:
+        paths.append(_plot_input_sparsity(folder, meta))
     if predictors and samples:
         check = (cal.heldout, seq_len, opts.ppl_budget) if gated and cal.heldout else None
         paths += _train_predictors(lm, paths, recall, predictor_budget, console, check)
@@ -96,6 +101,16 @@ def profile(
     for p in paths:
         print(p)
     sys.stdout.flush()
+
+
+def _plot_input_sparsity(folder: Path, meta: dict) -> Path:
+    from hotcold.artifacts import atomic_path
+    from hotcold.profiler.input_sparsity import plot_curve
+
+    path = Path(folder) / "input_sparsity.png"
+    with atomic_path(path) as tmp:
+        plot_curve(meta["input_sparsity"], meta["model"], tmp)
+    return path
 
 
 def sample_row_bytes(config) -> tuple[int, int]:

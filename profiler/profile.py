@@ -14,6 +14,8 @@ from hotcold.models.loader import LoadedModel
 from hotcold.models.perplexity import perplexity
 from hotcold.profiler.calibrate import GRID, search_sparsity
 from hotcold.profiler.data import Calibration
+from hotcold.profiler.input_sparsity import applies as input_applies
+from hotcold.profiler.input_sparsity import profile_input_sparsity
 from hotcold.profiler.probes import MagnitudeSampler, Recorder, probed, run_layers
 from hotcold.profiler.report import layer_summary
 
@@ -33,6 +35,8 @@ class ProfileOptions:
     magnitudes_per_layer: int = 1 << 20
     batch_tokens: int = 4096  # tokens per forward
     seed: int = 0
+    input_sparsity: bool = True  # gated models: thresholds on every projection's input (profiler/input_sparsity.py)
+    input_calib_tokens: int = 1024  # calibration tokens of its magnitudes and greedy allocation
 
 
 def thresholded_kinds(lm: LoadedModel) -> bool:
@@ -115,6 +119,11 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
     elapsed = time.perf_counter() - start
 
     tensors, rows = {}, []
+    input_meta = None
+    if opts.input_sparsity and thresholded_kinds(lm) and cal.heldout and input_applies(model):
+        calib = seqs[: max(1, math.ceil(opts.input_calib_tokens / seqs.shape[1]))]
+        tensors, input_meta = profile_input_sparsity(lm, calib, cal.heldout, opts.seq_len, opts.ppl_budget,
+                                                     progress, opts.seed)
     for l in range(c.num_layers):
         kind = c.ffn_kind(l)
         tau = thresholds.get(l, 0.0)
@@ -160,6 +169,8 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
         "layers": rows,
         "summary": _summary(rows),
     }
+    if input_meta is not None:
+        meta["input_sparsity"] = input_meta
     return tensors, meta
 
 

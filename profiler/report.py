@@ -67,6 +67,8 @@ def print_table(meta: dict, console=None) -> None:
             mark = " ←" if abs(p["sparsity"] - meta["sparsity_target"]) < 1e-9 else ""
             c.add_row(f"{p['sparsity']:.1%}", f"{p['ppl']:.4f}", f"{p['ppl'] / base - 1:+.2%}{mark}")
         console.print(c)
+    if meta.get("input_sparsity"):
+        _input_table(meta["input_sparsity"], console)
     if meta.get("predictors", {}).get("layers"):
         _predictor_table(meta["predictors"], console)
     if meta.get("predictors", {}).get("lookahead"):
@@ -75,6 +77,21 @@ def print_table(meta: dict, console=None) -> None:
     console.print(f"mean sparsity {s['sparsity']:.1%}, neurons carrying 80% of activations {_pct(s['mass80'])}"
                   + (f", experts {_pct(s['experts_mass80'])}" if moe else "")
                   + f"; {meta['throughput_tok_s']:.0f} tok/s")
+
+
+def _input_table(im: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"input sparsity of every projection (TEAL; budget {im['ppl_budget']:.1%}): "
+                    "share of weights skipped against held-out perplexity")
+    for col in ("sparsity", "ppl", "vs dense"):
+        t.add_column(col, justify="right")
+    for p in im["curve"]:
+        mark = " ←" if abs(p["sparsity"] - im["chosen"]) < 1e-9 else ""
+        t.add_row(f"{p['sparsity']:.0%}", f"{p['ppl']:.4f}", f"{p['rise']:+.2%}{mark}")
+    console.print(t)
+    if im["chosen"] <= 0:
+        console.print("input sparsity: no level within the budget; runs stay dense")
 
 
 def _predictor_table(pm: dict, console) -> None:

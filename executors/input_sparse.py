@@ -1,0 +1,155 @@
+"""Input sparsity at run time: the profile's thresholds on every projection's input (TEAL).
+
+`apply_input_sparsity(model, thresholds)` gives each projection of a thresholded group (q/k/v, o,
+gate/up, down; profiler/input_sparsity.py) its threshold, and on the CPU its weights input-major
+(`sparse_ops.input_sparse.InputMajor`) where the weight format has that form (float32, float16,
+Q4_0, Q4_1, Q8_0). Then:
+
+- a one-token product on the CPU reads only the weights of the inputs above the threshold (the fused
+  quantised block step, models/cpu_step.py, and the module path, models/layers.py `project`);
+- every other product (prefill, other formats, CUDA) zeroes the inputs at or below the threshold and
+  multiplies dense, so every path computes the same thresholded model the profile measured.
+
+The input-major copy is kept beside the row-major weights, which prefill (several tokens) reads whole:
+RAM holds the thresholded matrices twice (a model's prefill is compute-bound, its decode reads the
+input-major copy alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hotcold.profiler.input_sparsity import GROUPS, group_modules
+
+
+@dataclass
+class InputSparsity:
+    """What apply_input_sparsity did: per projection (its rows, its counter [inputs kept, inputs seen]),
+    and the projections multiplied dense after thresholding (no input-major form)."""
+
+    counters: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    input_major: int = 0  # projections with an input-major copy
+    dense: list[str] = field(default_factory=list)  # "layer.group: why" of the others
+    extra_bytes: int = 0  # host bytes of the input-major copies
+
+    def achieved(self) -> float | None:
+        """Share of the thresholded projections' weights skipped on the one-token products so far
+        (each projection's skipped inputs weighted by its rows); None before any."""
+        seen = sum(rows * int(c[1]) for rows, c in self.counters)
+        if not seen:
+            return None
+        return 1.0 - sum(rows * int(c[0]) for rows, c in self.counters) / seen
+
+    def reset(self) -> None:
+        for _, c in self.counters:
+            c[:] = 0
+
+
+def thresholds_from_profile(profile) -> dict[int, dict[str, float]] | None:
+    """{layer: {group: threshold}} from a loaded profile, or None when it has none above 0."""
+    if not profile.input_threshold or profile.meta.get("input_sparsity", {}).get("chosen", 0) <= 0:
+        return None
+    return {l: {g: float(t[i]) for i, g in enumerate(GROUPS)} for l, t in profile.input_threshold.items()}
+
+
+def _unfuse_qkv(attn) -> None:
+    """Drop a fused q/k/v matrix (models/quantized.py fuse_qkv): the one-token step then multiplies q, k
+    and v apart, each from its own input-major copy (their weights are views of its rows: nothing is freed)."""
+    for name in ("qkv", "qkv_bias"):
+        if name in attn.__dict__:
+            del attn.__dict__[name]
+        elif name in attn._parameters or name in attn._buffers:
+            delattr(attn, name)
+
+
+def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_major: bool = True) -> InputSparsity:
+    """Set the thresholds on model's projections (see the module docstring). input_major: build the
+    input-major copies for the CPU's one-token products (False: threshold and multiply dense)."""
+    from hotcold.models.quantized import QuantLinear
+    from hotcold.sparse_ops.input_sparse import input_major as make_im
+
+    out = InputSparsity()
+    for l, per in thresholds.items():
+        block = model.layers[l]
+        mods = group_modules(block)
+        if any(per.get(g, 0.0) > 0 for g in ("qkv",)):
+            _unfuse_qkv(block.attn)
+        for g, t in per.items():
+            if t <= 0:
+                continue
+            for lin in mods[g]:
+                lin.__dict__["input_threshold"] = float(t)
+                lin.__dict__["input_counter"] = np.zeros(2, np.int64)
+                im = None
+                if input_major:
+                    if isinstance(lin, QuantLinear):
+                        im = make_im(lin.qweight, t)
+                        why = f"{lin.qweight.qtype} has no input-major form here"
+                    elif lin.weight.device.type == "cpu":
+                        im = make_im(lin.weight, t)
+                        why = f"{str(lin.weight.dtype).removeprefix('torch.')} has no input-major form here"
+                    else:
+                        why = "not on the CPU"
+                if im is not None:
+                    lin.__dict__["input_major"] = im
+                    out.input_major += 1
+                    out.extra_bytes += im.nbytes
+                    out.counters.append((im.rows, im.counter))
+                else:
+                    lin.__dict__.pop("input_major", None)
+                    out.counters.append((_rows(lin), lin.__dict__["input_counter"]))
+                    if input_major:
+                        out.dense.append(f"{l}.{g}: {why}")
+        for m in (block, block.attn, block.ffn):  # cpu_step's cached kernel arguments
+            for key in ("_cpu_step", "_cpu_args"):
+                m.__dict__.pop(key, None)
+    return out
+
+
+def _rows(lin) -> int:
+    return int(getattr(lin, "out_features", 0) or lin.weight.shape[0])
+
+
+def remove_input_sparsity(model) -> None:
+    """Undo apply_input_sparsity (the fused q/k/v matrix is not rebuilt)."""
+    for block in model.layers:
+        for mods in group_modules(block).values():
+            for lin in mods:
+                for key in ("input_threshold", "input_counter", "input_major"):
+                    lin.__dict__.pop(key, None)
+        for m in (block, block.attn, block.ffn):
+            for key in ("_cpu_step", "_cpu_args"):
+                m.__dict__.pop(key, None)
+
+
+def open_input_sparsity(lm, enabled: bool = True) -> tuple[InputSparsity | None, str | None]:
+    """Apply the profile's input sparsity to a loaded model, if it has one and `enabled`. Returns
+    (what was applied or None, a note for the user or None)."""
+    from hotcold.profiler.artifact import find_profile, load_profile
+    from hotcold.profiler.input_sparsity import applies
+
+    if not applies(lm.model):
+        return None, None
+    path = find_profile(lm.path, lm.fingerprint)
+    if path is None:
+        return None, None
+    profile = load_profile(path, lm.fingerprint)
+    thresholds = thresholds_from_profile(profile)
+    if thresholds is None:
+        return None, None
+    level = profile.meta["input_sparsity"]["chosen"]
+    rise = next((p["rise"] for p in profile.meta["input_sparsity"]["curve"] if p["sparsity"] == level), None)
+    if not enabled:
+        return None, f"input sparsity off (--no-sparse); the profile chose {level:.0%}"
+    applied = apply_input_sparsity(lm.model, thresholds, input_major=lm.device.type == "cpu")
+    note = (f"input sparsity {level:.0%} of the weights per the profile (held-out perplexity "
+            f"{rise:+.2%}; --no-sparse turns it off)" if rise is not None else
+            f"input sparsity {level:.0%} per the profile (--no-sparse turns it off)")
+    if lm.device.type != "cpu":
+        note += "; on CUDA its inputs are thresholded and multiplied dense (no sparse kernel there yet)"
+    elif applied.dense:
+        note += f"; {len(applied.dense)} projections multiply dense after thresholding ({applied.dense[0]})"
+    return applied, note
+

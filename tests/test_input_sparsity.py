@@ -1,0 +1,210 @@
+"""Input sparsity (TEAL): the input-major kernel against dense products, the greedy allocation against
+brute force, the thresholded model against HF transformers with the same inputs zeroed by hooks, the
+fused quantised step against the module path, and the profile -> run round trip."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hotcold.models.transformer as transformer
+from hotcold.executors.input_sparse import apply_input_sparsity
+from hotcold.models.loader import load_model
+from hotcold.models.quantized import dequantize_model, quantize_model
+from hotcold.models.transformer import KVCache
+from hotcold.profiler.input_sparsity import GROUPS, greedy_allocation, thresholded
+from hotcold.sparse_ops.input_sparse import im_gemv, input_major, sparse_linear_torch
+from hotcold.sparse_ops.quant import QuantMatrix, pack_rows
+from conftest import run_cli
+from tiny_models import add_tiny_tokenizer, make_tiny
+
+RNG = np.random.default_rng(0)
+
+
+def _x(cols: int) -> np.ndarray:
+    x = RNG.standard_normal(cols).astype(np.float32)
+    x[RNG.integers(0, cols, 3)] *= 20  # a few outlier channels, as hidden states have
+    x[:5] = 0.0  # exact zeros are skipped at threshold 0 too
+    return x
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows, cols", [(64, 96), (600, 256), (1030, 64)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_quantised_kernel_equals_the_dense_product(qtype, rows, cols, packed):
+    """Exact weights (the file's codes, scales and offsets, read back whole) and the product of the
+    thresholded input within float32 summation noise, for any threshold; the counter counts the kept inputs."""
+    m = QuantMatrix.quantize(RNG.standard_normal((rows, cols)).astype(np.float32), qtype)
+    if packed:
+        m = pack_rows(m, xq=True)
+    w = m.dequantize().astype(np.float64)
+    x = _x(cols)
+    for thr in (0.0, 0.3, float(np.quantile(np.abs(x), 0.7)), 1e9):
+        im = input_major(m, thr)
+        assert np.array_equal(im.dense(), m.dequantize())
+        xs = np.where(np.abs(x) > thr, x, 0.0)
+        want = w @ xs
+        got = im_gemv(im, x)
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), (qtype, thr)
+        assert im.counter.tolist() == [int((np.abs(x) > thr).sum()), cols]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_float_kernel_equals_the_dense_product(dtype):
+    w = torch.randn(300, 160).to(dtype)
+    x = _x(160)
+    for thr in (0.0, 0.8):
+        im = input_major(w, thr)
+        got = im_gemv(im, x)
+        want = w.double().numpy() @ np.where(np.abs(x) > thr, x, 0.0)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        # the torch form (the GPU's reference path) computes the same product
+        ref = sparse_linear_torch(torch.from_numpy(x), w.float(), thr)
+        assert torch.allclose(ref.double(), torch.from_numpy(want), rtol=1e-4, atol=1e-4)
+
+
+def test_formats_without_an_input_major_form():
+    m = QuantMatrix.quantize(RNG.standard_normal((64, 64)).astype(np.float32), "Q5_0")
+    assert input_major(m, 0.1) is None
+    assert input_major(torch.randn(8, 32, dtype=torch.bfloat16), 0.1) is None
+    odd = QuantMatrix.quantize(RNG.standard_normal((63, 64)).astype(np.float32), "Q4_0")
+    assert input_major(odd, 0.1) is None  # 4-bit codes pair rows
+    assert input_major(QuantMatrix.quantize(RNG.standard_normal((63, 64)).astype(np.float32), "Q8_0"), 0.1) is not None
+
+
+@pytest.mark.parametrize("levels", [(0.25, 0.5, 0.75)])
+def test_greedy_allocation_equals_brute_force_on_a_separable_convex_error(levels):
+    """With equal weights and an error that is a sum of convex per-group terms, taking the cheapest
+    raise each step is optimal: at each level the greedy allocation has the least error of every
+    allocation on the step grid with as many steps."""
+    cost = {"a": 1.0, "b": 3.0, "c": 0.5, "d": 2.0}
+    power = {"a": 2.0, "b": 1.5, "c": 3.0, "d": 2.0}
+
+    def error(alloc):
+        return sum(cost[g] * alloc[g] ** power[g] for g in alloc)
+
+    step = 0.125
+    got = greedy_allocation(error, {g: 1.0 for g in cost}, levels, step, cap=1.0)
+    grid = [i * step for i in range(9)]
+    for level in levels:
+        n = round(level * 4 / step)  # steps to reach the level with equal weights
+        best = min(error(dict(zip(cost, a))) for a in itertools.product(grid, repeat=4)
+                   if round(sum(a) / step) == n)
+        assert sum(got[level].values()) == pytest.approx(level * 4)
+        assert error(got[level]) == pytest.approx(best)
+
+
+def test_greedy_allocation_weights_the_level_by_parameters():
+    got = greedy_allocation(lambda a: a["big"] * 10 + a["small"], {"big": 3.0, "small": 1.0}, (0.1, 0.3), 0.1, cap=0.9)
+    assert got[0.1]["small"] > 0 and (3 * got[0.3]["big"] + got[0.3]["small"]) / 4 >= 0.3 - 1e-9
+    assert 0.5 not in greedy_allocation(lambda a: 0.0, {"x": 1.0}, (0.5,), 0.1, cap=0.4)
+
+
+def _thresholds(model, rng_seed: int = 0) -> dict[int, dict[str, float]]:
+    g = torch.Generator().manual_seed(rng_seed)
+    return {l: {grp: float(0.02 + 0.3 * torch.rand(1, generator=g)) for grp in GROUPS}
+            for l in range(len(model.layers))}
+
+
+def _hf_hooks(hf, thresholds):
+    """Forward pre-hooks on HF's projections zeroing their inputs at or below the thresholds."""
+    def zero(t):
+        return lambda mod, args: (args[0] * (args[0].abs() > t),)
+    handles = []
+    for l, layer in enumerate(hf.model.layers):
+        a, f = layer.self_attn, layer.mlp
+        for grp, mods in {"qkv": [a.q_proj, a.k_proj, a.v_proj], "o": [a.o_proj],
+                          "gate_up": [f.gate_proj, f.up_proj], "down": [f.down_proj]}.items():
+            handles += [m.register_forward_pre_hook(zero(thresholds[l][grp])) for m in mods]
+    return handles
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_thresholded_model_equals_hf_with_inputs_zeroed(tmp_path, family):
+    """Prefill and one-token decode steps (the input-major kernels) of our thresholded model against
+    HF transformers' model with the same projection inputs zeroed by hooks."""
+    import transformers as T
+
+    path = make_tiny(family, tmp_path)
+    lm = load_model(path, "cpu", "float32")
+    th = _thresholds(lm.model)
+    applied = apply_input_sparsity(lm.model, th)
+    assert applied.input_major == 7 * len(lm.model.layers) and not applied.dense
+    hf = T.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    _hf_hooks(hf, th)
+    toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = hf(toks).logits
+        cache = KVCache(lm.config, 16)
+        pre = lm.model(toks[:, :6], 0, cache)
+        steps = [lm.model(toks[:, i:i + 1], i, cache) for i in range(6, 12)]
+    got = torch.cat([pre, *steps], 1)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    achieved = applied.achieved()
+    assert achieved is not None and 0.05 < achieved < 0.95
+    # and dense differs: the thresholds matter
+    dense = load_model(path, "cpu", "float32")
+    with torch.inference_mode():
+        assert (dense.model(toks) - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind, im", [("q4_0", True), ("q8_0", True), ("q8_0", False)])
+def test_fused_quantised_step_equals_the_thresholded_module_path(tmp_path, kind, im):
+    """The fused one-token block step (models/cpu_step.py) of a quantised, thresholded model against
+    the profiler's thresholded forward (hooks) on the same weights dequantised: the input-major kernels
+    (Q4_0, Q8_0), and the threshold-then-dense path that types without that form take (im=False; with
+    Q8_0, whose dense kernel takes float x: a Q4 one's Q8 activations would add their own noise)."""
+    lm = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    quantize_model(lm.model, kind)
+    th = _thresholds(lm.model, 1)
+    toks = torch.randint(3, 160, (1, 10), generator=torch.Generator().manual_seed(4))
+    ref = dequantize_model(copy.deepcopy(lm.model), "cpu", torch.float32)  # the same weights, float32 products
+    # compared before the LM head, whose dense Q4 kernel takes Q8 activations (their noise, not float32's)
+    seen = {"got": [], "want": []}
+    ref.norm.register_forward_pre_hook(lambda mod, args: seen["want"].append(args[0]))
+    lm.model.norm.register_forward_pre_hook(lambda mod, args: seen["got"].append(args[0]))
+    with torch.inference_mode(), thresholded(ref, th):
+        ref(toks)
+    want = seen["want"][0]
+    applied = apply_input_sparsity(lm.model, th, input_major=im)
+    assert applied.input_major == (7 * len(lm.model.layers) if im else 0)
+    calls = []
+    orig = transformer.block_step
+    transformer.block_step = lambda *a: (lambda y: calls.append(y is not None) or y)(orig(*a))
+    try:
+        with torch.inference_mode():
+            cache = KVCache(lm.config, 16)
+            for i in range(10):
+                lm.model(toks[:, i:i + 1], i, cache)
+    finally:
+        transformer.block_step = orig
+    got = torch.cat(seen["got"], 1)
+    assert calls and all(calls)  # every block took the fused step
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert 0.05 < applied.achieved() < 0.95
+
+
+def test_profile_then_run_with_and_without_input_sparsity(tmp_path):
+    """`hotcold profile` records magnitudes, allocation, curve and thresholds; `run --stats` applies
+    them by default and says the sparsity achieved; --no-sparse runs dense."""
+    model = add_tiny_tokenizer(make_tiny("llama", tmp_path))
+    r = run_cli("profile", str(model), "--tokens", "256", "--seq-len", "64", "--heldout-tokens", "256",
+                "--no-predictors", "--ppl-budget", "1.0")
+    assert r.returncode == 0, r.stderr
+    out = next(Path(p).parent for p in r.stdout.split() if p.endswith("profile.json"))
+    meta = json.loads((out / "profile.json").read_text())["input_sparsity"]
+    assert meta["groups"] == list(GROUPS) and meta["chosen"] > 0
+    assert [p["sparsity"] for p in meta["curve"]][0] == 0.0 and len(meta["curve"]) >= 2
+    assert (out / "input_sparsity.png").read_bytes()[:4] == b"\x89PNG"
+    args = ("run", str(model), "-p", "The", "-n", "8", "-t", "0", "--stats", "--ignore-eos")
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert "input sparsity" in r.stderr and "inputs skipped" in r.stderr
+    r2 = run_cli(*args, "--no-sparse")
+    assert r2.returncode == 0 and "inputs skipped" not in r2.stderr
