@@ -24,6 +24,7 @@ class RunSetup:
     plan: object | None = None  # planner.plan.Plan
     notes: list[str] = field(default_factory=list)
     load_times: LoadTimes = field(default_factory=LoadTimes)  # where the load's time went (run --stats)
+    input_sparsity: object | None = None  # executors.input_sparse.InputSparsity when the run applies it
 
     @property
     def predicted_ms_per_token(self) -> float | None:
@@ -123,12 +124,35 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     (default): the plan's choice, or without a plan `dense_int4_default`; False: expanded unless the
     plan counted int4 (its GPU bytes assume it). compile_announced: the caller said up front that the
     CPU kernels are being compiled (kernel_cache.cold_kernels); no second note after the build.
+    input_sparse: apply the profile's input sparsity (executors/input_sparse.py) where it chose some, to
+    a dense run (a plan's split engine runs without it so far, and says so).
     The setup's load_times says where the time went."""
     times = LoadTimes()
     setup = _open_timed(times, path, plan, use_plan, device, dtype, threads, stats, quantize, gpu_int4,
                         compile_announced)
+    with times.stage("split"):
+        _input_sparsity(setup, input_sparse)
     setup.load_times = times.finish()
     return setup
+
+
+def _input_sparsity(setup: RunSetup, enabled: bool) -> None:
+    """Apply the profile's input sparsity to a dense run, noting what was done (a planned run notes
+    that it runs without)."""
+    from hotcold.executors.input_sparse import open_input_sparsity
+
+    if setup.engine is not None or setup.plan is not None:
+        if enabled and setup.lm.path is not None:
+            from hotcold.profiler.artifact import find_profile, load_profile
+
+            path = find_profile(setup.lm.path, setup.lm.fingerprint)
+            meta = load_profile(path, setup.lm.fingerprint).meta if path is not None else {}
+            if meta.get("input_sparsity", {}).get("chosen", 0) > 0:
+                setup.notes.append("the profile's input sparsity is not applied with a plan yet (--no-plan runs it)")
+        return
+    setup.input_sparsity, note = open_input_sparsity(setup.lm, enabled)
+    if note:
+        setup.notes.append(note)
 
 
 def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool, device: str | None,
