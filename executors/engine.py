@@ -12,9 +12,9 @@ LoadedModel, now on `device`: pass it to `hotcold.models.generate.Generator`.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -28,8 +28,9 @@ from hotcold.executors.host_block import host_blocks
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.expert_cache import ExpertCache, slot_kind
 from hotcold.executors.expert_stream import EXPERT_STREAM_BYTES, ExpertStreamer, streamable
-from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, check_experts, split_moe
-from hotcold.executors.prefill import (REGIMES, STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, measure_cpu_flops,
+from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, MoEParts, check_experts, split_moe
+from hotcold.executors.options import EngineOptions, Placement
+from hotcold.executors.prefill import (STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, measure_cpu_flops,
                                       pin_host, unpin_host)
 from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
@@ -144,117 +145,119 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
                 embed_cpu: bool = False, head_cpu: bool = False,
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
-                host_nodes: bool | None = None, dense_host_nodes: bool | None = None,
-                host_block_steps: bool | None = None, layer_nodes: bool | None = None,
+                host_nodes: bool = True, dense_host_nodes: bool = True,
+                host_block_steps: bool = True, layer_nodes: bool = True, layer_graphs: bool = True,
                 times: LoadTimes | None = None) -> HybridEngine:
-    """Convert lm in place into a hybrid engine and return it.
+    """build_engine from keywords (tests and tools): `hot`, `gpu_experts`, `attention_cpu`,
+    `predictor_cpu`, `embed_cpu`, `head_cpu`, `expert_cache_bytes`, `gpu_int4` and `int4_down` make
+    the Placement, the rest the EngineOptions (executors/options.py says what each means;
+    host_block_steps is EngineOptions.host_blocks)."""
+    placement = Placement(hot=hot, gpu_experts=gpu_experts or {}, attention_cpu=attention_cpu,
+                          predictor_cpu=predictor_cpu, embed_cpu=embed_cpu, head_cpu=head_cpu,
+                          expert_cache_bytes=expert_cache_bytes, gpu_int4=gpu_int4, int4_down=int4_down)
+    options = EngineOptions(device=device, dtype=dtype, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
+                            prefill=prefill, costs=costs, pin_cold=pin_cold, stream_slots_bytes=stream_slots_bytes,
+                            expert_stream_bytes=expert_stream_bytes, prefetch_experts=prefetch_experts,
+                            expert_cache_policy=expert_cache_policy, thresholds=thresholds or {},
+                            cuda_graphs=cuda_graphs, cpu_inline=cpu_inline, int4_hot=int4_hot,
+                            host_nodes=host_nodes, dense_host_nodes=dense_host_nodes, host_blocks=host_block_steps,
+                            layer_nodes=layer_nodes, layer_graphs=layer_graphs)
+    return build_engine(lm, placement, predictors, options, times)
 
-    hot: per layer, the neuron indices placed on the fast tier (hottest first); a missing layer has none.
+
+@dataclass
+class _Build:
+    """What the build's parts share: the model, the fast tier, the CPU worker and the statistics."""
+
+    lm: LoadedModel
+    placement: Placement
+    options: EngineOptions
+    tier: FastTier
+    cpu: CPUExecutor
+    book: StatsBook
+    threads: int
+    int4_hot: bool
+    times: LoadTimes
+
+    @property
+    def model(self) -> nn.Module:
+        return self.lm.model
+
+
+@torch.no_grad()
+def build_engine(lm: LoadedModel, placement: Placement, predictors: PredictorSet | Literal["oracle"] | None,
+                 options: EngineOptions = EngineOptions(), times: LoadTimes | None = None) -> HybridEngine:
+    """Convert lm in place into a hybrid engine by `placement`, executed as `options` say.
+
     predictors: a PredictorSet (layers without a predictor compute every neuron), "oracle" (the true
-      active set |h| > thresholds[l], default 0; tests only), or None (every neuron, dense).
-    device / dtype: the fast tier (default: lm's). cpu_dtype: storage of cold rows, f32 | bf16 | f16 | i8
-      (a quantised model's cold rows keep their GGUF blocks, W_down transposed as Q8_0: cpu_dtype does not apply).
-    threads: numba threads of the CPU worker. prefill: "auto" (prefill_regime decides per layer and
-      prompt length), "cpu", "dense" or "stream". costs: the rates prefill_regime weighs (default:
-      H200 host); without a cpu_flops figure, torch's CPU GEMM is timed here (about 10 ms).
-    stats: time GPU work and transfers with CUDA events (worker times and CPU rows are always kept).
-    pin_cold: page-lock cold weights for streaming (default: on CUDA unless prefill="cpu").
-    attention_cpu: layers whose attention (weights and KV cache) stays in host memory and runs on the CPU.
-    predictor_cpu: layers whose predictor runs on the CPU (numba gemv; the mask crosses to the fast tier).
-    gpu_experts: per MoE layer, the experts placed on the fast tier; a missing layer has none (all on the CPU).
-    stream_slots_bytes: fast-tier bytes of the two slots prefill streams cold rows through (the
-      planner reserves the default, planner.costs.Constants.stream_slots_bytes).
-    expert_stream_bytes: fast-tier bytes through which prefill streams quantised host experts (two
-      raw slots and the decoded group, executors/expert_stream.py; on a CPU tier only with
-      prefill="stream", for tests).
-    expert_cache_bytes: fast-tier bytes for the MoE expert cache (0: none); prefetch_experts: how
-      many experts of the next MoE layer the look-ahead names per token (default top-k / 2: naming
-      more copies more experts per hit, and PCIe moves an expert in about 1.4x the time the CPU
-      computes it, so a copy must buy more than one hit); the
-      look-ahead is the PredictorSet's corrected router where the profile trained one, else the
-      next layer's router; expert_cache_policy: "lru" or "lfu" eviction.
-    cuda_graphs: on CUDA, replay each block's attention half, and the device half of its hybrid FFN
-      or MoE layer, as a CUDA graph in one-token steps (executors/graphs.py), and where every block's
-      step is captured whole on the device, the whole step as one graph (StepGraph); "step": that
-      also over layers whose CPU experts are host nodes (measured slower, see StepGraph); "layers":
-      graphs per layer only; "attention": the attention half only (the FFNs eager): to compare.
-    gpu_int4: a quantised model's 4-bit matrices stay 4-bit on a CUDA tier (torch's int4 kernels)
-      instead of being expanded to dtype: outside the split FFNs (attention, LM head) as Int4Linear,
-      and the split FFNs' hot up/gate rows as Int4Matrix (see int4_hot).
-    int4_hot: whether the split FFNs' hot rows are kept int4 (executors/weights.py `_hot_int4`;
-      a layer whose rows cannot be says why in HotFFN.int4_skipped); None: gpu_int4 on a CUDA tier.
-      A layer whose neurons are all hot and whose up/gate/down are all 4-bit is then not split: its
-      FFN stays whole with Int4Linear matrices on the fast tier (`whole_int4`; engine.whole). A MoE
-      layer's fast-tier experts keep their 4-bit gate/up and down as Q4Stack (executors/moe.py
-      `split_moe`; the Triton expert kernels read them). True on a CPU tier runs torch's CPU twin
-      kernels (for tests; its experts are dequantised per call). int4_down: W_down's hot columns
-      requantised to int4 as well (default INT4_DOWN_DEFAULT, sparse_ops/gpu_quant.py: kept in dtype).
-    embed_cpu / head_cpu: keep the token embedding / the LM head in host memory and compute them on
-      the CPU (HostEmbedding, HostHead; a tied head follows the embedding), as a plan counts them.
-    cpu_inline: run the CPU parts in the calling thread rather than a worker (default: on a CPU tier,
-      and on CUDA with cuda_graphs=True, where a graph queues the fast tier's work of a layer before
-      its CPU part starts, so a worker thread would only add a hand-off and a second OpenMP team).
-    host_nodes: with cuda_graphs=True, a MoE layer's graphed decode step is one graph whose CPU
-      experts run as a CUDA host node (executors/host_node.py; quantised host experts, no expert
-      cache, stats=False); default: on unless the environment sets HOTCOLD_HOST_NODES=0.
-    dense_host_nodes: the same for a dense or gated layer's cold rows (FFNHostNode); default: on
-      unless the environment sets HOTCOLD_DENSE_HOST_NODES=0 (tools/bench_hybrid.py --host-nodes no,yes
-      compares the two).
-    host_block_steps: a layer whose attention and predictor are both on the CPU decodes as a
-      HostBlock (executors/host_block.py: the residual stream on the host for its step, one crossing
-      down); default: on unless the environment sets HOTCOLD_HOST_BLOCKS=0.
-    layer_nodes: such a HostBlock runs its host share of a step as one compiled call where it can
-      (executors/layer_node.py, LayerHostNode); default: on unless the environment sets
-      HOTCOLD_LAYER_NODES=0. On CUDA with cuda_graphs=True the call is a host node of the layer's
-      own graph unless the environment sets HOTCOLD_LAYER_GRAPHS=0.
-    times: each stage's seconds (split, upload, repack, pin, kernels, graphs) are added to it.
-    """
+    active set |h| > options.thresholds[l], default 0; tests only), or None (every cold neuron).
+    times: each stage's seconds (split, upload, repack, pin, kernels, graphs) are added to it."""
     times = times if times is not None else LoadTimes()
-    if prefill not in ("auto", *REGIMES):
-        raise ValueError(f"prefill must be auto, cpu or stream, got {prefill!r}")
-    model = lm.model
-    device = torch.device(device) if device is not None else lm.device
-    dtype = dtype or lm.dtype
-    tier = FastTier(device, dtype, timing=stats)
+    device = torch.device(options.device) if options.device is not None else lm.device
+    dtype = options.dtype or lm.dtype
+    tier = FastTier(device, dtype, timing=options.stats)
+    gpu_experts = _check(lm, placement, predictors)  # before the worker starts
     if tier.cuda:  # as the loader does: cuDNN attention rebuilds its graph at every decode step
         torch.backends.cuda.enable_cudnn_sdp(False)
-    act = lm.config.activation
-    thresholds = thresholds or {}
-    layers = [i for i, b in enumerate(model.layers) if isinstance(b.ffn, (DenseFFN, GatedFFN))]
+    threads = options.threads or default_threads(tier.cuda)  # the worker's, CPU attention's and CPU predictors'
+    # every CPU part of the plan runs on this one executor (see HostAttention); inline on a CPU tier
+    # (nothing to overlap with: a worker only added hand-offs and a second OpenMP team on the same
+    # cores) and on CUDA with the FFNs' device half in per-layer graphs
+    inline = options.cpu_inline if options.cpu_inline is not None else (
+        not tier.cuda or options.per_layer_graphs)
+    b = _Build(lm, placement, options, tier, CPUExecutor(threads, inline=inline), StatsBook(enabled=options.stats),
+               threads, options.int4_hot if options.int4_hot is not None else placement.gpu_int4 and tier.cuda,
+               times)
+    t_split = time.perf_counter()
+    parts, whole = _split_dense(b, predictors)
+    moe_parts = {l: _split_moe_layer(b, l, gpu_experts.get(l, ())) for l in _layers_of(lm, MoEFFN)}
+    if tier.cuda:  # the copies queued: timed as they finish
+        torch.cuda.synchronize(device)
+    times.add("split", time.perf_counter() - t_split)
+    _place_rest(b)
+    hybrid, moe, streamer, experts_streamer, pinned = _hybrid_layers(b, parts, moe_parts)
+    if placement.expert_cache_bytes and moe:
+        looks = predictors.lookahead if isinstance(predictors, PredictorSet) else {}
+        with times.stage("pin"):
+            pinned += _expert_cache(b.model, moe, tier, options.cpu_dtype, placement.expert_cache_bytes, looks,
+                                    options.prefetch_experts, options.expert_cache_policy)
+    _wrap_steps(b, hybrid, moe)
+    lm.device, lm.dtype = device, dtype
+    return HybridEngine(lm, hybrid, b.cpu, tier, b.book, streamer, pinned, moe, whole, experts_streamer)
+
+
+def _layers_of(lm: LoadedModel, *kinds) -> list[int]:
+    return [i for i, blk in enumerate(lm.model.layers) if isinstance(blk.ffn, kinds)]
+
+
+def _check(lm: LoadedModel, placement: Placement, predictors) -> dict[int, list[int]]:
+    """Refuse a placement that does not fit the model; returns its GPU experts checked."""
+    n_layers = len(lm.model.layers)
     if predictors is not None and predictors != "oracle" and not isinstance(predictors, PredictorSet):
         raise TypeError("predictors must be a PredictorSet, 'oracle' or None")
-    if any(not 0 <= l < len(model.layers) for l in attention_cpu):
-        raise ValueError(f"attention_cpu names a layer outside 0..{len(model.layers) - 1}")
-    unknown = sorted(set(hot) - set(layers))
+    if any(not 0 <= l < n_layers for l in placement.attention_cpu):
+        raise ValueError(f"attention_cpu names a layer outside 0..{n_layers - 1}")
+    unknown = sorted(set(placement.hot) - set(_layers_of(lm, DenseFFN, GatedFFN)))
     if unknown:
         raise ValueError(f"hot neurons given for layer {unknown[0]}, which has no dense or gated FFN")
-    gpu_experts = gpu_experts or {}
-    moe_layers = [i for i, b in enumerate(model.layers) if isinstance(b.ffn, MoEFFN)]
-    unknown = sorted(set(gpu_experts) - set(moe_layers))
+    unknown = sorted(set(placement.gpu_experts) - set(_layers_of(lm, MoEFFN)))
     if unknown:
         raise ValueError(f"GPU experts given for layer {unknown[0]}, which has no MoE FFN")
-    gpu_experts = {l: check_experts(e, lm.config.num_experts) for l, e in gpu_experts.items()}  # before the worker
+    return {l: check_experts(e, lm.config.num_experts) for l, e in placement.gpu_experts.items()}
 
-    cpu_threads = threads or default_threads(tier.cuda)  # the worker's, CPU attention's and CPU predictors'
-    # every CPU part of the plan runs on this one thread (see HostAttention); on a CPU fast tier, the
-    # calling thread itself (nothing to overlap with: a worker only added hand-offs and a second
-    # OpenMP team on the same cores); on CUDA with the FFNs' device half in graphs, the calling thread
-    # too, after each graph's replay (`HOTCOLD_CPU_WORKER=1`: a worker thread, to compare)
-    layer_graphs = cuda_graphs in (True, "layers", "step")  # each block's one-token step replays a graph
-    if cpu_inline is None:
-        cpu_inline = not tier.cuda or (layer_graphs and os.environ.get("HOTCOLD_CPU_WORKER") != "1")
-    cpu = CPUExecutor(cpu_threads, inline=cpu_inline)
-    if int4_hot is None:
-        int4_hot = gpu_int4 and tier.cuda
-    book = StatsBook(enabled=stats)
-    parts = {}
-    whole: dict[int, nn.Module] = {}
-    t_split = time.perf_counter()
-    for l in layers:
-        ffn = model.layers[l].ffn
+
+def _split_dense(b: _Build, predictors) -> tuple[dict[int, tuple[GPUExecutor, object]], dict[int, nn.Module]]:
+    """Each dense/gated FFN split into its fast-tier executor and its cold rows (or, every neuron hot
+    under int4, kept whole); the original FFN is dropped layer by layer, so host memory holds each
+    weight once."""
+    o, device, dtype = b.options, b.tier.device, b.tier.dtype
+    act = b.lm.config.activation
+    parts, whole = {}, {}
+    for l in _layers_of(b.lm, DenseFFN, GatedFFN):
+        ffn = b.model.layers[l].ffn
         n = ffn.up.out_features  # I (a QuantLinear's weight property would decode it all)
-        hot_idx = check_hot(hot.get(l, torch.zeros(0, dtype=torch.int64)), n)
-        if int4_hot and hot_idx.numel() == n and whole_int4_reason(ffn, device) is None:
+        hot_idx = check_hot(b.placement.hot.get(l, torch.zeros(0, dtype=torch.int64)), n)
+        if b.int4_hot and hot_idx.numel() == n and whole_int4_reason(ffn, device) is None:
             whole_int4(ffn, device, dtype)  # every neuron hot: no split, the FFN int4 as it is
             whole[l] = ffn
             continue
@@ -262,129 +265,133 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
         is_hot[hot_idx] = True
         perm = torch.cat([hot_idx, torch.nonzero(~is_hot).flatten()])  # hot-first order
         if predictors == "oracle":
-            mask_fn = OracleMask(ffn, perm, act, float(thresholds.get(l, 0.0)), device, dtype)
+            mask_fn = OracleMask(ffn, perm, act, float(o.thresholds.get(l, 0.0)), device, dtype)
         elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
-            on_cpu = l in predictor_cpu
+            on_cpu = l in b.placement.predictor_cpu
             # on the CPU (placed there, or the CPU tier): numba's kernels over Q8_0 blocks (float32
             # where cpu_dtype asks for f32): a 4-layer 7B shape's 43 MB of predictors take 2.0 ms a token
             # as Q8_0 blocks against 9.1 through torch's bfloat16 GEMV
             mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device, predictor_dtype(dtype),
-                                  host_threads=cpu_threads if on_cpu or not tier.cuda else None,
-                                  host_qtype=None if cpu_dtype == "f32" else HOST_PREDICTOR_QTYPE,
-                                  worker=cpu if on_cpu else None, book=book)
+                                  host_threads=b.threads if on_cpu or not b.tier.cuda else None,
+                                  host_qtype=None if o.cpu_dtype == "f32" else HOST_PREDICTOR_QTYPE,
+                                  worker=b.cpu if on_cpu else None, book=b.book)
         else:
             mask_fn = None
-        hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, cpu_dtype, int4_hot, int4_down)
+        hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, o.cpu_dtype, b.int4_hot,
+                                                   b.placement.int4_down)
         drop_module_pages(ffn)  # a GGUF's blocks were copied into the parts: one copy in RAM
-        model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
+        b.model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
         del ffn
-        parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, lm.config.hidden_size), cold_part)
-    moe_parts = {}
-    for l in moe_layers:
-        moe_ffn = model.layers[l].ffn
-        moe_parts[l] = split_moe(moe_ffn, gpu_experts.get(l, ()), act, device, dtype, cpu_dtype, int4=int4_hot)
-        drop_module_pages(moe_ffn)
-        model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
-        del moe_ffn
-    if tier.cuda:  # the copies queued: timed as they finish
-        torch.cuda.synchronize(device)
-    times.add("split", time.perf_counter() - t_split)
-    with times.stage("repack"):
-        for l in attention_cpu:  # its matrices interleaved for one-token GEMVs (quantised models)
+        parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, b.lm.config.hidden_size), cold_part)
+    return parts, whole
+
+
+def _split_moe_layer(b: _Build, l: int, gpu_experts) -> MoEParts:
+    """Layer l's MoE split: router, shared expert and gpu_experts on the fast tier, the rest in host memory."""
+    moe_ffn = b.model.layers[l].ffn
+    parts = split_moe(moe_ffn, gpu_experts, b.lm.config.activation, b.tier.device, b.tier.dtype,
+                      b.options.cpu_dtype, int4=b.int4_hot)
+    drop_module_pages(moe_ffn)
+    b.model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
+    return parts
+
+
+def _place_rest(b: _Build) -> None:
+    """Attention the placement keeps on the CPU becomes HostAttention, the embedding / LM head kept in
+    host memory HostEmbedding / HostHead; everything else moves to the fast tier."""
+    model, tier, threads = b.model, b.tier, b.threads
+    with b.times.stage("repack"):
+        for l in b.placement.attention_cpu:  # its matrices interleaved for one-token GEMVs (quantised models)
             pack_for_decode(model.layers[l].attn)
-    host_attn = {l: HostAttention(model.layers[l].attn, dtype, cpu_threads, worker=cpu, book=book)
-                 for l in sorted(attention_cpu)}
+    host_attn = {l: HostAttention(model.layers[l].attn, tier.dtype, threads, worker=b.cpu, book=b.book)
+                 for l in sorted(b.placement.attention_cpu)}
     for l in host_attn:  # kept out of the move below: their weights never visit the fast tier
         model.layers[l].attn = nn.Identity()
-    tied = lm.config.tie_word_embeddings
-    embed = model.embed if embed_cpu or (head_cpu and tied) else None
-    head = model.lm_head if head_cpu and not tied else None
+    tied = b.lm.config.tie_word_embeddings
+    embed = model.embed if b.placement.embed_cpu or (b.placement.head_cpu and tied) else None
+    head = model.lm_head if b.placement.head_cpu and not tied else None
     if embed is not None:
         model.embed = nn.Identity()  # out of the move, like the host attention
     if head is not None:
         model.lm_head = nn.Identity()
-    with times.stage("upload"):
-        _move_rest(model, device, dtype, gpu_int4)
+    with b.times.stage("upload"):
+        _move_rest(model, tier.device, tier.dtype, b.placement.gpu_int4)
         if tier.cuda:
-            torch.cuda.synchronize(device)
-    t_pack = time.perf_counter()
-    if embed is not None:  # (a model loaded on the device brings its float weights back)
-        if isinstance(embed, (QuantEmbedding, HalfEmbedding)):
-            embed.dtype = dtype
-        else:
-            embed.to("cpu", dtype)
-        pack_for_decode(embed, tied)
-        model.embed = HostEmbedding(embed, device, cpu_threads)
-    if head is not None:
-        if not isinstance(head, QuantLinear):
-            head.to("cpu", dtype)
-        pack_for_decode(head, is_head=True)
-        model.lm_head = HostHead(head, cpu_threads)
-    if not tier.cuda:  # the split FFNs have their rows: the rest can be interleaved
-        pack_for_decode(model)
-    times.add("repack", time.perf_counter() - t_pack)
+            torch.cuda.synchronize(tier.device)
+    with b.times.stage("repack"):
+        if embed is not None:  # (a model loaded on the device brings its float weights back)
+            if isinstance(embed, (QuantEmbedding, HalfEmbedding)):
+                embed.dtype = tier.dtype
+            else:
+                embed.to("cpu", tier.dtype)
+            pack_for_decode(embed, tied)
+            model.embed = HostEmbedding(embed, tier.device, threads)
+        if head is not None:
+            if not isinstance(head, QuantLinear):
+                head.to("cpu", tier.dtype)
+            pack_for_decode(head, is_head=True)
+            model.lm_head = HostHead(head, threads)
+        if not tier.cuda:  # the split FFNs have their rows: the rest can be interleaved
+            pack_for_decode(model)
     for l, a in host_attn.items():
         model.layers[l].attn = a
     if host_attn:
-        lm.layer_devices = [torch.device("cpu") if l in host_attn else device for l in range(len(model.layers))]
+        b.lm.layer_devices = [torch.device("cpu") if l in host_attn else tier.device for l in range(len(model.layers))]
 
+
+def _hybrid_layers(b: _Build, parts: dict, moe_parts: dict[int, MoEParts]):
+    """The split layers as HybridFFN / HybridMoE modules, with the prefill streamers of their host
+    parts (page-locked on CUDA). -> (hybrid, moe, streamer, experts_streamer, pinned pointers)"""
+    o, tier, model, cfg = b.options, b.tier, b.model, b.lm.config
+    streams = o.prefill in ("auto", "stream")
     colds = {l: c for l, (_, c) in parts.items() if c.n and not c.quantized}  # quantised: never streamed
     colds.update({l: mp.cold for l, mp in moe_parts.items() if mp.cold is not None and not mp.cold.quantized})
-    streamer = ColdStreamer(tier, colds, sorted(colds), stream_slots_bytes) \
-        if colds and prefill in ("auto", "stream") else None
-    costs = costs or PrefillCosts()
+    streamer = ColdStreamer(tier, colds, sorted(colds), o.stream_slots_bytes) if colds and streams else None
+    costs = o.costs or PrefillCosts()
     gemm = [c for _, c in parts.values() if c.n and c.gemm_ready]
-    if costs.cpu_flops is None and prefill == "auto" and gemm:  # the "dense" regime's rate, in the rows' dtype
+    if costs.cpu_flops is None and o.prefill == "auto" and gemm:  # the "dense" regime's rate, in the rows' dtype
         costs = dataclasses.replace(costs, cpu_flops=measure_cpu_flops(torch_view(gemm[0].up).dtype,
-                                                                       lm.config.hidden_size, cpu_threads))
+                                                                       cfg.hidden_size, b.threads))
     qcolds = {l: mp.cold for l, mp in moe_parts.items() if streamable(mp.cold)}
-    experts_streamer = ExpertStreamer(tier, qcolds, lm.config.hidden_size, expert_stream_bytes) \
-        if qcolds and prefill in ("auto", "stream") and (tier.cuda or prefill == "stream") else None
+    experts_streamer = ExpertStreamer(tier, qcolds, cfg.hidden_size, o.expert_stream_bytes) \
+        if qcolds and streams and (tier.cuda or o.prefill == "stream") else None
     pinned: list[int] = []
-    t_pin = time.perf_counter()
-    if tier.cuda and (pin_cold if pin_cold is not None else True):  # what streams, page-locked
-        for c in [*(colds.values() if streamer else ()), *(qcolds.values() if experts_streamer else ())]:
-            pinned += pin_host(c)
-    times.add("pin", time.perf_counter() - t_pin)
-    prefill_io = HostRows(tier.host_empty, lm.config.hidden_size, 0)
+    with b.times.stage("pin"):
+        if tier.cuda and (o.pin_cold if o.pin_cold is not None else True):  # what streams, page-locked
+            for c in [*(colds.values() if streamer else ()), *(qcolds.values() if experts_streamer else ())]:
+                pinned += pin_host(c)
+    prefill_io = HostRows(tier.host_empty, cfg.hidden_size, 0)
     hybrid: dict[int, HybridFFN] = {}
     for l, (gpu, cold) in parts.items():
-        hybrid[l] = model.layers[l].ffn = HybridFFN(l, gpu, cold, cpu, tier, book, prefill_io, streamer, prefill, costs)
+        hybrid[l] = model.layers[l].ffn = HybridFFN(l, gpu, cold, b.cpu, tier, b.book, prefill_io, streamer,
+                                                    o.prefill, costs)
     moe: dict[int, HybridMoE] = {}
-    prefill_routing = HostRouting(tier.host_empty, lm.config.top_k, 0) if moe_parts else None
+    routing = HostRouting(tier.host_empty, cfg.top_k, 0) if moe_parts else None
     for l, mp in moe_parts.items():
-        moe[l] = model.layers[l].ffn = HybridMoE(l, mp, cpu, tier, book, prefill_io, prefill_routing,
-                                                 experts_streamer if l in qcolds else streamer, prefill, costs)
-    if host_nodes is None:
-        host_nodes = os.environ.get("HOTCOLD_HOST_NODES", "1") != "0"
-    for m in moe.values():
-        m.host_nodes = bool(host_nodes and layer_graphs)
-    if dense_host_nodes is None:
-        dense_host_nodes = os.environ.get("HOTCOLD_DENSE_HOST_NODES", "1") != "0"
-    for h in hybrid.values():
-        h.host_nodes = bool(dense_host_nodes and layer_graphs)
+        moe[l] = model.layers[l].ffn = HybridMoE(l, mp, b.cpu, tier, b.book, prefill_io, routing,
+                                                 experts_streamer if l in qcolds else streamer, o.prefill, costs)
     every = {**hybrid, **moe}
     if every:
         every[min(every)].first = True
-    if expert_cache_bytes and moe:
-        looks = predictors.lookahead if isinstance(predictors, PredictorSet) else {}
-        with times.stage("pin"):
-            pinned += _expert_cache(model, moe, tier, cpu_dtype, expert_cache_bytes, looks, prefetch_experts,
-                                    expert_cache_policy)
-    if host_block_steps is None:
-        host_block_steps = os.environ.get("HOTCOLD_HOST_BLOCKS", "1") != "0"
-    if layer_nodes is None:
-        layer_nodes = os.environ.get("HOTCOLD_LAYER_NODES", "1") != "0"
-    if host_block_steps:  # before graph_blocks, which wraps only the plain Blocks left
-        with times.stage("kernels"):
-            host_blocks(model, node=layer_nodes,
-                        graphs=tier.cuda and layer_graphs and os.environ.get("HOTCOLD_LAYER_GRAPHS", "1") != "0")
-    if tier.cuda and cuda_graphs:
-        with times.stage("graphs"):
-            graph_blocks(model, ffn=cuda_graphs != "attention",
-                         step="host" if cuda_graphs == "step" else cuda_graphs is True)
-    lm.device, lm.dtype = device, dtype
-    return HybridEngine(lm, hybrid, cpu, tier, book, streamer, pinned, moe, whole, experts_streamer)
+    return hybrid, moe, streamer, experts_streamer, pinned
+
+
+def _wrap_steps(b: _Build, hybrid: dict[int, HybridFFN], moe: dict[int, HybridMoE]) -> None:
+    """How each block's one-token step runs: host nodes inside the split layers' graphs, HostBlocks
+    for the blocks whose attention and predictor are on the CPU, CUDA graphs over the rest."""
+    o, tier = b.options, b.tier
+    graphs = tier.cuda and o.per_layer_graphs  # on a CPU tier nothing is captured
+    for m in moe.values():
+        m.host_nodes = bool(o.host_nodes and o.per_layer_graphs)
+    for h in hybrid.values():
+        h.host_nodes = bool(o.dense_host_nodes and o.per_layer_graphs)
+    if o.host_blocks:  # before graph_blocks, which wraps only the plain Blocks left
+        with b.times.stage("kernels"):
+            host_blocks(b.model, node=o.layer_nodes, graphs=graphs and o.layer_graphs)
+    if tier.cuda and o.cuda_graphs:
+        with b.times.stage("graphs"):
+            graph_blocks(b.model, ffn=o.cuda_graphs != "attention",
+                         step="host" if o.cuda_graphs == "step" else o.cuda_graphs is True)
 
 
 def _expert_cache(model, moe: dict[int, HybridMoE], tier: FastTier, kind: str, nbytes: int,
@@ -433,4 +440,4 @@ def random_hot(lm_or_config, fraction: float, seed: int = 0) -> dict[int, torch.
     return out
 
 
-__all__ = ["HybridEngine", "make_hybrid", "random_hot"]
+__all__ = ["HybridEngine", "build_engine", "make_hybrid", "random_hot"]
