@@ -52,7 +52,7 @@ each engine's median divided by the reference's (llama.cpp, else the first peer)
 
 Variants of hotcold are extra rows: --variant "NAME=ARGS" runs hotcold with ARGS added to its
 options (--device, --dtype, --plan, --no-plan, and --env NAME=VALUE for the row's process
-environment, e.g. --variant "hotcold-eager=--env HOTCOLD_LAYER_GRAPHS=0"). New hotcold options are
+environment, e.g. --variant "hotcold-dense=--no-plan"). New hotcold options are
 added in hotcold_options() and used in run_hotcold().
 """
 
@@ -422,6 +422,7 @@ def hotcold_options(args: list[str], device: str, dtype: str | None) -> argparse
     p.add_argument("--dtype", default=dtype)
     p.add_argument("--plan", default=None)  # plan.safetensors or its folder (default: the model's own)
     p.add_argument("--no-plan", action="store_true")  # the dense reference engine
+    p.add_argument("--no-sparse", action="store_true")  # without the profile's input sparsity
     p.add_argument("--env", action="append", default=[])  # NAME=VALUE for the row's process (engine switches)
     try:
         ns, extra = p.parse_known_args(args)
@@ -429,7 +430,7 @@ def hotcold_options(args: list[str], device: str, dtype: str | None) -> argparse
         raise BenchError(f"hotcold options {shlex.join(args)!r}: {e}") from None
     if extra:
         raise BenchError(f"hotcold options: unknown {shlex.join(extra)!r} (known: --device, --dtype, --plan, "
-                         "--no-plan, --env)")
+                         "--no-plan, --no-sparse, --env)")
     for kv in ns.env:
         if not re.fullmatch(r"[A-Za-z_]\w*=.*", kv):
             raise BenchError(f"hotcold options: --env {kv!r} is not NAME=VALUE")
@@ -543,7 +544,7 @@ def run_hotcold(spec: dict) -> dict:
     t = time.perf_counter()
     # As `hotcold run` does: by the model's plan (hybrid engine) when there is one, else dense.
     setup = open_for_run(Path(spec["model"]["hotcold"]), opts.plan, not opts.no_plan, opts.device, opts.dtype,
-                         threads=spec["threads"])
+                         threads=spec["threads"], input_sparse=not opts.no_sparse)
     lm = setup.lm
     if lm.device.type == "cuda":
         torch.cuda.synchronize()
