@@ -1,0 +1,270 @@
+"""One decode step of several sequences at once on the CPU, each with its own KV slot and position.
+
+The server's continuous batching calls `decode_rows` with the next token of every running sequence.
+Decoding is memory-bound: a step's cost is reading the weights, so B sequences that share one read
+cost little more than one. Where a block takes the fused one-token step (models/cpu_step.py: pre-norm,
+RMSNorm, GGUF-quantised attention and gated FFN), `_block_rows` runs it for the B rows in one numba
+call whose GEMVs read each group of weight rows once and dot it with every row's activations while
+it is in cache (`_gemv_batch`). Each row's arithmetic is the single-sequence step's, call for call:
+the same activation quantisation, the same row spans, the same dot kernels, norm, rotary table and
+attention kernel; so a sequence decodes to the same bits alone or in any batch (tests/test_batch_step.py).
+Blocks the fused step does not take (float weights, MoE, hooks, a hybrid split) run row by row
+through their modules, as a single sequence would; so does the head unless it is a quantised
+matrix. Keys and values live in a `SlotCache`: one preallocated [slots, Hkv, L, Dh] buffer per
+layer, a sequence owning one slot; `SlotCache.view(s)` is slot s as a one-sequence KVCache, which
+the model's own forward (prefill, the row-by-row blocks) writes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from hotcold.models import cpu_step
+from hotcold.models.cpu_step import _mat, _norm, _parts, _plan, _weights
+from hotcold.models.quantized import QuantEmbedding, QuantLinear
+from hotcold.models.transformer import KVCache
+from hotcold.sparse_ops.attention import _decode_attention
+
+try:  # the quant package's internals (the one-token GEMV's own pieces)
+    from hotcold.sparse_ops.quant.activations import _quantize_span, _sums16_span
+    from hotcold.sparse_ops.quant.formats import _BLOCK
+    from hotcold.sparse_ops.quant.interleaved import _x8_dot_any
+    from hotcold.sparse_ops.quant.kernels import _qgemv_any
+    from hotcold.sparse_ops.selection import activate
+except ImportError:  # the single-module layout of sparse_ops/quant.py
+    from hotcold.sparse_ops.quant import _BLOCK, _qgemv_any, _quantize_span, _sums16_span, _x8_dot_any
+    from hotcold.sparse_ops.cpu import _act as activate
+
+_JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)  # as the quant kernels'
+
+
+class SlotCache(KVCache):
+    """KV buffers for `slots` sequences of up to max_len tokens each: layer l's keys and values are
+    [slots, Hkv, max_len, Dh] (on the CPU, torch.empty: pages are committed as tokens are written)."""
+
+    def __init__(self, config, slots: int, max_len: int, dtype=torch.float32):
+        super().__init__(config, max_len, batch=slots, device="cpu", dtype=dtype)
+        self.slots = slots
+
+    def slot_nbytes(self) -> int:
+        return self.nbytes() // self.slots
+
+    def view(self, s: int) -> KVCache:
+        """Slot s as a one-sequence KVCache (views of this cache's buffers)."""
+        v = KVCache.__new__(KVCache)
+        v.max_len = self.max_len
+        v.layers = [(k[s:s + 1], vv[s:s + 1]) for k, vv in self.layers]
+        return v
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot dst's first n positions := slot src's (another sequence's shared prefix)."""
+        for k, v in self.layers:
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+
+
+# ----------------------------------------------------------------------------- batched GEMV
+
+
+@njit(**_JIT)
+def _gemv_x8_rows(qt, w, XQ, XD, OUT):
+    # OUT[b] = W X[b] for an interleaved matrix: each group of 8 weight rows is read once for all b
+    for g in prange(w.shape[0]):
+        for b in range(XQ.shape[0]):
+            _x8_dot_any(qt, w, g, XQ[b], XD[b], OUT[b])
+
+
+@njit(**_JIT)
+def _gemv_span_rows(qt, w, rows, X, XS, XQ, XD, use_xq, OUT):
+    # OUT[b] = W[rows] X[b], in the row spans of the one-token kernel (_BLOCK rows a task)
+    K = rows.shape[0]
+    for s in prange((K + _BLOCK - 1) // _BLOCK):
+        lo, hi = s * _BLOCK, min(K, (s + 1) * _BLOCK)
+        for b in range(X.shape[0]):
+            _qgemv_any(qt, w, rows, lo, hi, X[b], XS[b], XQ[b], XD[b], use_xq, OUT[b])
+
+
+@njit(nogil=True, cache=True)
+def _gemv_batch(m, X, OUT):
+    # OUT [B, R] = X [B, C] @ W.T for m as cpu_step._gemv's: each row's activations prepared as the
+    # one-token GEMV prepares them (Q8 blocks, or sums of 16)
+    B, C = X.shape
+    XQ = np.empty((B, C), np.int8)
+    XD = np.empty((B, C // 16), np.float32)
+    XS = np.empty((B, C // 16), np.float32)
+    for b in range(B):
+        if m[1] or m[2]:
+            _quantize_span(X[b], 0, C, XQ[b], XD[b])
+        else:
+            _sums16_span(X[b], 0, C, XS[b])
+    if m[1]:
+        _gemv_x8_rows(m[0], m[3], XQ, XD, OUT)
+    else:
+        _gemv_span_rows(m[0], m[3], m[4], X, XS, XQ, XD, m[2], OUT)
+
+
+# ----------------------------------------------------------------------------- a block for B rows
+
+
+@njit(nogil=True, cache=True)
+def _block_rows(X, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh,
+                COS, SIN, rotary, k_pool, v_pool, slots, pos, lo, scale, o, gate, up, down, act, Y):
+    # cpu_step._block_step for B rows: X [B, D] -> Y [B, D]; row b attends over slot slots[b] of the
+    # pools ([S, Hkv, L, Dh]) at position pos[b] (window from lo[b]) with rotary tables COS[b], SIN[b]
+    B, D = X.shape
+    nq, nk = H * Dh, Hkv * Dh
+    XN = np.empty((B, D), np.float32)
+    for b in range(B):
+        _norm(X[b], norm_w[0], eps, plus_one, XN[b])
+    QKV = np.empty((B, nq + 2 * nk), np.float32)
+    if fused:
+        _gemv_batch(qkv, XN, QKV)
+    else:
+        Qo, Ko, Vo = np.empty((B, nq), np.float32), np.empty((B, nk), np.float32), np.empty((B, nk), np.float32)
+        _gemv_batch(q, XN, Qo)
+        _gemv_batch(k, XN, Ko)
+        _gemv_batch(v, XN, Vo)
+        QKV[:, :nq], QKV[:, nq:nq + nk], QKV[:, nq + nk:] = Qo, Ko, Vo
+    ATT = np.empty((B, nq), np.float32)
+    for b in range(B):
+        row = QKV[b]
+        if has_bias:
+            for i in range(nq):
+                row[i] += biases[0][i]
+            for i in range(nk):
+                row[nq + i] += biases[1][i]
+                row[nq + nk + i] += biases[2][i]
+        qh = row[:nq].reshape(H, Dh)
+        kh = row[nq:nq + nk].reshape(Hkv, Dh)
+        vh = row[nq + nk:].reshape(Hkv, Dh)
+        if qk_norm:
+            for i in range(H):
+                _norm(qh[i], norm_w[4], eps, plus_one, qh[i])
+            for i in range(Hkv):
+                _norm(kh[i], norm_w[5], eps, plus_one, kh[i])
+        n = pos[b] + 1 - lo[b]
+        scores = np.empty(H * n, np.float32).reshape(H, n)
+        _decode_attention(qh, kh, vh, COS[b], SIN[b], rotary, k_pool[slots[b]], v_pool[slots[b]], pos[b], lo[b],
+                          scale, scores, ATT[b].reshape(H, Dh))
+    Hs = np.empty((B, D), np.float32)
+    _gemv_batch(o, ATT, Hs)
+    R = np.empty((B, D), np.float32)
+    F = np.empty((B, D), np.float32)
+    for b in range(B):
+        h = Hs[b]
+        if sandwich:
+            _norm(h, norm_w[2], eps, plus_one, h)
+        for i in range(D):
+            R[b, i] = X[b, i] + h[i]
+        _norm(R[b], norm_w[1], eps, plus_one, F[b])
+    I = gate[4].shape[0]
+    G, U = np.empty((B, I), np.float32), np.empty((B, I), np.float32)
+    _gemv_batch(gate, F, G)
+    _gemv_batch(up, F, U)
+    for b in range(B):
+        for i in range(I):
+            G[b, i] = activate(G[b, i], act) * U[b, i]
+    _gemv_batch(down, G, Hs)
+    for b in range(B):
+        h = Hs[b]
+        if sandwich:
+            _norm(h, norm_w[3], eps, plus_one, h)
+        for i in range(D):
+            Y[b, i] = R[b, i] + h[i]
+
+
+def _fused_args(block):
+    """(plan, attention args, FFN args, norm weights) where the whole block takes the fused one-token
+    step (cpu_step.block_step's conditions, its FFN in the same call), else None."""
+    if not cpu_step.ENABLED or torch.is_grad_enabled():
+        return None
+    mods, parts = _parts(block)
+    cached = block.__dict__.get("_batch_step")
+    if cached is None or len(cached[0]) != len(parts) or any(
+            (r() if r is not None else None) is not p for r, p in zip(cached[0], parts)):
+        import weakref
+        cached = block.__dict__["_batch_step"] = (tuple(None if p is None else weakref.ref(p) for p in parts),
+                                                  _plan(block))
+    plan = cached[1]
+    hooked = lambda ms: any(m._forward_hooks or m._forward_pre_hooks for m in ms)  # noqa: E731
+    if plan is None or not plan.ffn or hooked(mods[0]) or hooked(mods[1]):
+        return None
+    a, f = block.attn, block.ffn
+    q, k, v = _mat(a.q), _mat(a.k), _mat(a.v)
+    w = _weights(block.attn_norm)
+    aa = (_mat(a.qkv) if plan.fused else q, q, k, v, _mat(a.o),
+          tuple(lin.bias.detach().numpy() for lin in (a.q, a.k, a.v)) if plan.has_bias else (w, w, w),
+          (_weights(a.q_norm), _weights(a.k_norm)) if plan.qk_norm else (w, w))
+    fa = (_mat(f.gate), _mat(f.up), _mat(f.down))
+    norm_w = (w, _weights(block.ffn_norm), *((_weights(block.post_attn_norm), _weights(block.post_ffn_norm))
+                                            if plan.sandwich else (w, w)), *aa[6])
+    return plan, aa, fa, norm_w
+
+
+def _rotary_rows(rotary, positions: list[int], Dh: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [B, Dh] float32: row b as the one-token step computes it for position positions[b]."""
+    if rotary is None:
+        z = np.zeros((len(positions), Dh), np.float32)
+        return z, z
+    rows = [rotary(torch.tensor([p]), p) for p in positions]
+    return (np.ascontiguousarray(np.stack([c[0].numpy() for c, _ in rows])),
+            np.ascontiguousarray(np.stack([s[0].numpy() for _, s in rows])))
+
+
+def _head_matrix(model):
+    """The head's quantised matrix as a _gemv_batch argument, or None where the head runs row by row."""
+    if hasattr(model, "project_out"):
+        return None
+    if not model.config.tie_word_embeddings:
+        lin = model.lm_head
+        ok = type(lin) is QuantLinear and lin.bias is None and not (lin._forward_hooks or lin._forward_pre_hooks)
+        return _mat(lin) if ok else None
+    return _mat(model.embed.qweight) if type(model.embed) is QuantEmbedding else None
+
+
+@torch.inference_mode()
+def decode_rows(model, tokens: list[int], positions: list[int], cache: SlotCache, slots: list[int]) -> torch.Tensor:
+    """Logits [B, V] float32 of B sequences' next tokens: sequence b feeds tokens[b] at positions[b]
+    into slot slots[b] of `cache`. Row b equals model(tokens[b], positions[b], cache.view(slots[b]),
+    last_only=True) bit for bit."""
+    B = len(tokens)
+    views = [cache.view(s) for s in slots]
+    pos_t = [torch.tensor([p]) for p in positions]
+    x = torch.cat([model.embed_tokens(torch.tensor([[t]]), p) for t, p in zip(tokens, pos_t)])  # [B, 1, D]
+    slots_np, pos_np = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
+    tables: dict = {}  # rotary key -> (cos, sin) for this step
+    for i, block in enumerate(model.layers):
+        fused = _fused_args(block) if x.dtype == torch.float32 and cache.layers[i][0].dtype in (
+            torch.float32, torch.float16) else None
+        if fused is None:  # the block's module path, row by row, as one sequence runs it
+            x = torch.cat([block(x[b:b + 1], pos_t[b], views[b].layers[i], positions[b]) for b in range(B)])
+            continue
+        plan, aa, fa, norm_w = fused
+        a = block.attn
+        H, Hkv, Dh = plan.heads
+        key = a.rotary._key if a.rotary is not None else None
+        if key not in tables:
+            tables[key] = _rotary_rows(a.rotary, positions, Dh)
+        cos, sin = tables[key]
+        kc, vc = (t.numpy() for t in cache.layers[i])
+        if kc.dtype == np.float16:
+            kc, vc = kc.view(np.int16), vc.view(np.int16)
+        lo = np.array([max(0, p - plan.window + 1) if plan.window else 0 for p in positions], np.int64)
+        X = np.ascontiguousarray(x.reshape(B, -1).numpy())
+        Y = np.empty_like(X)
+        _block_rows(X, norm_w, plan.eps, plan.plus_one, plan.sandwich, aa[0], aa[1], aa[2], aa[3], plan.fused, aa[5],
+                    plan.has_bias, plan.qk_norm, H, Hkv, Dh, cos, sin, a.rotary is not None, kc, vc, slots_np, pos_np,
+                    lo, plan.scale, aa[4], fa[0], fa[1], fa[2], plan.act, Y)
+        x = torch.from_numpy(Y).reshape(B, 1, -1)
+    m = _head_matrix(model) if x.dtype == torch.float32 and hasattr(model, "norm") else None
+    if m is None:
+        return torch.cat([model.head(x[b:b + 1])[:, -1] for b in range(B)])
+    xn = torch.cat([model.norm(x[b:b + 1]) for b in range(B)]).reshape(B, -1)
+    out = np.empty((B, m[4].shape[0]), np.float32)
+    _gemv_batch(m, np.ascontiguousarray(xn.numpy()), out)
+    logits = torch.from_numpy(out)
+    if model.softcap:
+        logits = torch.cat([torch.tanh(r / model.softcap) * model.softcap for r in logits.split(1)])
+    return logits

@@ -1,0 +1,76 @@
+"""models/batch_step.decode_rows: B sequences in one step equal each sequence's own step, bit for bit.
+
+The reference is the model's own forward over a one-sequence KVCache (the path Generator runs, checked
+against HF transformers by tests/test_models.py); the rows differ in prompt length and so in position
+and attention span. Quantised tiny models take the fused batched block (checked: the test fails if
+none does); float ones, OPT and the MoE families run their blocks row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotcold.models import batch_step
+from hotcold.models.batch_step import SlotCache, decode_rows
+from hotcold.models.loader import load_model
+from hotcold.models.transformer import KVCache
+from tiny_models import make_tiny
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [11, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72], [99]]
+STEPS = 6
+
+
+def _compare(lm, prompts=PROMPTS, slots=(2, 0, 3, 1)):
+    """Greedy-decode every prompt alone and all together; assert the logits equal at every step."""
+    m = lm.model
+    pool = SlotCache(lm.config, 4, 64, dtype=lm.dtype)
+    alone = [KVCache(lm.config, 64, dtype=lm.dtype) for _ in prompts]
+    with torch.inference_mode():
+        ref = torch.stack([m(torch.tensor([p]), 0, c, last_only=True)[0, -1] for p, c in zip(prompts, alone)])
+        got = torch.stack([m(torch.tensor([p]), 0, pool.view(s), last_only=True)[0, -1]
+                           for p, s in zip(prompts, slots)])
+        assert torch.equal(ref, got)
+        for i in range(STEPS):
+            toks = [int(r.argmax()) for r in ref]
+            pos = [len(p) + i for p in prompts]
+            ref = torch.stack([m(torch.tensor([[t]]), q, c, last_only=True)[0, -1] for t, q, c in zip(toks, pos, alone)])
+            got = decode_rows(m, toks, pos, pool, list(slots))
+            assert torch.equal(ref, got), f"step {i}: max diff {(ref - got).abs().max()}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "opt", "mixtral", "qwen2_moe"])
+def test_float_models_batch_row_by_row_exactly(family, tiny_dir):
+    _compare(load_model(make_tiny(family, tiny_dir), "cpu", "float32"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral"])
+def test_quantised_blocks_batch_in_one_call_exactly(family, tiny_dir):
+    lm = load_model(make_tiny(family, tiny_dir), "cpu", "float32", quantize="q4_0")
+    with torch.inference_mode():  # the fused batched block runs
+        assert all(batch_step._fused_args(b) is not None for b in lm.model.layers)
+    _compare(lm)
+
+
+def test_smollm2_batches_exactly(smollm2_path):
+    lm = load_model(smollm2_path, "cpu")
+    assert batch_step._head_matrix(lm.model) is not None  # the quantised head in one batched GEMV too
+    prompts = [lm.tokenizer.encode(t) for t in ("Once upon a time", "The capital of France is",
+                                                "def fibonacci(n):", "1, 2, 3, 4,")]
+    _compare(lm, prompts)
+
+
+def test_copy_prefix_and_views(tiny_dir):
+    lm = load_model(make_tiny("llama", tiny_dir), "cpu", "float32")
+    pool = SlotCache(lm.config, 3, 32)
+    with torch.inference_mode():
+        lm.model(torch.tensor([PROMPTS[0]]), 0, pool.view(1))
+    pool.copy_prefix(1, 2, 5)
+    for k, v in pool.layers:
+        assert torch.equal(k[2, :, :5], k[1, :, :5]) and torch.equal(v[2, :, :5], v[1, :, :5])
+    assert pool.view(2).layers[0][0].data_ptr() == pool.layers[0][0][2].data_ptr()
+    assert pool.slot_nbytes() * 3 == pool.nbytes()
