@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hotcold.executors.step import HostNodeStep, SplitStep, split_step
 from hotcold.executors.wrapper import BlockWrapper
 from hotcold.models.layers import Attention, DenseFFN, GatedFFN
 from hotcold.models.transformer import Block
@@ -133,12 +134,11 @@ class GraphedBlock(BlockWrapper):
     def split_ffn(self) -> bool:
         """Whether the FFN's device half joins the graph (see the module docstring)."""
         ffn = self.block.ffn
-        return self.ffn_in_graph and callable(getattr(ffn, "graph_pre", None)) and ffn.graph_ready()
+        return self.ffn_in_graph and isinstance(ffn, SplitStep) and ffn.graph_ready()
 
     def host_ffn(self) -> bool:
-        """Whether the split FFN's host half can be a host node of the graph (host_node_ready of
-        HybridMoE and HybridFFN)."""
-        return callable(getattr(self.block.ffn, "host_node_ready", None)) and self.block.ffn.host_node_ready()
+        """Whether the split FFN's host half can be a host node of the graph (executors/step.py)."""
+        return isinstance(self.block.ffn, HostNodeStep) and self.block.ffn.host_node_ready()
 
     def device_ffn(self) -> bool:
         """Whether the FFN is a plain dense/gated one with every weight on the device (captured whole;
@@ -230,14 +230,6 @@ class GraphedBlock(BlockWrapper):
         return c
 
 
-def split_step(ffn: nn.Module, f_in: torch.Tensor) -> torch.Tensor:
-    """A split FFN's one-token step as GraphedBlock runs it (graph_pre, graph_send, graph_fast,
-    graph_post), without graphs: it must equal ffn(f_in). f_in: [1, 1, D] -> [1, 1, D]."""
-    pre = ffn.graph_pre(f_in)
-    ready = ffn.graph_send(pre)
-    return ffn.graph_post(f_in, ffn.graph_fast(f_in, pre), pre, ready)
-
-
 def _on_cuda(module: nn.Module) -> bool:
     """Every weight of module on a CUDA device: parameters, buffers and int4 matrices (`qweight`; a
     host QuantMatrix has no device)."""
@@ -274,7 +266,8 @@ class StepGraph:
     head. The embedding runs eagerly (it may be a host table, HostEmbedding) into the graph's static
     input. Removes the per-layer host work between layers (a copy of x and of the positions into each
     block's buffers, one replay and Python per layer: ~1 ms a token on a 6-layer MoE, H200 host).
-    Installed by graph_blocks as `model.step_graph`, which Transformer.forward calls for one token:
+    Attached by graph_blocks as the model's one-token step (Transformer.attach_step), which
+    Transformer.forward calls for one token:
     the first step with a new cache runs block by block (capturing each block, which warms every
     kernel up), the next one captures the whole step, later ones replay it.
 
@@ -366,8 +359,8 @@ def graph_blocks(model: nn.Module, ffn: bool = True, step: bool | str = True) ->
             model.layers[i] = GraphedBlock(block, pool, ffn)
             done.append(i)
     if step and ffn:
-        model.step_graph = StepGraph(model, pool, host_nodes=step == "host")
+        model.attach_step(StepGraph(model, pool, host_nodes=step == "host"))
     return done
 
 
-__all__ = ["GraphedBlock", "StepGraph", "graph_blocks", "split_step"]
+__all__ = ["GraphedBlock", "StepGraph", "graph_blocks", "split_step"]  # split_step: executors/step.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -81,6 +83,16 @@ def _embedding(n: int, dim: int) -> nn.Embedding:
     return nn.Embedding(n, dim, _weight=torch.empty(n, dim))
 
 
+class OneTokenStep(Protocol):
+    """What an executor attaches to run a whole one-token step in place of the blocks."""
+
+    def ready(self, tokens: torch.Tensor, cache: "KVCache | None") -> bool:
+        """Whether this step (tokens [1, 1]) can be run by it."""
+
+    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: "KVCache") -> torch.Tensor:
+        """logits [1, 1, V] float32."""
+
+
 class Transformer(nn.Module):
     """Decoder-only LM: tokens [B, T] at absolute positions start..start+T-1 -> logits."""
 
@@ -101,6 +113,12 @@ class Transformer(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(embed_dim, c.vocab_size, bias=False)
         self.softcap = c.final_logit_softcapping if isinstance(c, Gemma3Config) else None
+        self.one_token_step: OneTokenStep | None = None  # an executor's whole one-token step (attach_step)
+
+    def attach_step(self, step: "OneTokenStep | None") -> None:
+        """Let an executor run whole one-token steps (executors/graphs.py StepGraph: the step as one
+        CUDA graph); forward asks it first for every one-token call. None detaches it."""
+        self.one_token_step = step
 
     def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # tokens: [B, T] -> x: [B, T, D]
@@ -138,7 +156,7 @@ class Transformer(nn.Module):
         """tokens: [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only; [B, T - logits_from, V] for
         positions logits_from.. only: perplexity scores a window's second half), fp32."""
         T = tokens.shape[1]
-        step = self.__dict__.get("step_graph")  # executors/graphs.py: a one-token step as one CUDA graph
+        step = self.one_token_step
         if step is not None and T == 1 and step.ready(tokens, cache):
             return step(tokens, start_pos, cache)
         positions = torch.arange(start_pos, start_pos + T, device=tokens.device)

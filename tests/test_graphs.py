@@ -15,7 +15,9 @@ import torch
 from hotcold.executors import make_hybrid
 from hotcold.executors.engine import random_hot
 from hotcold.executors.graphs import GraphedBlock, split_step
-from hotcold.executors.moe import random_experts
+from hotcold.executors.hybrid import HybridFFN
+from hotcold.executors.moe import HybridMoE, random_experts
+from hotcold.executors.step import HostNodeStep, SplitStep
 from hotcold.models.transformer import KVCache
 from test_executors import assert_close, folder, fresh, random_predictors, reference, tokens  # noqa: F401 (fixture)
 
@@ -51,7 +53,9 @@ def test_split_step_matches_forward(folder, family, frac, learned):
         split = 0
         for block in lm.model.layers:
             ffn = block.ffn
-            if not hasattr(ffn, "graph_pre"):
+            if isinstance(ffn, (HybridFFN, HybridMoE)):  # both declare the whole protocol
+                assert isinstance(ffn, HostNodeStep)
+            if not isinstance(ffn, SplitStep):
                 continue
             for _ in range(3):
                 x = torch.randn(1, 1, lm.config.hidden_size, generator=gen)
@@ -213,7 +217,7 @@ def test_step_graph_of_a_dense_device_model(folder, family):
     lm = fresh(folder, family, "cuda")
     graph_blocks(lm.model)
     got = step_logits(lm, toks, 20)
-    step = lm.model.step_graph
+    step = lm.model.one_token_step
     assert step.replays == toks.shape[1] - 4  # 3 prompt tokens, then the first one-token step block by block
     assert step.captured.head and all(b.replays == toks.shape[1] - 3 for b in lm.model.layers)
     assert_close(got, want, tol=2e-5)
@@ -222,5 +226,5 @@ def test_step_graph_of_a_dense_device_model(folder, family):
     assert_close(again, want, tol=2e-5)
     lm = fresh(folder, family, "cuda")
     graph_blocks(lm.model, ffn=False)
-    assert "step_graph" not in lm.model.__dict__
+    assert lm.model.one_token_step is None
     assert_close(step_logits(lm, toks, 20), want, tol=2e-5)
