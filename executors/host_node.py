@@ -20,7 +20,7 @@ the split graphs.
 FFNHostNode does the same for a dense or gated layer (HybridFFN): its pinned input and cold mask come
 down, the function turns the mask into rows and runs the kernel the worker's ColdJob runs (`ffn_rows`
 for float/int8 rows, one compiled function per storage kind; `qffn_rows` for GGUF blocks), and the
-sum goes up (make_hybrid dense_host_nodes, default on; HOTCOLD_DENSE_HOST_NODES=0 turns it off;
+sum goes up (EngineOptions.dense_host_nodes, default on;
 `tools/bench_hybrid.py --host-nodes no,yes` compares it with the split graphs).
 
 Each function times itself (CLOCK_MONOTONIC around its work, `busy_s`): the CPU's busy share of a

@@ -15,7 +15,7 @@ then computes the hot rows of f (mask[:H]) and adds: out = res + hot + cold. Hos
 function on the CPU worker (`__call__`) or, on CUDA with graphs, records it as a host node between
 the D2H copy of x and the H2D copy of `up` (`launch`), so the layer is one graph replay.
 
-On CUDA the graphed call (the default) and the eager one (`HOTCOLD_LAYER_GRAPHS=0`, and what --stats
+On CUDA the graphed call (the default) and the eager one (EngineOptions.layer_graphs off, and what --stats
 runs) decode at the same rate within the spread between runs. As a host node the call runs on CUDA's
 callback thread, whose numba OpenMP team sits beside the main thread's; that second team costs less
 than the spread between runs.

@@ -732,7 +732,7 @@ def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
             blocks = {l: b for l, b in enumerate(lm.model.layers) if isinstance(b, GraphedBlock)}
             assert all(b.replays == T for b in blocks.values())
             # host nodes in every MoE layer but the last, whose step is split: no whole-step graph
-            assert lm.model.step_graph.replays == 0
+            assert lm.model.one_token_step.replays == 0
             ran[host] = {l: (b.captured.out is not None, m._node.calls if m._node is not None else 0)
                          for l, m in eng.moe.items() for b in [blocks[l]]}
     assert ran[False] == {l: (False, 0) for l in ran[False]}
@@ -744,7 +744,7 @@ def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
     with make_hybrid(lm, {}, None, device="cuda", threads=2, gpu_int4=int4, stats=False, cuda_graphs="step",
                      gpu_experts=random_experts(lm, 0.25, seed=5)) as eng:
         whole = decode_logits(lm, toks.cuda()).cpu()
-        assert lm.model.step_graph.replays == T - 1
+        assert lm.model.one_token_step.replays == T - 1
         assert all(m._node.calls == T for m in eng.moe.values())
         assert all(f._node.calls == T for f in eng.layers.values()) and len(eng.layers) == (family == "qwen2_moe")
     ties = near_ties(ref, toks)
