@@ -592,6 +592,43 @@ def test_quantize_rows_matches_gguf_reference_where_it_exists(qtype):
     np.testing.assert_array_equal(quant.quantize_rows(w, qtype), ref)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_numba_quantisers_give_gguf_bytes(qtype):
+    """quantize_rows' numba Q8_0 / Q4_0 kernels against gguf.quants' numpy quantiser, byte for byte,
+    on blocks with the cases where an order of float operations or a tie rule would show: all zeros, a
+    single spike, the largest magnitude twice with both signs, values exactly on rounding boundaries
+    (x / d + 8.5 and |x / d| + 0.5 integers), fp16-rounded weights, tiny and huge scales."""
+    rng = np.random.default_rng(23)
+    w = rng.standard_normal((48, 1024)).astype(np.float32) * rng.uniform(0.01, 3, (48, 1)).astype(np.float32)
+    w[0, :64] = 0.0
+    w[1, :32] = 0.0
+    w[1, 7] = -3.0
+    w[2, :32] = 1.0
+    w[2, 3] = -1.0  # the first largest magnitude decides Q4_0's sign
+    w[3, :32] = np.arange(32, dtype=np.float32) - 15.5  # halves; Q8_0's d = 127 / 127 below
+    w[3, 0] = 127.0
+    w[4, :32] = np.arange(32, dtype=np.float32) / 2 - 8.0  # Q4_0's d = 1: x + 8.5 on .0 and .5
+    w[4, 0] = -8.0
+    w[5] *= np.float32(1e-30)
+    w[6] *= np.float32(1e4)
+    w[7:24] = w[7:24].astype(np.float16).astype(np.float32)
+    ref = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    np.testing.assert_array_equal(quant.quantize_rows(w, qtype), ref)
+    ts = quant.QTYPES[qtype][2]  # a strided view of columns 64..319: blocks 2..9 of each row
+    np.testing.assert_array_equal(quant.quantize_rows(w[:, 64:320], qtype), ref[:, 2 * ts:10 * ts])
+
+
+@pytest.mark.parametrize("qtype", sorted(K_TYPES))
+def test_k_quantiser_bytes_do_not_depend_on_chunks(qtype, monkeypatch):
+    """The K quantisers run over chunks of blocks in threads: the bytes are those of one call."""
+    from hotcold.sparse_ops.quant import quantise
+
+    w = np.random.default_rng(24).standard_normal((40, 1024)).astype(np.float32)
+    whole = quantise._K_QUANTISERS[qtype](w.reshape(-1, 256)).reshape(40, -1)
+    monkeypatch.setattr(quantise, "_K_CHUNK", 7)  # 160 blocks: 23 chunks, the last one short
+    np.testing.assert_array_equal(quant.quantize_rows(w, qtype), whole)
+
+
 # Extra RMS error of transposing (dequantise + requantise), relative to the RMS of the weights.
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("kind", ["same", "Q8_0"])
