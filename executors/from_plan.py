@@ -3,6 +3,7 @@ dense otherwise, saying which (never a silent fallback)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,8 +179,7 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
     with times.stage("parse"):
         p = load_plan(plan_path, info.fingerprint)
     dev = resolve_device(device)
-    weights = p.meta.get("weights", {})
-    if weights.get("gpu_int4"):  # planned with int4 GPU weights: its GPU bytes assume it
+    if p.gpu_int4:  # planned with int4 GPU weights: its GPU bytes assume it
         gpu_int4 = True
     gpu_int4 = bool(gpu_int4)
     if p.mode == "gpu":
@@ -189,55 +189,46 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
         setup = RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4, times), plan=p,
                          notes=[f"plan {plan_path}: the whole model on the GPU"])
         return setup
-    notes = [f"plan {plan_path}: {p.mode}, predicted {p.meta['predicted']['tokens_per_s']:.1f} tok/s"]
+    notes = [f"plan {plan_path}: {p.mode}, predicted {p.predicted_tok_per_s:.1f} tok/s"]
     if dev.type == "cuda" and p.mode == "cpu":
         notes.append("the plan is all-CPU; running it on the CPU")
         dev = torch.device("cpu")
     if p.mode == "hybrid" and dev.type != "cuda":
         notes.append("the plan splits between GPU and CPU but no CUDA GPU is in use: the CPU is the fast tier")
     dt = run_dtype(path, dtype, dev) if not quantize else resolve_dtype(dtype, dev)
-    # Load on the host in the compute dtype; make_hybrid moves the fast tier's part to the device.
+    # Load on the host in the compute dtype; build_engine moves the fast tier's part to the device.
     lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantize=quantize, times=times)
     from hotcold.executors import host_node
-    from hotcold.executors.engine import make_hybrid
-    from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN
+    from hotcold.executors.engine import build_engine
+    from hotcold.executors.options import EngineOptions, Placement
     from hotcold.predictors.artifact import find_predictors, load_predictors
-    from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
-    split_layers = [l for l, b in enumerate(lm.model.layers) if isinstance(b.ffn, (DenseFFN, GatedFFN))]
-    hot = {l: torch.from_numpy(p.gpu_neurons[l]) for l in split_layers if p.mode == "hybrid" and l in p.gpu_neurons}
-    moe_layers = [l for l, b in enumerate(lm.model.layers) if isinstance(b.ffn, MoEFFN)]
-    experts = {l: p.gpu_experts[l].tolist() for l in moe_layers if p.mode == "hybrid" and l in p.gpu_experts}
+    cuda = dev.type == "cuda"
+    placement = Placement.of_plan(p, cuda, gpu_int4)
     with times.stage("parse"):
         pred_path = find_predictors(lm.path, lm.fingerprint)
         preds = load_predictors(pred_path, lm.fingerprint) if pred_path is not None else None
     if preds is None:
         notes.append("no predictors for this model: every cold neuron is computed (run `hotcold profile MODEL`)")
-    # the plan's placement of attention and predictors (on a CPU tier everything is on the CPU anyway)
-    attention_cpu = {l for l, on_gpu in enumerate(p.attention_gpu) if not on_gpu} if dev.type == "cuda" else set()
-    predictor_cpu = {l for l, on_gpu in enumerate(p.predictor_gpu) if not on_gpu} if dev.type == "cuda" else set()
     cpu_dtype = {torch.float16: "f16", torch.float32: "bf16"}.get(dt, "bf16")
-    cache_bytes = int(p.meta["budget"].get("expert_cache_bytes", 0)) if dev.type == "cuda" else 0
-    if cache_bytes:
+    if placement.expert_cache_bytes:
         from hotcold.executors.expert_cache import ExpertCache, slot_kind
         from hotcold.models.quantized import QuantExperts
 
         quant = any(isinstance(m, QuantExperts) for m in lm.model.modules())
         one = ExpertCache.slot_bytes(lm.config.moe_intermediate_size, lm.config.hidden_size,
                                      slot_kind(cpu_dtype, dt, quant))
-        if cache_bytes < one:
-            notes.append(f"the plan's expert cache ({cache_bytes} B) holds no expert ({one} B each): running without it")
-            cache_bytes = 0
+        if placement.expert_cache_bytes < one:
+            notes.append(f"the plan's expert cache ({placement.expert_cache_bytes} B) holds no expert ({one} B each): "
+                         "running without it")
+            placement = dataclasses.replace(placement, expert_cache_bytes=0)
         else:
-            notes.append(f"expert cache: {cache_bytes // one} experts on the GPU, filled by look-ahead prefetch")
+            notes.append(f"expert cache: {placement.expert_cache_bytes // one} experts on the GPU, filled by "
+                         "look-ahead prefetch")
+    options = EngineOptions(device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
+                            costs=_prefill_costs(cpu_dtype))
     built = host_node.BUILD_S[0]
-    engine = make_hybrid(lm, hot, preds, device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
-                         costs=_prefill_costs(cpu_dtype),
-                         attention_cpu=attention_cpu, predictor_cpu=predictor_cpu, gpu_experts=experts,
-                         expert_cache_bytes=cache_bytes, gpu_int4=gpu_int4,
-                         # the planner counts the embedding in host memory, and the LM head where it put it
-                         embed_cpu=dev.type == "cuda", head_cpu=dev.type == "cuda" and not p.lm_head_gpu,
-                         int4_down=weights.get("gpu_int4_down", INT4_DOWN_DEFAULT), times=times)
+    engine = build_engine(lm, placement, preds, options, times)
     for why, ls in engine.int4_skipped().items():
         names = ", ".join(map(str, ls[:8])) + (f" ... ({len(ls)} layers)" if len(ls) > 8 else "")
         notes.append(f"--gpu-int4: the hot FFN rows of layer{'s' * (len(ls) > 1)} {names} are expanded to "

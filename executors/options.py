@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from hotcold.executors.expert_stream import EXPERT_STREAM_BYTES
 from hotcold.executors.prefill import REGIMES, STREAM_SLOTS_BYTES, PrefillCosts
+from hotcold.planner.plan import Plan
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
 CUDA_GRAPHS = (True, False, "step", "layers", "attention")
@@ -34,6 +36,21 @@ class Placement:
     gpu_int4: bool = False  # a quantised model's 4-bit matrices stay 4-bit on a CUDA tier (torch's int4
     #   kernels) instead of being expanded to the tier's dtype
     int4_down: bool = INT4_DOWN_DEFAULT  # W_down's hot columns requantised to int4 as well
+
+    @classmethod
+    def of_plan(cls, plan: Plan, cuda: bool, gpu_int4: bool) -> "Placement":
+        """The placement a plan fixes, run on a CUDA fast tier or (cuda False) on the CPU, where every
+        part is in host memory anyway and only the fast tier's neurons and experts stay apart."""
+        hybrid = plan.mode == "hybrid"
+        down = plan.gpu_int4_down
+        return cls(hot={l: torch.from_numpy(n) for l, n in plan.gpu_neurons.items()} if hybrid else {},
+                   gpu_experts={l: e.tolist() for l, e in plan.gpu_experts.items()} if hybrid else {},
+                   attention_cpu=frozenset(int(l) for l in np.flatnonzero(~plan.attention_gpu)) if cuda else frozenset(),
+                   predictor_cpu=frozenset(int(l) for l in np.flatnonzero(~plan.predictor_gpu)) if cuda else frozenset(),
+                   # the planner counts the embedding in host memory, and the LM head where it put it
+                   embed_cpu=cuda, head_cpu=cuda and not plan.lm_head_gpu,
+                   expert_cache_bytes=plan.expert_cache_bytes if cuda else 0, gpu_int4=gpu_int4,
+                   int4_down=INT4_DOWN_DEFAULT if down is None else down)
 
     def __post_init__(self):
         object.__setattr__(self, "attention_cpu", frozenset(self.attention_cpu))

@@ -51,6 +51,26 @@ class Plan:
     def num_layers(self) -> int:
         return len(self.attention_gpu)
 
+    @property
+    def predicted_tok_per_s(self) -> float:
+        return float(self.meta["predicted"]["tokens_per_s"])
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        """The GPU bytes the plan gives the MoE expert cache (0: none)."""
+        return int(self.meta.get("budget", {}).get("expert_cache_bytes", 0))
+
+    @property
+    def gpu_int4(self) -> bool:
+        """Planned with 4-bit GPU weights (`plan --gpu-int4`): its GPU bytes assume them."""
+        return bool(self.meta.get("weights", {}).get("gpu_int4"))
+
+    @property
+    def gpu_int4_down(self) -> bool | None:
+        """Whether W_down's hot columns are requantised to int4 too (None: the plan does not say)."""
+        v = self.meta.get("weights", {}).get("gpu_int4_down")
+        return None if v is None else bool(v)
+
 
 def write_plan(folder: Path, tensors: dict[str, np.ndarray], meta: dict) -> list[Path]:
     """Write plan.safetensors then plan.json, each atomically."""
