@@ -29,14 +29,14 @@ _spec.loader.exec_module(bench)
     ("8GiB", 8 << 30), ("8G", 8 << 30), ("8gib", 8 << 30), ("8GB", 8 * 10**9), ("512MiB", 512 << 20),
     ("1.5GiB", 3 << 29), ("4096", 4096), ("64KiB", 64 << 10), (" 2 TiB ", 2 << 40),
 ])
-def test_parse_size(text, value):
-    assert bench.parse_size(text) == value
+def test_vram_size(text, value):
+    assert bench.vram_size(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "8 gigs", "GiB", "-1GiB", "0", "8iB", "8XB", "1e9"])
-def test_parse_size_rejects_with_one_line(text):
+def test_vram_size_rejects_with_one_line(text):
     with pytest.raises(bench.BenchError) as e:
-        bench.parse_size(text)
+        bench.vram_size(text)
     assert "--vram" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -464,7 +464,7 @@ def test_engine_errors(engines, variants, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["/no/such/model"], "error: MODEL: /no/such/model: no such file or folder"),
-    (["{gguf}", "--vram", "8 gigs", "--device", "cuda"], "error: --vram: cannot read '8 gigs' as a size"),
+    (["{gguf}", "--vram", "8 gigs", "--device", "cuda"], "error: --vram: cannot read size '8 gigs'"),
     (["{gguf}", "--vram", "8GiB", "--device", "cpu"], "error: --vram is a GPU budget"),
     (["{gguf}", "--tokens", "1"], "error: --tokens: must be at least 2"),
     (["{gguf}", "--threads", "0"], "error: --threads: must be at least 1"),

@@ -96,20 +96,18 @@ class BenchError(Exception):
 # Pure helpers: sizes, statistics, formatting, llama.cpp layer offload.
 # --------------------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+def vram_size(text: str) -> int:
+    """--vram's bytes by hotcold's parse_size ('8GiB', '8G' binary, '8GB' decimal, '512MiB', bytes);
+    a BenchError unless it is a positive size."""
+    from hotcold.errors import HotcoldError
+    from hotcold.planner.sizes import parse_size
 
-
-def parse_size(text: str, what: str = "--vram") -> int:
-    """'8GiB', '8G' (binary), '8GB' (decimal), '512MiB', '1.5GiB' or plain bytes -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*", str(text), re.IGNORECASE)
-    if not m or (m.group(3) and not m.group(2)):
-        raise BenchError(f"{what}: cannot read '{text}' as a size (use e.g. 8GiB, 8GB, 512MiB or bytes)")
-    number, unit, binary, byte = float(m.group(1)), m.group(2).lower(), m.group(3), m.group(4)
-    scale = _DECIMAL[unit] if unit and byte and not binary else _UNITS[unit]
-    value = int(number * scale)
+    try:
+        value = parse_size(text, "--vram")
+    except HotcoldError as e:
+        raise BenchError(str(e)) from None
     if value <= 0:
-        raise BenchError(f"{what}: '{text}' is not a positive size")
+        raise BenchError(f"--vram: '{text}' is not a positive size")
     return value
 
 
@@ -1424,7 +1422,7 @@ def validate(args) -> list[Engine]:
         args.threads = default_threads()
     if args.threads < 1:
         raise BenchError("--threads: must be at least 1")
-    args.vram_bytes = parse_size(args.vram) if args.vram else None
+    args.vram_bytes = vram_size(args.vram) if args.vram else None
     if args.vram_bytes and args.device != "cuda":
         raise BenchError("--vram is a GPU budget: it needs --device cuda")
     if args.timeout <= 0:

@@ -1553,15 +1553,15 @@ all together.
 """
 
 
-def parse_size(text: str) -> int:
-    units = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-             "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
-    t = text.strip().lower()
-    num = t.rstrip("kmgtib")
+def size_arg(text: str) -> int:
+    """--shard-size's bytes by hotcold's parse_size (K/M/G/T and KiB... binary, KB/MB/GB/TB decimal)."""
+    from hotcold.errors import HotcoldError
+    from hotcold.planner.sizes import parse_size
+
     try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 500MB)") from None
+        return parse_size(text, "--shard-size")
+    except HotcoldError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None  # argparse names the flag
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -1604,7 +1604,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=int,
                    help="tokens of the planting forward (default 256, MoE 1024; costs 2 FLOPs per token and "
                         "active weight)")
-    p.add_argument("--shard-size", type=parse_size, default=4 << 30, help="max safetensors shard size (default 4GiB)")
+    p.add_argument("--shard-size", type=size_arg, default=4 << 30, help="max safetensors shard size (default 4GiB)")
     p.add_argument("--check", action="store_true", help="after writing, measure the planted statistics on held-out text")
     p.add_argument("--check-layers", type=int, default=4, help="layers the check loads and measures (default 4)")
     p.add_argument("--check-tokens", type=int, help="held-out tokens the check runs (default 1024, MoE 4096)")
