@@ -94,7 +94,8 @@ def plan(
 
     from hotcold.artifacts import artifact_dir
     from hotcold.models.loader import default_model_path, describe_model
-    from hotcold.planner.costs import Constants, weight_format
+    from hotcold.planner.costs import Constants
+    from hotcold.planner.weight_format import weight_format
     from hotcold.planner.inputs import model_format, read_profile, uniform_stats
     from hotcold.profiler.artifact import find_profile
     from hotcold.planner.make import PlanRequest, plan_json, plan_tensors

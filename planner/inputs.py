@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from hotcold.artifacts import ArtifactError
-from hotcold.planner.costs import LayerStats, WeightFormat, gpu_int4_format, quantize_format, quantized_format
+from hotcold.planner.costs import LayerStats
+from hotcold.planner.weight_format import WeightFormat, gpu_int4_format, quantize_format, quantized_format
 from hotcold.profiler.artifact import load_profile
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from hotcold.errors import HotcoldError
-from hotcold.planner.costs import Constants, Evaluation, ModelCosts, Placement, WeightFormat, build_costs, evaluate
+from hotcold.planner.costs import Constants, Evaluation, ModelCosts, Placement, build_costs, evaluate
+from hotcold.planner.weight_format import WeightFormat
 from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import SolveResult, solve
 from hotcold.planner.probe import HardwareProfile

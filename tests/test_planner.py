@@ -16,7 +16,8 @@ import pytest
 from hotcold.artifacts import ArtifactError
 from hotcold.errors import HotcoldError
 from hotcold.models.config import config_from_hf
-from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate, quantize_format, weight_format
+from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate
+from hotcold.planner.weight_format import quantize_format, weight_format
 from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import solve
 from hotcold.planner.make import BudgetError, PlanRequest, make_plan, plan_json, plan_tensors
@@ -640,7 +641,7 @@ def test_llama70b_shape_solves_quickly():
 def test_quantised_format_counts_host_blocks_and_their_kernel_rate():
     """A quantised model: GPU bytes as the dtype (dequantised there), host bytes as blocks (gate/up of
     the type, W_down Q8_0), CPU time at the probe's rate for that block type."""
-    from hotcold.planner.costs import quantize_format
+    from hotcold.planner.weight_format import quantize_format
 
     rng = np.random.default_rng(3)
     cfg = tiny_cfg("llama_relu", intermediate_size=64)
@@ -664,7 +665,7 @@ def test_quantised_format_counts_host_blocks_and_their_kernel_rate():
 
 def test_quantised_ilp_matches_brute_force_with_a_binding_ram_budget():
     """Host and GPU bytes now differ per unit: the ILP's host constraint must use the host ones."""
-    from hotcold.planner.costs import quantize_format
+    from hotcold.planner.weight_format import quantize_format
 
     rng = np.random.default_rng(11)
     cfg = tiny_cfg("llama_relu", num_hidden_layers=2)
@@ -695,7 +696,7 @@ def test_gpu_int4_counts_int4_bytes_for_gpu_attention_and_places_more_of_it():
     columns stay the dtype: INT4_DOWN_DEFAULT), the LM head stays the dtype. With a budget that
     holds the int4 attention of every layer but not the bf16 one, the plan puts more attention on
     the GPU."""
-    from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, quantize_format
+    from hotcold.planner.weight_format import INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, quantize_format
 
     rng = np.random.default_rng(5)
     cfg = tiny_cfg("llama_relu", num_hidden_layers=4)
@@ -734,8 +735,8 @@ def test_gpu_int4_counts_hot_ffn_rows_int4_and_places_more_hot_neurons():
     dtype's (not requantised: INT4_DOWN_DEFAULT). A budget that holds N int4 hot neurons per layer
     beside the attention holds fewer bf16 ones: the int4 plan places more hot neurons, about the
     byte ratio more."""
-    from hotcold.planner.costs import (INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, gpu_int4_format,
-                                       quantize_format)
+    from hotcold.planner.weight_format import (INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, gpu_int4_format,
+                                               quantize_format)
     from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
 
     assert not INT4_DOWN_DEFAULT  # the counts below assume W_down's hot columns in the dtype
@@ -783,7 +784,7 @@ def test_gpu_int4_whole_layers_cost_their_int4_bytes_when_every_neuron_is_hot():
     without whole layers leaves some on the CPU."""
     import dataclasses
 
-    from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, quantize_format
+    from hotcold.planner.weight_format import INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED, quantize_format
     from hotcold.planner.ilp import prefix_options
 
     rng = np.random.default_rng(7)
@@ -829,7 +830,7 @@ def test_gpu_int4_experts_cost_their_int4_bytes():
     side is unchanged; a budget holds about 3.2x the experts it holds in bf16."""
     import dataclasses
 
-    from hotcold.planner.costs import INT4_EXPERT_SPEED, INT4_GPU_BYTES_PER_WEIGHT, quantize_format
+    from hotcold.planner.weight_format import INT4_EXPERT_SPEED, INT4_GPU_BYTES_PER_WEIGHT, quantize_format
 
     rng = np.random.default_rng(11)
     cfg = tiny_cfg("qwen2_moe", num_hidden_layers=3, intermediate_size=16, num_experts=16)
@@ -873,7 +874,7 @@ def test_gpu_int4_experts_cost_their_int4_bytes():
 def test_cpu_experts_cost_the_probes_expert_rate():
     """Quantised CPU experts are read at the probe's whole-expert rate (qexperts) where it has one,
     at its FFN rate where not; float experts (the FFN kernel) always at the FFN rate."""
-    from hotcold.planner.costs import quantize_format
+    from hotcold.planner.weight_format import quantize_format
 
     rng = np.random.default_rng(12)
     cfg = tiny_cfg("qwen2_moe", num_hidden_layers=2, intermediate_size=16, num_experts=8)
@@ -939,7 +940,7 @@ def test_gguf_format_from_the_file(tmp_path, monkeypatch):
     # the attention's Q4_1 apart from the (tied) Q8_0 embedding, which is also the LM head's bytes
     assert fmt.host_w == pytest.approx(20 / 32) and fmt.host_embed_w == pytest.approx(34 / 32)
     # --gpu-int4: every attention matrix is Q4_1, kept int4 on the GPU
-    from hotcold.planner.costs import INT4_GPU_BYTES_PER_WEIGHT
+    from hotcold.planner.weight_format import INT4_GPU_BYTES_PER_WEIGHT
 
     f4 = model_format(path, weight_format("bf16"), gpu_int4=True)
     assert f4.gpu_attn_w == pytest.approx(INT4_GPU_BYTES_PER_WEIGHT, rel=0.01) and fmt.gpu_attn_w == 2.0
