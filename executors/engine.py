@@ -28,7 +28,9 @@ from hotcold.executors.host_block import host_blocks
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.expert_cache import ExpertCache, slot_kind
 from hotcold.executors.expert_stream import EXPERT_STREAM_BYTES, ExpertStreamer, streamable
-from hotcold.executors.moe import HostRouting, HybridMoE, Lookahead, MoEParts, check_experts, split_moe
+from hotcold.executors.moe import HybridMoE, Lookahead
+from hotcold.executors.moe_host import HostRouting
+from hotcold.executors.moe_parts import MoEParts, check_experts, split_moe
 from hotcold.executors.options import EngineOptions, Placement
 from hotcold.executors.prefill import (STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, measure_cpu_flops,
                                       pin_host, unpin_host)

@@ -28,10 +28,6 @@ on the fast tier (expert_stream.py).
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-from typing import Iterator
-
 import numpy as np
 import torch
 from torch import nn
@@ -39,203 +35,16 @@ from torch import nn
 from hotcold.executors.cpu_executor import CPUExecutor, HostRows
 from hotcold.executors.expert_stream import ExpertStreamer, Routes, group_products
 from hotcold.executors.host_node import HostNode
+from hotcold.executors.moe_host import HostRouting, MoEJob, routed
+from hotcold.executors.moe_parts import MoEParts
 from hotcold.executors.prefill import ColdStreamer, PrefillCosts, cpu_tokens_per_pass, moe_prefill_regime
 from hotcold.executors.stats import StatsBook, now
 from hotcold.executors.tier import FastTier
-from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts
-from hotcold.models.layers import FFN, MoEFFN, activation_fn, route
-from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_model, dequantize_module, quant_bytes
-from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
+from hotcold.models.layers import FFN, route
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
-from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
-from hotcold.sparse_ops.moe_gpu import Q4Stack, kernels_ready, routed_experts
-from hotcold.sparse_ops.quant import (check_expert_stacks, qdequantize, qexpert_batch, qexperts_tokens,
-                                     qexperts_trusted)
-from hotcold.sparse_ops.quant.ops import GEMM_BF16
+from hotcold.sparse_ops.moe_gpu import kernels_ready, routed_experts
+from hotcold.sparse_ops.quant import check_expert_stacks
 
-# ---------------------------------------------------------------------------------------------
-# Weights: the fast tier's experts and the host's
-
-
-@dataclass
-class FastExperts:
-    """The plan's GPU experts, stacked on the fast tier: gate, up [G, I, D]; down [G, D, I], each a
-    tensor in the compute dtype or (int4, see split_moe) a Q4Stack of the file's 4-bit codes."""
-
-    ids: list[int]  # expert ids, plan order (slot g holds expert ids[g])
-    gate: torch.Tensor | Q4Stack
-    up: torch.Tensor | Q4Stack
-    down: torch.Tensor | Q4Stack
-    act: object  # torch activation function
-    act_name: str = "silu"
-    slot_of: torch.Tensor | None = None  # int32 [E] on the fast tier: each expert's slot, -1 elsewhere
-
-    def weight(self, which: str, g, dtype: torch.dtype) -> torch.Tensor:
-        """Slot g's gate | up [I, D] or down [D, I] (a Q4Stack's dequantised to dtype); g a slice or an
-        index tensor: [g, I, D] / [g, D, I]."""
-        w = getattr(self, which)
-        return w.dequantize(g, dtype) if isinstance(w, Q4Stack) else w[g]
-
-    def expert(self, g: int, x: torch.Tensor) -> torch.Tensor:
-        """Slot g's expert, computed as Experts.expert does. x: [n, D] -> [n, D]."""
-        gate, up, down = (self.weight(w, g, x.dtype) for w in ("gate", "up", "down"))
-        return (self.act(x @ gate.T) * (x @ up.T)) @ down.T
-
-    @property
-    def int4(self) -> tuple[str, ...]:
-        """The stacks held as Q4Stack ("gate", "up", "down")."""
-        return tuple(w for w in ("gate", "up", "down") if isinstance(getattr(self, w), Q4Stack))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes if isinstance(t, Q4Stack) else t.numel() * t.element_size()
-                   for t in (self.gate, self.up, self.down))
-
-
-def check_experts(ids, n: int) -> list[int]:
-    """Validate a plan's GPU expert list: unique ints in [0, n)."""
-    out = [int(e) for e in torch.as_tensor(ids, dtype=torch.int64).flatten().tolist()]
-    if any(not 0 <= e < n for e in out):
-        raise ValueError(f"GPU expert index out of range [0, {n})")
-    if len(set(out)) != len(out):
-        raise ValueError("GPU expert indices repeat")
-    return out
-
-
-def int4_experts_reason(ex, which: str) -> str | None:
-    """Why experts' `which` (gate_up | down) cannot stay 4-bit on the fast tier as a Q4Stack; None if they can."""
-    if not isinstance(ex, QuantExperts):
-        return "its experts are not quantised"
-    mats = (ex.qgate, ex.qup) if which == "gate_up" else (ex.qdown,)
-    bad = sorted({m.qtype for m in mats} - set(INT4_QTYPES))
-    if bad:
-        return f"{which} experts are {'/'.join(bad)}, not a 4-bit type ({', '.join(INT4_QTYPES)})"
-    k = ex.dim if which == "gate_up" else ex.hidden
-    if k % GROUP_SIZE:
-        return f"{which} experts' rows of {k} are not whole groups of {GROUP_SIZE}"
-    return None
-
-
-def _stack(ex, which: str, ids: list[int], device, dtype, int4: bool = False) -> torch.Tensor | Q4Stack:
-    """Experts ids' `which` (gate | up: [I, D]; down: [D, I]) stacked on device in dtype, one expert
-    at a time (QuantExperts: each expert's blocks decoded; with int4 their 4-bit codes kept as a
-    Q4Stack). -> [G, I, D] or [G, D, I]."""
-    if int4:
-        return Q4Stack.from_quant((ex.matrix(which, e) for e in ids), device)
-    quant = isinstance(ex, QuantExperts)
-    if quant:
-        shape = (ex.dim, ex.hidden) if which == "down" else (ex.hidden, ex.dim)
-    else:
-        shape = getattr(ex, which).shape[1:]
-    with torch.inference_mode(False):
-        out = torch.empty((len(ids), *shape), dtype=dtype, device=device)
-    for g, e in enumerate(ids):
-        w = torch.from_numpy(qdequantize(ex.matrix(which, e))) if quant else getattr(ex, which)[e]
-        out[g] = w.to(device, dtype)
-    return out
-
-
-def _to_tier(m: nn.Module | None, device, dtype) -> nn.Module | None:
-    """m on device in dtype (in place where it can be). Off the CPU, quantised (sub)modules are
-    dequantised; on the CPU they stay in their blocks."""
-    if m is None:
-        return None
-    if torch.device(device).type != "cpu":
-        if isinstance(m, QUANT_MODULES):
-            m = dequantize_module(m, device, dtype)
-        else:
-            dequantize_model(m, device, dtype)
-    return m.to(device=device, dtype=dtype)
-
-
-@dataclass
-class MoEParts:
-    """A MoE layer split by the plan (see split_moe)."""
-
-    router: nn.Linear
-    shared: nn.Module | None  # GatedFFN
-    shared_gate: nn.Linear | None
-    fast: FastExperts
-    cold: ColdFFN | None  # the other experts stacked in host memory: expert at position p has rows [p*I, (p+1)*I)
-    pos: np.ndarray  # int64 [E]: each expert's position in `cold`, -1 for those on the fast tier
-    hidden: int  # I, neurons per expert
-    top_k: int
-    renormalise: bool
-
-    @property
-    def fast_bytes(self) -> int:
-        mods = [m for m in (self.router, self.shared, self.shared_gate) if m is not None]
-        return self.fast.nbytes + sum(p.numel() * p.element_size() for m in mods for p in m.parameters()) \
-            + sum(quant_bytes(m) for m in mods)  # blocks of quantised modules on a CPU tier
-
-    @property
-    def host_bytes(self) -> int:
-        return self.cold.nbytes if self.cold is not None else 0
-
-
-@torch.no_grad()
-def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str = "bf16",
-              int4: bool = False) -> MoEParts:
-    """Split a MoEFFN: router, shared expert and the GPU experts to device (dtype), the other experts
-    to host memory in cpu_kind. Quantised experts (QuantExperts) stay quantised on the host
-    (`host_quant_experts`; cpu_kind does not apply) and are dequantised for the fast tier, or with
-    int4 kept 4-bit there (Q4Stack) where `int4_experts_reason` allows: gate and up together, down on
-    its own. The caller drops `moe` afterwards; the parts share no memory with its experts (router
-    and shared expert are the same modules, moved, or their dequantised copies off the CPU)."""
-    ex = moe.experts
-    quant = isinstance(ex, QuantExperts)
-    n_exp, hidden = (ex.n, ex.hidden) if quant else ex.gate.shape[:2]  # gate: [E, I, D]
-    on_gpu = check_experts(gpu_experts, n_exp)
-    cold_ids = [e for e in range(n_exp) if e not in on_gpu]
-    cold = None
-    if cold_ids:
-        cold = host_quant_experts(ex, cold_ids, act) if quant else \
-            host_experts(ex.gate, ex.up, ex.down, cold_ids, act, cpu_kind)
-    pos = np.full(n_exp, -1, np.int64)
-    pos[cold_ids] = np.arange(len(cold_ids))
-    slot_of = torch.full((n_exp,), -1, dtype=torch.int32)
-    slot_of[on_gpu] = torch.arange(len(on_gpu), dtype=torch.int32)
-    q4 = {w: int4 and int4_experts_reason(ex, "down" if w == "down" else "gate_up") is None
-          for w in ("gate", "up", "down")}
-    fast = FastExperts(on_gpu, *(_stack(ex, w, on_gpu, device, dtype, q4[w]) for w in ("gate", "up", "down")),
-                       act=activation_fn(act), act_name=act, slot_of=slot_of.to(device))
-    router, shared, shared_gate = (_to_tier(getattr(moe, k, None), device, dtype)
-                                   for k in ("router", "shared", "shared_gate"))
-    return MoEParts(router, shared, shared_gate, fast, cold, pos, hidden, moe.top_k, moe.renormalise)
-
-
-# ---------------------------------------------------------------------------------------------
-# The CPU side
-
-
-class HostRouting:
-    """Host buffers for the routing (pinned on CUDA), grown on demand: ids int64 [rows, k],
-    weights float32 [rows, k], each with a numpy view sharing its memory."""
-
-    def __init__(self, alloc, k: int, rows: int = 1):
-        self.alloc, self.k, self.rows = alloc, k, 0
-        self.ensure(rows)
-
-    def ensure(self, rows: int) -> "HostRouting":
-        if rows > self.rows:
-            self.rows = rows
-            self.ids, self.weights = self.alloc((rows, self.k), torch.int64), self.alloc((rows, self.k))
-            self.ids_np, self.weights_np = self.ids.numpy(), self.weights.numpy()
-            self.extra = self.alloc((4 * self.k,), torch.int64)  # the look-ahead's guess (decode)
-            self.extra_np = self.extra.numpy()
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.k * (8 + 4) + (4 * self.k * 8 if self.rows else 0)
-
-
-def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """(expert, tokens [n], slots [n]) for each expert in ids [N, k] with here(expert), ascending."""
-    for e in np.unique(ids).tolist():
-        if here(e):
-            tok, slot = np.nonzero(ids == e)
-            yield e, tok, slot
 
 
 # kernel launches of a chunk's GPU experts (HybridMoE._token_by_token): per token through the decode
@@ -243,108 +52,6 @@ def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]
 # (4-bit stacks decoded first, FAST_GROUP_INT4 experts at a time)
 TOKEN_LAUNCHES, GROUP_LAUNCHES_INT4, GROUP_LAUNCHES = 6, 48, 12
 FAST_GROUP, FAST_GROUP_INT4 = 16, 4  # experts a group: [g, T, D] float32 products, T up to the chunk
-
-EXPERT_BATCH_TOKENS = 48 if GEMM_BF16 else 256  # tokens of a chunk routed to one quantised CPU expert
-# from which it is decoded once for a torch GEMM (qexpert_batch) rather than computed from its blocks
-# with the other experts' tokens in one qexperts_tokens call. Measured with bfloat16 GEMMs (2-core
-# AMX Xeon, 64 Q4_0 Qwen3-30B-A3B experts, 8 routed per token): qexperts_tokens 25 / 87 ms for 64 /
-# 256 tokens (8 / 32 an expert) against 79 / 98 ms decoding every expert for GEMMs; 374 against 166
-# ms for 1024 (128 an expert). Without bfloat16 GEMMs (float32, ~3x slower) the threshold is an
-# estimate: per-token kernels are faster than float32 GEMMs up to 64-128 tokens on a 2-core AVX2
-# machine, and qexperts_tokens is 2.2-2.7x faster than per-token kernels.
-
-
-@dataclass
-class MoEJob:
-    """One MoE layer's CPU experts for N tokens, run by the CPUExecutor. x, out: float32 [N, D]; ids:
-    int64 [N, k]; weights: float32 [N, k] (host views); ready: the event of their D2H copy (None on
-    the CPU). One token: its routed CPU experts in one kernel call, each expert's rows scaled by its
-    routing weight (`scale`, the layer's [rows] buffer); several: one batched call per expert."""
-
-    cold: ColdFFN  # the layer's CPU experts, stacked
-    pos: np.ndarray  # int64 [E]: position of each expert in `cold`, -1 on the fast tier
-    expert_rows: list  # int64 [I] row indices of the expert at each position
-    scale: np.ndarray  # float32 [rows of cold]
-    x: np.ndarray
-    ids: np.ndarray
-    weights: np.ndarray
-    out: np.ndarray
-    ready: object = None
-    keep: tuple = ()  # device tensors the pending copies read; held until the job is done
-    io: object = None  # the HostRows that x and out view
-    skip: frozenset = frozenset()  # host experts the fast tier computes this time (found in the expert cache)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    pairs: int = 0  # (token, expert) pairs computed
-    cpu_s: float = 0.0  # grouping + kernels
-    input_wait_s: float = 0.0  # blocked on `ready`
-
-    def run(self) -> None:
-        t0 = now()
-        if self.ready is not None:
-            self.ready.synchronize()  # releases the GIL
-        t1 = now()
-        self.out.fill(0.0)
-        c = self.cold
-        if c.down is not None:  # quantised experts in the file's blocks
-            self._run_whole()
-        elif len(self.x) == 1:
-            chosen = sorted((int(self.pos[e]), float(w)) for e, w in zip(self.ids[0], self.weights[0])
-                            if self.pos[e] >= 0 and int(e) not in self.skip)
-            for p, w in chosen:
-                self.scale[self.expert_rows[p]] = w
-            if chosen:
-                rows = np.concatenate([self.expert_rows[p] for p, _ in chosen])
-                ffn_rows(self.x[0], rows, c.up, c.down_t, c.act, c.gate, out=self.out[0], row_scale=self.scale)
-            self.pairs = len(chosen)
-        else:
-            for e, tok, slot in routed(self.ids, lambda e: self.pos[e] >= 0):
-                y = ffn_rows_batch(self.x[tok], self.expert_rows[self.pos[e]], c.up, c.down_t, c.act, c.gate)  # [n, D]
-                self.out[tok] += self.weights[tok, slot][:, None] * y  # a token routes to an expert once
-                self.pairs += len(tok)
-        self.input_wait_s, self.cpu_s = t1 - t0, now() - t1
-
-    def _run_whole(self) -> None:
-        """Quantised experts (ColdFFN.down): one token's routed CPU experts in one `qexperts` call;
-        several tokens' in one `qexperts_tokens` call, but for an expert routed by at least
-        EXPERT_BATCH_TOKENS of them, decoded once for all of them instead (`qexpert_batch`)."""
-        c = self.cold
-        if len(self.x) == 1:  # decode: the routed host experts straight from the routing, one call
-            p = self.pos[self.ids[0]]  # [k] positions, -1 on the fast tier
-            here = p >= 0
-            if self.skip:
-                here &= ~np.isin(self.ids[0], list(self.skip))
-            if here.any():  # (the layer checked its stacks once; the buffers are its own)
-                qexperts_trusted(self.x[0], p[here], self.weights[0][here], c.gate, c.up, c.down, c.act, self.out[0])
-            self.pairs = int(here.sum())
-            return
-        here = self.pos[self.ids] >= 0  # [N, k]: the routed host experts
-        if self.skip:
-            here &= ~np.isin(self.ids, list(self.skip))
-        self.pairs = int(here.sum())
-        few = np.where(here, self.pos[self.ids], -1)  # [N, k] their positions, -1 elsewhere
-        for e, tok, slot in routed(self.ids, lambda e: self.pos[e] >= 0 and int(e) not in self.skip):
-            if len(tok) >= EXPERT_BATCH_TOKENS:
-                p = int(self.pos[e])
-                self.out[tok] += qexpert_batch(self.x[tok], p, c.gate, c.up, c.down, c.act, self.weights[tok, slot])
-                few[tok, slot] = -1
-        if (few >= 0).any():
-            qexperts_tokens(self.x, few, self.weights, c.gate, c.up, c.down, c.act, out=self.out)
-
-    def again(self, ready) -> "MoEJob":
-        """This job, ready to run once more over the same buffers with a new input event (a layer's
-        graphed decode step reuses its job: building one costs the host more than a small kernel)."""
-        self.ready, self.skip, self.keep, self.error = ready, frozenset(), (), None
-        self.pairs, self.cpu_s, self.input_wait_s = 0, 0.0, 0.0
-        self.done.clear()
-        return self
-
-    def wait(self) -> None:
-        """Block until the worker finished this job; re-raise its error here."""
-        self.done.wait()
-        self.keep = ()
-        if self.error is not None:
-            raise RuntimeError(f"CPU executor failed: {self.error!r}") from self.error
 
 
 class Lookahead:
@@ -872,5 +579,4 @@ def random_experts(lm_or_config, fraction: float, seed: int = 0) -> dict[int, li
             for l in range(config.num_layers) if config.ffn_kind(l) == "moe"}
 
 
-__all__ = ["HybridMoE", "Lookahead", "MoEJob", "MoEParts", "FastExperts", "HostRouting", "split_moe", "check_experts",
-           "random_experts"]
+__all__ = ["HybridMoE", "Lookahead", "random_experts"]

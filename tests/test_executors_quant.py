@@ -259,7 +259,7 @@ def test_prefill_decodes_busy_cpu_experts_once(folder, monkeypatch):
     """In a prompt chunk, a CPU expert routed by many tokens is decoded once for all of them
     (qexpert_batch), the others run over their blocks for all their tokens in one call
     (qexperts_tokens); the logits equal the quantised reference either way."""
-    import hotcold.executors.moe as M
+    import hotcold.executors.moe_host as M
 
     calls = {"batch": 0, "one": 0}
     for name, key in (("qexpert_batch", "batch"), ("qexperts_tokens", "one")):

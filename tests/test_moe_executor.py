@@ -25,7 +25,8 @@ import torch
 
 from conftest import run_cli
 from hotcold.executors import CPUExecutor, HybridFFN, make_hybrid
-from hotcold.executors.moe import HybridMoE, MoEJob, random_experts
+from hotcold.executors.moe import HybridMoE, random_experts
+from hotcold.executors.moe_host import MoEJob
 from hotcold.models.generate import Generator
 from hotcold.models.loader import LoadedModel, load_model
 from hotcold.models.sampling import SamplingParams

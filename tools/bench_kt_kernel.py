@@ -136,7 +136,7 @@ class Ours:
     name = "ours"
 
     def __init__(self, layers: list[Layer], E: int):
-        from hotcold.executors.moe import MoEJob
+        from hotcold.executors.moe_host import MoEJob
 
         self.layers, self.job = layers, MoEJob
         self.pos = np.arange(E, dtype=np.int64)
@@ -258,7 +258,7 @@ def settings(args, kt) -> dict:
     import numba
     import torch
 
-    from hotcold.executors.moe import EXPERT_BATCH_TOKENS
+    from hotcold.executors.moe_host import EXPERT_BATCH_TOKENS
     from hotcold.sparse_ops.quant.ops import GEMM_BF16
 
     cpu = platform.processor()
