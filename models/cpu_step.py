@@ -14,7 +14,7 @@ QuantLinear without biases but q/k/v's, float32 activations, a float32 or float1
 hooks on any of the block's modules (the look-ahead's residual hook on ffn_norm and the sparse
 forward see the module path). Where the FFN is another module (MoE, a hybrid split) or has hooks (the
 profiler's probes), the attention half (to f_in = ffn_norm(r)) is one call and the FFN runs as its
-module. `block_step` returns None where it does not apply, and always with HOTCOLD_CPU_STEP=0. The
+module. `block_step` returns None where it does not apply (tests patch it out for the module path). The
 kernels are the module path's own; what differs is the activation's float32 rounding (numba's
 SiLU/GELU against torch's): a block's output within ~1e-7 of the module path's
 (tests/test_cpu_step.py checks 1e-5), which Q8 activations can turn into a flipped rounding
@@ -25,7 +25,6 @@ dominates, about 1.15x.
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -239,13 +238,10 @@ def _weights(module) -> np.ndarray:
     return module.weight.detach().numpy()
 
 
-ENABLED = os.environ.get("HOTCOLD_CPU_STEP", "1") != "0"  # HOTCOLD_CPU_STEP=0: always the module path
-
-
 def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None) -> torch.Tensor | None:
     """block(x, positions, cache_kv, start) for one token on the CPU as one numba call, or None where
     the fused step does not apply (then the caller runs the module path). x: [1, 1, D] -> [1, 1, D]."""
-    if (not ENABLED or x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype != torch.float32
+    if (x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype != torch.float32
             or cache_kv is None or cache_kv[0].dtype not in (torch.float32, torch.float16) or torch.is_grad_enabled()):
         return None
     mods, parts = _parts(block)

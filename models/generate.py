@@ -7,7 +7,6 @@ detokenised incrementally and held back while it could still be the start of a s
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -70,7 +69,7 @@ def _masked(logits: torch.Tensor, constraint) -> torch.Tensor:
 class Generator:
     """Generates tokens for one sequence at a time, reusing the KV cache for a shared prompt prefix."""
 
-    def __init__(self, lm: LoadedModel, max_context: int | None = None):
+    def __init__(self, lm: LoadedModel, max_context: int | None = None, pipeline: bool | str = "auto"):
         self.lm = lm
         model_ctx = lm.config.max_position_embeddings
         self.max_context = min(max_context or model_ctx, model_ctx)
@@ -88,9 +87,9 @@ class Generator:
         # on CUDA, sample on the device and queue the next step before the host reads the token, so
         # the host's per-token work (reading the token, detokenising, stop strings, the consumer,
         # the next step's launch) overlaps the GPU's and host nodes' step instead of adding to it;
-        # off for logprobs (the host reads them) and with HOTCOLD_PIPELINE=0. "auto": on CUDA; True:
-        # on any device (on the CPU the order changes nothing: the tests compare both loops there)
-        self.pipeline: bool | str = "auto" if os.environ.get("HOTCOLD_PIPELINE", "1") != "0" else False
+        # off for logprobs (the host reads them) and with pipeline=False. "auto": on CUDA; True: on
+        # any device (on the CPU the order changes nothing: the tests compare both loops there)
+        self.pipeline: bool | str = pipeline
         self._token_host: torch.Tensor | None = None  # pinned [1] int64: the sampled id's landing place
         self._event: tuple | None = None  # (blocking, the torch.cuda.Event the host waits on for a step)
 

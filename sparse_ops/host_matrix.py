@@ -5,7 +5,6 @@ tensors and the tiled column gather that builds cold rows of W_down."""
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 
 import numpy as np
@@ -25,9 +24,10 @@ def advise_hugepages(t: torch.Tensor) -> bool:
     touched). With 4 KiB pages a GEMV streaming a matrix misses the TLB every 4 KiB and the
     prefetchers stop at each page; a cold neuron's ~10 KB rows cross pages. A [15360, 5120] float16
     GEMV read 17.7 GB/s from 4 KiB pages against 24.4 from huge ones on the 2-core Xeon (numpy
-    advises its own large arrays; torch does not). Returns whether the advice was taken;
-    HOTCOLD_HUGEPAGES=0 turns it off."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or os.environ.get("HOTCOLD_HUGEPAGES", "1") == "0":
+    advises its own large arrays; torch does not). Returns whether the advice was taken. Linux has
+    the last word: `never` in /sys/kernel/mm/transparent_hugepage/enabled turns huge pages off (loads
+    are faster without them while the kernel would compact memory)."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
     start = t.data_ptr()
     a, b = (start + _HUGE - 1) // _HUGE * _HUGE, (start + t.numel() * t.element_size()) // _HUGE * _HUGE
