@@ -1,0 +1,1 @@
+"""tools/bench.py in parts: common, offload, inputs, children, report."""
