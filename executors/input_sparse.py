@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import time
+
 import numpy as np
+import torch
 
 from hotcold.profiler.input_sparsity import GROUPS, group_modules
 
@@ -54,6 +57,13 @@ def thresholds_from_profile(profile) -> dict[int, dict[str, float]] | None:
     return {l: {g: float(t[i]) for i, g in enumerate(GROUPS)} for l, t in profile.input_threshold.items()}
 
 
+def sparsities_from_profile(profile) -> dict[int, dict[str, float]] | None:
+    """{layer: {group: sparsity}} of the chosen level's allocation in a profile, or None."""
+    im = profile.meta.get("input_sparsity", {})
+    rows = im.get("allocation", {}).get(str(im.get("chosen")))
+    return None if rows is None else {l: dict(zip(GROUPS, r)) for l, r in enumerate(rows)}
+
+
 def _unfuse_qkv(attn) -> None:
     """Drop a fused q/k/v matrix (models/quantized.py fuse_qkv): the one-token step then multiplies q, k
     and v apart, each from its own input-major copy (their weights are views of its rows: nothing is freed)."""
@@ -64,9 +74,53 @@ def _unfuse_qkv(attn) -> None:
             delattr(attn, name)
 
 
-def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_major: bool = True) -> InputSparsity:
+def _best_time(f, repeats: int = 5) -> float:
+    f()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def input_major_pays(lin, im, sparsity: float) -> bool:
+    """Whether lin's one-token product is faster from its input-major copy `im` at `sparsity` than from
+    its own weights, timed here on an input with that share of entries at or below the threshold.
+    The dense kernels of the nibble types dot Q8 activations with integer instructions (VNNI): on a
+    2-core AVX-512 Xeon a Q4_1 matrix's input-major product, in float32, only caught up at ~65%
+    sparsity, Q8_0 at ~50%; float16's at none (float16 rows read at half the rate of its codes)."""
+    from hotcold.models.quantized import QuantLinear
+    from hotcold.sparse_ops.input_sparse import im_kernel
+    from hotcold.sparse_ops.quant import qgemv
+
+    x = np.random.default_rng(0).standard_normal(im.cols).astype(np.float32)
+    x[np.argsort(np.abs(x))[: int(sparsity * im.cols)]] = 0.0  # the inputs the threshold drops
+    out = np.empty(im.rows, np.float32)
+    args = im.args()
+    t_im = _best_time(lambda: im_kernel(x, out, *args[:7], np.zeros(2, np.int64), args[8]))
+    if isinstance(lin, QuantLinear):
+        t_dense = _best_time(lambda: qgemv(lin.qweight, x, out))
+    else:
+        from hotcold.models.layers import project
+
+        xt = torch.from_numpy(x).reshape(1, 1, -1).to(lin.weight.dtype)
+        d = lin.__dict__
+        saved = {k: d.pop(k) for k in ("input_threshold", "input_major", "input_counter") if k in d}
+        try:
+            with torch.inference_mode():
+                t_dense = _best_time(lambda: project(lin, xt))
+        finally:
+            d.update(saved)
+    return t_im < t_dense
+
+
+def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_major: bool = True,
+                         sparsities: dict[int, dict[str, float]] | None = None) -> InputSparsity:
     """Set the thresholds on model's projections (see the module docstring). input_major: build the
-    input-major copies for the CPU's one-token products (False: threshold and multiply dense)."""
+    input-major copies for the CPU's one-token products (False: threshold and multiply dense).
+    sparsities: each group's expected sparsity (the profile's allocation); given, a projection keeps
+    its input-major copy only where `input_major_pays` at it (else threshold and multiply dense)."""
     from hotcold.models.quantized import QuantLinear
     from hotcold.sparse_ops.input_sparse import input_major as make_im
 
@@ -92,6 +146,8 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
                         why = f"{str(lin.weight.dtype).removeprefix('torch.')} has no input-major form here"
                     else:
                         why = "not on the CPU"
+                if im is not None and sparsities is not None and not input_major_pays(lin, im, sparsities[l][g]):
+                    im, why = None, f"its dense kernel is faster at {sparsities[l][g]:.0%} sparsity"
                 if im is not None:
                     lin.__dict__["input_major"] = im
                     out.input_major += 1
@@ -101,7 +157,7 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
                     lin.__dict__.pop("input_major", None)
                     out.counters.append((_rows(lin), lin.__dict__["input_counter"]))
                     if input_major:
-                        out.dense.append(f"{l}.{g}: {why}")
+                        out.dense.append(f"layer {l} {g}: {why}")
         for m in (block, block.attn, block.ffn):  # cpu_step's cached kernel arguments
             for key in ("_cpu_step", "_cpu_args"):
                 m.__dict__.pop(key, None)
@@ -143,13 +199,16 @@ def open_input_sparsity(lm, enabled: bool = True) -> tuple[InputSparsity | None,
     rise = next((p["rise"] for p in profile.meta["input_sparsity"]["curve"] if p["sparsity"] == level), None)
     if not enabled:
         return None, f"input sparsity off (--no-sparse); the profile chose {level:.0%}"
-    applied = apply_input_sparsity(lm.model, thresholds, input_major=lm.device.type == "cpu")
+    applied = apply_input_sparsity(lm.model, thresholds, input_major=lm.device.type == "cpu",
+                                   sparsities=sparsities_from_profile(profile))
     note = (f"input sparsity {level:.0%} of the weights per the profile (held-out perplexity "
             f"{rise:+.2%}; --no-sparse turns it off)" if rise is not None else
             f"input sparsity {level:.0%} per the profile (--no-sparse turns it off)")
     if lm.device.type != "cpu":
         note += "; on CUDA its inputs are thresholded and multiplied dense (no sparse kernel there yet)"
-    elif applied.dense:
-        note += f"; {len(applied.dense)} projections multiply dense after thresholding ({applied.dense[0]})"
+    else:
+        note += (f"; {applied.input_major} of {len(applied.counters)} projections read only the kept inputs' "
+                 "weights, the others threshold and multiply dense"
+                 + (f" ({applied.dense[0]}{', ...' if len(applied.dense) > 1 else ''})" if applied.dense else ""))
     return applied, note
 

@@ -25,6 +25,7 @@ An input entry with |x| <= threshold is zeroed, and the runtime skips the weight
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator
 
@@ -32,7 +33,8 @@ import torch
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)  # model-level sparsities the allocation and the curve cover
-STEP = 0.05  # the greedy allocation's raise of one group's sparsity
+STEP = 0.1  # the greedy allocation's raise of one group's sparsity (0.05 doubles the search: ~200 block
+# forwards a layer, 45 s a SmolLM2 layer on the busy 2-core machine)
 MAX_GROUP = 0.95  # no group is made sparser than this
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # of |x|, reported per layer and group
 
@@ -67,13 +69,14 @@ def _zero_below(t: float):
 
 
 @contextlib.contextmanager
-def thresholded(model, thresholds: dict[int, dict[str, float]]) -> Iterator[None]:
+def thresholded(model, thresholds: dict[int, dict[str, float]], blocks=None) -> Iterator[None]:
     """Within the block, the given layers' projections see their input zeroed where |x| <= threshold
-    (forward pre-hooks, so every forward path of the module runs thresholded)."""
+    (forward pre-hooks, so every forward path of the module runs thresholded). blocks: the layers'
+    blocks when not model.layers (a float copy of one block)."""
     handles = []
     try:
         for l, per in thresholds.items():
-            mods = group_modules(model.layers[l])
+            mods = group_modules((blocks or model.layers)[l])
             for g, t in per.items():
                 if t > 0:
                     handles += [m.register_forward_pre_hook(_zero_below(float(t))) for m in mods[g]]
@@ -178,15 +181,21 @@ def allocate_layers(model, seqs: torch.Tensor, mags: Magnitudes, levels=LEVELS, 
                     progress: Callable | None = None) -> dict[float, list[dict[str, float]]]:
     """The greedy allocation of every block on calibration tokens seqs [B, T]: {level: [per layer
     {group: sparsity}]}; a level some block cannot reach is left out."""
+    from hotcold.models.quantized import dequantize_model, is_quantized
+
     positions = torch.arange(seqs.shape[1], device=seqs.device)
     xs = block_inputs(model, seqs)
     per_layer = []
     for l, (block, x) in enumerate(zip(model.layers, xs)):
+        if is_quantized(block):  # a float copy: a quantised block's several-token products decode its
+            # blocks on every call, and the greedy search calls it ~200 times
+            block = dequantize_model(copy.deepcopy(block), x.device, x.dtype)
         dense = block(x, positions, None).float()
         scale = float(((dense - x.float()) ** 2).sum()) or 1.0  # the block's own contribution
 
         def error(alloc, l=l, block=block, x=x, dense=dense, scale=scale):
-            with thresholded(model, {l: {g: mags.threshold(l, g, s) for g, s in alloc.items()}}):
+            blocks = {l: block}
+            with thresholded(model, {l: {g: mags.threshold(l, g, s) for g, s in alloc.items()}}, blocks):
                 y = block(x, positions, None).float()
             return float(((y - dense) ** 2).sum()) / scale
 
@@ -198,9 +207,11 @@ def allocate_layers(model, seqs: torch.Tensor, mags: Magnitudes, levels=LEVELS, 
 
 
 def profile_input_sparsity(lm, calib: torch.Tensor, heldout: list[int], seq_len: int, budget: float,
-                           progress: Callable | None = None, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+                           progress: Callable | None = None, seed: int = 0, greedy_tokens: int = 256
+                           ) -> tuple[dict[str, torch.Tensor], dict]:
     """Magnitudes, allocation and perplexity curve of `lm` (see the module docstring). calib: [B, T]
-    calibration sequences; heldout: ids for perplexity. Returns (profile tensors, profile.json's
+    calibration sequences (the greedy allocation reads the first `greedy_tokens` of them, at least one
+    sequence); heldout: ids for perplexity. Returns (profile tensors, profile.json's
     "input_sparsity" section)."""
     from hotcold.models.perplexity import perplexity
     from hotcold.profiler.calibrate import search_sparsity
@@ -218,7 +229,8 @@ def profile_input_sparsity(lm, calib: torch.Tensor, heldout: list[int], seq_len:
                 x = block(x, positions, None)
             progress("magnitudes", (i + 1) * calib.shape[1], calib.numel())
     progress("allocation", 0, len(model.layers), "layer")
-    alloc = allocate_layers(model, calib.to(dev), mags, progress=progress)
+    greedy = calib[: max(1, greedy_tokens // calib.shape[1]), :greedy_tokens]  # whole sequences, or one's start
+    alloc = allocate_layers(model, greedy.to(dev), mags, progress=progress)
     levels = sorted(alloc)
     evals = [0]
 
@@ -242,7 +254,8 @@ def profile_input_sparsity(lm, calib: torch.Tensor, heldout: list[int], seq_len:
         "ppl_budget": budget,
         "dense_ppl": dense_ppl,
         "curve": [{"sparsity": p.sparsity, "ppl": p.ppl, "rise": p.ppl / dense_ppl - 1} for p in points],
-        "calibration_tokens": int(calib.numel()),
+        "calibration_tokens": int(calib.numel()),  # of the magnitudes
+        "allocation_tokens": int(greedy.numel()),
         "step": STEP,
         "allocation": {str(s): [[round(a[g], 4) for g in GROUPS] for a in alloc[s]] for s in levels},
         "thresholds": {str(s): [[round(t[g], 6) for g in GROUPS] for t in mags.thresholds(alloc[s]).values()]

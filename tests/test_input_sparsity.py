@@ -208,3 +208,22 @@ def test_profile_then_run_with_and_without_input_sparsity(tmp_path):
     assert "input sparsity" in r.stderr and "inputs skipped" in r.stderr
     r2 = run_cli(*args, "--no-sparse")
     assert r2.returncode == 0 and "inputs skipped" not in r2.stderr
+
+
+def test_timed_choice_keeps_every_projection_thresholded(tmp_path):
+    """Given the allocation's sparsities, each projection keeps its input-major copy only where it timed
+    faster than its dense kernel; the others threshold then multiply dense, and the model computes the
+    same thresholded output either way."""
+    lm = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    quantize_model(lm.model, "q8_0")
+    th = _thresholds(lm.model, 2)
+    toks = torch.randint(3, 160, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode(), thresholded(lm.model, th):
+        want = lm.model(toks)
+    applied = apply_input_sparsity(lm.model, th, sparsities={l: {g: 0.5 for g in GROUPS} for l in th})
+    n = 7 * len(lm.model.layers)
+    assert len(applied.counters) == n and applied.input_major + len(applied.dense) == n
+    assert all("dense kernel is faster" in d for d in applied.dense)
+    with torch.inference_mode():
+        got = lm.model(toks)
+    assert torch.allclose(got, want, atol=1e-5)
