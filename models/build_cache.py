@@ -34,6 +34,15 @@ class CacheInvalid(Exception):
     """A cache file that must not be used; the message says why, in a few words."""
 
 
+class CacheStale(CacheInvalid):
+    """A whole cache file made from other inputs (its key differs); `info` is the info string it was
+    written with, for the caller to say what changed."""
+
+    def __init__(self, message: str, info: str):
+        super().__init__(message)
+        self.info = info
+
+
 def cache_dir(kind: str) -> Path:
     """`$HOTCOLD_HOME/cache/<kind>` (default `~/.cache/hotcold/cache/<kind>`); not created here."""
     home = Path(os.environ.get("HOTCOLD_HOME", Path.home() / ".cache" / "hotcold")).expanduser()
@@ -108,7 +117,7 @@ def read_cache_info(path: Path, key: str) -> tuple[dict[str, np.ndarray], str] |
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CacheInvalid(f"is of another format ({meta.get('format') if isinstance(meta, dict) else None})")
     if meta.get("key") != key:
-        raise CacheInvalid("was made from other inputs (its key differs)")
+        raise CacheStale("was made from other inputs (its key differs)", str(meta.get("info", "")))
     start = 8 + n
     end = max((int(o[1]) for _, _, o in fields.values()), default=0)
     if start + end != size:

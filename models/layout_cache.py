@@ -10,7 +10,8 @@ pages that every process running the model shares through the page cache.
 One file per model file under `$HOTCOLD_HOME/cache/layout/`, named by the model's real path; its
 key covers the file's size, mtime and inode, the model's fingerprint, and the source of the code
 that computes the layout (models/quantized.py and sparse_ops/quant/), so a changed model or a
-changed layout rebuilds it, with one line saying so.
+changed layout rebuilds it: a changed, truncated or damaged cache file or model file with one line
+saying so, a new version of the packing code quietly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from torch import nn
 
-from hotcold.models.build_cache import CacheInvalid, cache_dir, digest, read_cache_info, write_cache
+from hotcold.models.build_cache import CacheInvalid, CacheStale, cache_dir, digest, read_cache_info, write_cache
 
 if TYPE_CHECKING:
     from hotcold.models.loader import LoadedModel
@@ -38,39 +39,55 @@ def packed_for_decode(lm: "LoadedModel") -> int:
     path = Path(lm.path)
     if not path.is_file():  # an HF folder: its matrices are not blocks of a file
         return pack_for_decode(lm.model)
-    key = layout_key(path, lm.fingerprint)
+    key, model = layout_key(path, lm.fingerprint), _model_version(path, lm.fingerprint)
     cache = cache_dir("layout") / f"{digest(os.path.realpath(path))}.safetensors"
     try:
         got = read_cache_info(cache, key)
         if got is not None:
-            done = _apply(lm.model, *got)
+            done = _apply(lm.model, got[0], json.loads(got[1])["layout"])
             fuse_qkv(lm.model)  # float16 / bfloat16 attentions (not cached: their weights are copies anyway)
             return done
-    except (CacheInvalid, OSError) as e:
+    except CacheStale as e:  # made by other packing code (or an older cache format): rebuilt without a word
+        if _recorded_model(e.info) not in (None, model):
+            print(f"note: the layout cache {cache} was made for another version of {path.name}; rebuilding it",
+                  file=sys.stderr, flush=True)
+    except (CacheInvalid, OSError, ValueError, KeyError, TypeError) as e:
         print(f"note: the layout cache {cache} {e}; rebuilding it", file=sys.stderr, flush=True)
     done = pack_for_decode(lm.model)
     tensors, layout = _collect(lm.model)
     if tensors:
         try:
-            write_cache(cache, key, tensors, json.dumps(layout))
+            write_cache(cache, key, tensors, json.dumps({"model": model, "layout": layout}))
         except OSError:
             pass  # a read-only home: the next load packs again
     return done
 
 
 def layout_key(path: Path, fingerprint: str) -> str:
-    """What the cached layout depends on: the file's identity and version, the model's headers, the
-    packing code and its settings."""
+    """What the cached layout depends on: the model file's version (`_model_version`), the packing
+    code and its settings."""
     from hotcold.models import quantized
     from hotcold.sparse_ops import quant
     from hotcold.sparse_ops.quant import formats
 
-    st = os.stat(path)
     code_files = sorted(Path(quant.__file__).parent.glob("*.py")) + [Path(quantized.__file__)]
     # (settings tests patch: formats' defaults are read at call time)
     settings = repr((quantized.HEAD_XQ, sorted(formats.XQ_DEFAULT), sorted(formats.PACK_DEFAULT), formats.X8))
-    return digest("layout-1", os.path.realpath(path), str((st.st_size, st.st_mtime_ns, st.st_ino)), fingerprint,
-                  settings, *(f.read_bytes() for f in code_files))
+    return digest("layout-1", _model_version(path, fingerprint), settings, *(f.read_bytes() for f in code_files))
+
+
+def _model_version(path: Path, fingerprint: str) -> str:
+    """The model file as far as the cache can tell without reading it: real path, size, mtime, inode
+    and the fingerprint of its headers."""
+    st = os.stat(path)
+    return json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, fingerprint])
+
+
+def _recorded_model(info: str) -> str | None:
+    try:
+        return json.loads(info)["model"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _collect(model: nn.Module) -> tuple[dict[str, np.ndarray], list[dict]]:
@@ -105,14 +122,13 @@ def _entry(module: str, attr: str, w, tensor: str, rows: tuple[int, int] | None)
             "rows": None if rows is None else list(rows)}
 
 
-def _apply(model: nn.Module, tensors: dict[str, np.ndarray], info: str) -> int:
+def _apply(model: nn.Module, tensors: dict[str, np.ndarray], layout: list[dict]) -> int:
     """Set each cached matrix in place, after checking that every one fits the model as loaded (its
     module exists, holds a matrix of that type and shape, not yet interleaved): a cache that does not
     fit is refused as a whole (CacheInvalid) and the model is left as it was."""
     from hotcold.sparse_ops.quant import QuantMatrix
 
     try:
-        layout = json.loads(info)
         todo = []
         for e in layout:
             m = model.get_submodule(e["module"])
