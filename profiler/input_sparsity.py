@@ -207,7 +207,7 @@ def allocate_layers(model, seqs: torch.Tensor, mags: Magnitudes, levels=LEVELS, 
 
 
 def profile_input_sparsity(lm, calib: torch.Tensor, heldout: list[int], seq_len: int, budget: float,
-                           progress: Callable | None = None, seed: int = 0, greedy_tokens: int = 256
+                           progress: Callable | None = None, seed: int = 0, greedy_tokens: int = 128
                            ) -> tuple[dict[str, torch.Tensor], dict]:
     """Magnitudes, allocation and perplexity curve of `lm` (see the module docstring). calib: [B, T]
     calibration sequences (the greedy allocation reads the first `greedy_tokens` of them, at least one
