@@ -227,3 +227,31 @@ def test_timed_choice_keeps_every_projection_thresholded(tmp_path):
     with torch.inference_mode():
         got = lm.model(toks)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_thresholded_model_on_cuda_equals_hf_with_inputs_zeroed(tmp_path):
+    """On CUDA the thresholds apply too (inputs zeroed, then the dense product): the thresholded model
+    against HF's with the same inputs zeroed by hooks, and the torch form of the sparse product
+    against the dense product of the thresholded input."""
+    import transformers as T
+
+    path = make_tiny("llama", tmp_path)
+    lm = load_model(path, "cuda", "float32")
+    th = _thresholds(lm.model)
+    applied = apply_input_sparsity(lm.model, th, input_major=False)
+    assert applied.input_major == 0
+    hf = T.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
+    _hf_hooks(hf, th)
+    toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.inference_mode():
+        want = hf(toks).logits
+        cache = KVCache(lm.config, 16, device="cuda")
+        pre = lm.model(toks[:, :6], 0, cache)
+        got = torch.cat([pre, *[lm.model(toks[:, i:i + 1], i, cache) for i in range(6, 12)]], 1)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
+    w = torch.randn(512, 256, device="cuda")
+    x = torch.randn(256, device="cuda")
+    ref = w.double() @ (x * (x.abs() > 0.7)).double()
+    assert torch.allclose(sparse_linear_torch(x, w, 0.7).double(), ref, rtol=1e-4, atol=1e-4)
