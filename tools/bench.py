@@ -73,7 +73,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/benchlib, also when loaded by path
 
-from benchlib.children import _ids_digest, child_main, plan_ctx_note, run_llama_cpp  # noqa: E402
+from benchlib.children import (NO_REPACK, _ids_digest, child_main, llama_model_params,  # noqa: E402
+                               llama_tensor_overrides, plan_ctx_note, run_llama_cpp)
 from benchlib.common import (BUILD_HINT, DEFAULT_ENGINES, BenchError, fmt_bytes, fmt_num, fmt_ratio,  # noqa: E402
                              ratio, summarise, vram_size)
 from benchlib.inputs import (Engine, ModelPaths, hotcold_options, parse_engines, reference_engine,  # noqa: E402
@@ -84,6 +85,7 @@ from benchlib.report import _summary_line, build_report, default_threads, format
 
 __all__ = ["REPO", "VramPoller", "child_env", "spawn", "bench", "hotcold_has", "run_step", "e2e", "make_parser",
            "default_model", "validate", "main", "_ids_digest", "child_main", "plan_ctx_note", "run_llama_cpp",
+           "NO_REPACK", "llama_model_params", "llama_tensor_overrides",
            "BenchError", "fmt_bytes", "fmt_num", "fmt_ratio", "ratio", "summarise", "vram_size", "Engine",
            "ModelPaths", "hotcold_options", "parse_engines", "reference_engine", "resolve_model", "GgufLayout",
            "gpu_reserve_bytes", "llama_cpu_moe_layers", "llama_cpu_moe_patterns", "llama_gpu_layers",
