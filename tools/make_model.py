@@ -18,8 +18,8 @@ experts, output; OPT's position embedding) are written as GGUF blocks of
 that type, quantised row by row from the f16 weights with hotcold.sparse_ops.quant.quantize_rows
 (Q8_0/Q4_0 by numba kernels that give gguf.quants' bytes, bit-exact with ggml's reference quantiser;
 Q4_K with hotcold's round-to-nearest quantiser, valid blocks but not llama.cpp's search-based one,
-in threads). Every matrix gets the one type, as `llama-quantize --pure` does (no Q6_K output layer). Norms, biases and MoE
-routers (ffn_gate_inp) stay F32, as llama.cpp keeps them; the token embedding stays F16 (see
+in threads). Every matrix gets the one type, as `llama-quantize --pure` does (no Q6_K output
+layer). Norms, biases and MoE routers (ffn_gate_inp) stay F32, as llama.cpp keeps them; the token embedding stays F16 (see
 QUANT_KEEP_FLOAT). A matrix whose input size (columns) is not a multiple of the block size (32; 256
 for q4_k) stays F16, and then so do the other expert stacks of its layer; make_model.json lists
 each GGUF tensor type. The HF form stays float (f16) so `hotcold profile` and transformers can run it, and

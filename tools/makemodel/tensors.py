@@ -29,19 +29,22 @@ class Pool:
     SEG-element slices taken at random offsets of the pool (scaled copies of the pool are cached per
     std in the storage dtype, so building a tensor is only copies). `normal(..., with_float=True)`
     also returns the same values in float32, copied from a cached float32 image of the rounded pool
-    (the calibration forward's operand: copying is ~30x faster than converting each matrix)."""
+    (the calibration forward's operand: copying is ~30x faster than converting each matrix) into a
+    scratch buffer that the next call reuses (fresh pages for every expert matrix cost as much as the
+    copy): the caller is done with it before it asks again."""
 
     def __init__(self, seed: int, n: int, dtype: torch.dtype):
         self.n, self.dtype = n, dtype
         self.base = np.random.default_rng([seed, 0x9E37]).standard_normal(n + SEG, dtype=np.float32)
         self.scaled: dict[float, np.ndarray] = {}  # std -> scaled pool, least recently used first
         self.images: dict[float, np.ndarray] = {}  # std -> float32 image of scaled[std], likewise
+        self.scratch32 = np.empty(0, np.float32)  # normal()'s float32 copies
 
     def _pool(self, std: float) -> np.ndarray:
         key = float(np.float32(std))
         pool = self.scaled.pop(key, None)
         if pool is None:
-            t = torch.from_numpy(self.base * np.float32(std)).to(self.dtype)
+            t = (torch.from_numpy(self.base) * float(np.float32(std))).to(self.dtype)  # torch: all cores
             pool = (t.view(torch.int16) if self.dtype == torch.bfloat16 else t).numpy()
             while len(self.scaled) >= 8:
                 self.scaled.pop(next(iter(self.scaled)))
@@ -78,7 +81,9 @@ class Pool:
         if self.dtype == torch.float32:
             return t, t
         image = self._image(std, pool)
-        out32 = np.empty(n, dtype=np.float32)
+        if self.scratch32.size < n:
+            self.scratch32 = np.empty(n, dtype=np.float32)
+        out32 = self.scratch32[:n]
         for i, o in enumerate(offsets):
             s = i * SEG
             m = min(SEG, n - s)
