@@ -58,9 +58,25 @@ def packed_for_decode(lm: "LoadedModel") -> int:
     if tensors:
         try:
             write_cache(cache, key, tensors, json.dumps({"model": model, "layout": layout}))
+            _prune(cache.parent)
         except OSError:
             pass  # a read-only home: the next load packs again
     return done
+
+
+def _prune(folder: Path) -> None:
+    """Remove the layout files of model files that no longer exist (a file each is about the size of
+    its model's matrices; models in temporary folders would leave theirs behind). Reads headers only."""
+    for f in folder.glob("*.safetensors"):
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                info = json.loads(fh.read(n))["__metadata__"]["info"] if n < 1 << 24 else ""
+            recorded = _recorded_model(info)
+            if recorded is not None and not os.path.exists(json.loads(recorded)[0]):
+                f.unlink()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # another process's file in the middle of its rename, or not ours to judge
 
 
 def layout_key(path: Path, fingerprint: str) -> str:

@@ -113,15 +113,20 @@ def test_a_changed_model_file_is_not_served_its_old_layout(smollm2_path, home, t
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "another version of model.gguf" in err, err
     check_same(load_packed(copy), reference, mapped=True)
+    # the copy goes: the next layout written (another model's) removes its file, and only its
+    copy.unlink()
+    load_packed(smollm2_path)
+    assert len(list((home / "cache" / "layout").iterdir())) == 1
+    check_same(load_packed(smollm2_path), reference, mapped=True)
 
 
 def test_new_packing_code_rebuilds_quietly(smollm2_path, home, reference, capsys, monkeypatch):
     from hotcold.models import quantized
 
     load_packed(smollm2_path)
-    monkeypatch.setattr(quantized, "HEAD_XQ", not quantized.HEAD_XQ)  # part of the key: another layout
-    load_packed(smollm2_path)
+    with monkeypatch.context() as m:
+        m.setattr(quantized, "HEAD_XQ", not quantized.HEAD_XQ)  # part of the key: another layout
+        load_packed(smollm2_path)
     assert capsys.readouterr().err == ""
-    monkeypatch.undo()
     check_same(load_packed(smollm2_path), reference, mapped=False)  # rebuilt again for this code, no line
     assert capsys.readouterr().err == ""
