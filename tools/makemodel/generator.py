@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import numpy as np
@@ -15,6 +17,7 @@ from makemodel.tensors import Pool, count_params, pool_size, tensor_plan
 # ----------------------------------------------------------------------------- the generator
 
 CHUNK_BYTES = 8 << 20  # rows generated at once (per tensor chunk, in the storage dtype)
+EXPERT_GROUP = 16  # expert matrices copied from the pool at once, in threads (see Generator._experts)
 
 
 def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,6 +170,45 @@ class Generator:
                 y[:, r0:r1] = yc
             yield name, r0, w
         return y
+
+    def _experts(self, names: list[str], rows: int, cols: int, std: float, xs: torch.Tensor, bounds: list[int],
+                 out: torch.Tensor, *, zero_col: int = -1, zero_row: int = -1) -> Iterator[Chunk]:
+        """One stack's expert matrices, expert e = one `_linear(names[e], rows, cols, std, xs[b_e], out=out[b_e])`
+        with b_e = bounds[e]:bounds[e + 1], the same bytes and products: the pool offsets are drawn in the same
+        order, the copies (numpy, no GIL) run EXPERT_GROUP matrices at a time in threads, one group ahead, and
+        the products stay on this thread in expert order (torch runs each on all cores). A MoE layer's 3 x E
+        matrices were copied one by one: on a 16-core host most of a generated layer's time."""
+        if self._rows_per_chunk(rows, cols) < rows or self.dtype == torch.float32:  # not one chunk each
+            for e, name in enumerate(names):
+                yield from self._linear(name, rows, cols, std, xs[bounds[e]:bounds[e + 1]], zero_col=zero_col,
+                                        zero_row=zero_row, out=out[bounds[e]:bounds[e + 1]])
+            return
+        pool = self.pool._pool(std)
+        image = self.pool._image(std, pool)
+        n = rows * cols
+        offsets = [self.pool.offsets(n, self.rng) for _ in names]
+
+        def build(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            w = self.pool.as_tensor(self.pool.gather(pool, offsets[e], np.empty(n, dtype=pool.dtype)), (rows, cols))
+            w32 = torch.from_numpy(self.pool.gather(image, offsets[e], np.empty(n, dtype=np.float32))).view(rows, cols)
+            for m in (w, w32):
+                if zero_col >= 0:
+                    m[:, zero_col] = 0
+                if 0 <= zero_row < rows:
+                    m[zero_row] = 0
+            return w, w32
+
+        groups = [range(g, min(len(names), g + EXPERT_GROUP)) for g in range(0, len(names), EXPERT_GROUP)]
+        with ThreadPoolExecutor(min(EXPERT_GROUP, os.cpu_count() or 1)) as ex:
+            ahead = [ex.submit(build, e) for e in groups[0]]
+            for i, group in enumerate(groups):
+                done, ahead = ahead, [ex.submit(build, e) for e in (groups[i + 1] if i + 1 < len(groups) else ())]
+                for e, job in zip(group, done):
+                    w, w32 = job.result()
+                    b0, b1 = bounds[e], bounds[e + 1]
+                    out[b0:b1, 0:rows] = xs[b0:b1] @ w32.T
+                    del w32
+                    yield names[e], 0, w
 
     # -- the model -------------------------------------------------------------------
 
@@ -383,10 +425,8 @@ class Generator:
         gu = []
         for m in range(2):
             buf = torch.empty(N * k, s.ffn)
-            for e in range(E):
-                b0, b1 = bounds[e], bounds[e + 1]
-                yield from self._linear(f"{moe}experts.{e}.{names[m]}.weight", s.ffn, s.hidden, si, xs[b0:b1],
-                                        zero_col=c, out=buf[b0:b1])
+            yield from self._experts([f"{moe}experts.{e}.{names[m]}.weight" for e in range(E)], s.ffn, s.hidden, si,
+                                     xs, bounds, buf, zero_col=c)
             gu.append(buf)
         hs = F.silu(gu[0]).mul_(gu[1])  # [N k, I], sorted routings
         del gu, xs
@@ -396,10 +436,8 @@ class Generator:
         energy = (hs.pow(2).sum(-1) * ws.pow(2))[unsort].view(N, k).sum(1)
         std = self._out_std(x, energy)
         ys = torch.empty(N * k, s.hidden)
-        for e in range(E):
-            b0, b1 = bounds[e], bounds[e + 1]
-            yield from self._linear(f"{moe}experts.{e}.{names[2]}.weight", s.hidden, s.ffn, std, hs[b0:b1],
-                                    zero_row=c, out=ys[b0:b1])
+        yield from self._experts([f"{moe}experts.{e}.{names[2]}.weight" for e in range(E)], s.hidden, s.ffn, std,
+                                 hs, bounds, ys, zero_row=c)
         ys.mul_(ws[:, None])
         out = ys[unsort].view(N, k, s.hidden).sum(1)
         share = torch.bincount(ids.reshape(-1), minlength=E).double() / ids.numel()

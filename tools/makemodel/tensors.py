@@ -64,18 +64,31 @@ class Pool:
         self.images[key] = image
         return image
 
+    def offsets(self, n: int, rng: np.random.Generator) -> list[int]:
+        """The pool offsets of an n-element tensor's slices (the one draw from rng a tensor takes)."""
+        return rng.integers(0, self.n, size=(n + SEG - 1) // SEG).tolist()
+
+    @staticmethod
+    def gather(src: np.ndarray, offsets: list[int], out: np.ndarray) -> np.ndarray:
+        """out (1-D) filled with the SEG-element slices of src at offsets (numpy copies: no GIL held)."""
+        n = out.shape[0]
+        for i, o in enumerate(offsets):
+            s = i * SEG
+            m = min(SEG, n - s)
+            out[s : s + m] = src[o : o + m]
+        return out
+
+    def as_tensor(self, a: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+        """A gathered storage-dtype array as the tensor of that shape (bfloat16 from its int16 bits)."""
+        t = torch.from_numpy(a).view(*shape)
+        return t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+
     def normal(self, shape: tuple[int, ...], std: float, rng: np.random.Generator, with_float: bool = False
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         pool = self._pool(std)
         n = int(np.prod(shape))
-        out = np.empty(n, dtype=pool.dtype)
-        offsets = rng.integers(0, self.n, size=(n + SEG - 1) // SEG).tolist()
-        for i, o in enumerate(offsets):
-            s = i * SEG
-            m = min(SEG, n - s)
-            out[s : s + m] = pool[o : o + m]
-        t = torch.from_numpy(out).view(*shape)
-        t = t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+        offsets = self.offsets(n, rng)
+        t = self.as_tensor(self.gather(pool, offsets, np.empty(n, dtype=pool.dtype)), shape)
         if not with_float:
             return t
         if self.dtype == torch.float32:
@@ -83,12 +96,7 @@ class Pool:
         image = self._image(std, pool)
         if self.scratch32.size < n:
             self.scratch32 = np.empty(n, dtype=np.float32)
-        out32 = self.scratch32[:n]
-        for i, o in enumerate(offsets):
-            s = i * SEG
-            m = min(SEG, n - s)
-            out32[s : s + m] = image[o : o + m]
-        return t, torch.from_numpy(out32).view(*shape)
+        return t, torch.from_numpy(self.gather(image, offsets, self.scratch32[:n])).view(*shape)
 
 
 def pool_size(total_params: int) -> int:
