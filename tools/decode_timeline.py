@@ -34,6 +34,7 @@ import hotcold.executors.host_block as host_block
 import hotcold.executors.hybrid as hybrid
 import hotcold.executors.layer_node as layer_node
 import hotcold.executors.moe as moe
+import hotcold.executors.moe_host as moe_host
 from hotcold.errors import HotcoldError
 from hotcold.executors import make_hybrid, random_hot
 from hotcold.executors.cpu_executor import ColdJob
@@ -59,9 +60,9 @@ CALLS = [
     (hybrid.HybridFFN, "graph_post", "post"),
     (moe.HybridMoE, "_receive", "receive"),
     (hybrid.HybridFFN, "_receive", "receive"),
-    (moe.MoEJob, "run", "job.run"),
+    (moe_host.MoEJob, "run", "job.run"),
     (ColdJob, "run", "job.run"),
-    (moe, "qexperts_trusted", "qexperts"),
+    (moe_host, "qexperts_trusted", "qexperts"),
 ]
 if torch.cuda.is_available():
     CALLS += [(torch.cuda.CUDAGraph, "replay", "replay"), (torch.cuda.Event, "synchronize", "event.sync")]
