@@ -71,7 +71,9 @@ def profile(
     folder = artifact_dir(lm.path, lm.fingerprint, out)
     gated = thresholded_kinds(lm)
     if not gated and (sparsity is not None or ppl_budget is not None):
-        console.print("note: ReLU model: neurons are active when they fire; --sparsity/--ppl-budget do not apply")
+        why = ("ReLU model: neurons are active when they fire" if lm.config.activation == "relu" else
+               "every FFN is a MoE layer, whose experts run whole")
+        console.print(f"note: {why}; --sparsity/--ppl-budget do not apply")
     samples = _sample_cap(lm, samples, console)
     opts = ProfileOptions(tokens=tokens, seq_len=seq_len, sparsity=sparsity if gated else None,
                           ppl_budget=ppl_budget if ppl_budget is not None else 0.01, samples=samples,

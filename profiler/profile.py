@@ -40,8 +40,12 @@ class ProfileOptions:
 
 
 def thresholded_kinds(lm: LoadedModel) -> bool:
-    """Whether the model needs magnitude thresholds (gated FFN with a non-ReLU activation)."""
-    return lm.config.activation != "relu"
+    """Whether the model needs magnitude thresholds: a dense or gated FFN layer with a non-ReLU
+    activation, whose neurons are split by activity. MoE layers' experts are computed whole (their
+    routing is what is counted), so a model of MoE layers only needs none, nor the held-out
+    perplexity search that sets them."""
+    c = lm.config
+    return c.activation != "relu" and any(c.ffn_kind(l) != "moe" for l in range(c.num_layers))
 
 
 def _batches(seqs: torch.Tensor, batch_tokens: int):

@@ -44,14 +44,17 @@ def print_table(meta: dict, console=None) -> None:
 
     console = console or Console(stderr=True)
     moe = any(r["kind"] == "moe" for r in meta["layers"])
+    neurons = not all(r["kind"] == "moe" for r in meta["layers"])  # MoE experts run whole: no neuron columns
     t = Table(title=f"profile of {meta['model']} ({meta['tokens']} tokens, seq {meta['seq_len']})")
-    for col in ("layer", "kind", "threshold", "sparsity", "neurons 80%"):
+    for col in ("layer", "kind", *(("threshold", "sparsity", "neurons 80%") if neurons else ())):
         t.add_column(col, justify="right")
     if moe:
         t.add_column("experts 80%", justify="right")
         t.add_column("top expert", justify="right")
     for r in meta["layers"]:
-        cells = [str(r["layer"]), r["kind"], f"{r['threshold']:.4g}", f"{r['sparsity']:.1%}", _pct(r["mass80"])]
+        cells = [str(r["layer"]), r["kind"]]
+        if neurons:
+            cells += [f"{r['threshold']:.4g}", f"{r['sparsity']:.1%}", _pct(r["mass80"])]
         if moe:
             cells += [_pct(r.get("experts_mass80")), _pct(r.get("top_expert_share"))]
         t.add_row(*cells)
@@ -74,9 +77,9 @@ def print_table(meta: dict, console=None) -> None:
     if meta.get("predictors", {}).get("lookahead"):
         _lookahead_table(meta["predictors"], console)
     s = meta["summary"]
-    console.print(f"mean sparsity {s['sparsity']:.1%}, neurons carrying 80% of activations {_pct(s['mass80'])}"
-                  + (f", experts {_pct(s['experts_mass80'])}" if moe else "")
-                  + f"; {meta['throughput_tok_s']:.0f} tok/s")
+    shares = ([f"mean sparsity {s['sparsity']:.1%}", f"neurons carrying 80% of activations {_pct(s['mass80'])}"]
+              if neurons else []) + ([f"experts carrying 80% of routings {_pct(s['experts_mass80'])}"] if moe else [])
+    console.print(", ".join(shares) + f"; {meta['throughput_tok_s']:.0f} tok/s")
 
 
 def _input_table(im: dict, console) -> None:

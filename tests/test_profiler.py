@@ -156,6 +156,25 @@ def test_moe_counts_equal_brute_force(tiny, family):
     assert any(r.get("experts_mass80") for r in meta["layers"])
 
 
+def test_a_model_of_moe_layers_only_skips_the_threshold_search(tiny, monkeypatch):
+    """Experts run whole in every engine, so a model whose FFNs are all MoE layers (mixtral here)
+    needs no neuron thresholds: no held-out perplexity is evaluated, every threshold is 0, and the
+    routing is still counted. A model with a dense or gated layer beside its MoE layers still searches."""
+    import hotcold.profiler.profile as P
+
+    calls = []
+    real = P.perplexity
+    monkeypatch.setattr(P, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lm, _, tensors, meta = _profile(tiny("mixtral"))
+    assert all(lm.config.ffn_kind(l) == "moe" for l in range(lm.config.num_layers))
+    assert calls == [] and not meta.get("curve")
+    assert all(float(tensors[f"layers.{l}.threshold"][0]) == 0.0 for l in range(lm.config.num_layers))
+    assert all(float(tensors[f"layers.{l}.expert_freq"].sum()) == pytest.approx(lm.config.top_k)
+               for l in range(lm.config.num_layers))
+    lm, _, _, meta = _profile(tiny("llama"))  # gated: the search runs
+    assert calls and len(meta["curve"]) >= 2
+
+
 def test_reservoir_is_bounded_and_uniform():
     r = Reservoir(100)
     g = torch.Generator().manual_seed(0)
