@@ -19,25 +19,15 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
-from hotcold.models import cpu_step
+from hotcold.models import cpu_step, transformer
+from hotcold.models.batch_gemv import _gemv_batch
 from hotcold.models.cpu_step import _mat, _norm, _parts, _plan, _weights
 from hotcold.models.quantized import QuantEmbedding, QuantLinear
 from hotcold.models.transformer import KVCache
 from hotcold.sparse_ops.attention import _decode_attention
-
-try:  # the quant package's internals (the one-token GEMV's own pieces)
-    from hotcold.sparse_ops.quant.activations import _quantize_span, _sums16_span
-    from hotcold.sparse_ops.quant.formats import _BLOCK
-    from hotcold.sparse_ops.quant.interleaved import _x8_dot_any
-    from hotcold.sparse_ops.quant.kernels import _qgemv_any
-    from hotcold.sparse_ops.selection import activate
-except ImportError:  # the single-module layout of sparse_ops/quant.py
-    from hotcold.sparse_ops.quant import _BLOCK, _qgemv_any, _quantize_span, _sums16_span, _x8_dot_any
-    from hotcold.sparse_ops.cpu import _act as activate
-
-_JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)  # as the quant kernels'
+from hotcold.sparse_ops.selection import activate
 
 
 class SlotCache(KVCache):
@@ -63,46 +53,6 @@ class SlotCache(KVCache):
         for k, v in self.layers:
             k[dst, :, :n] = k[src, :, :n]
             v[dst, :, :n] = v[src, :, :n]
-
-
-# ----------------------------------------------------------------------------- batched GEMV
-
-
-@njit(**_JIT)
-def _gemv_x8_rows(qt, w, XQ, XD, OUT):
-    # OUT[b] = W X[b] for an interleaved matrix: each group of 8 weight rows is read once for all b
-    for g in prange(w.shape[0]):
-        for b in range(XQ.shape[0]):
-            _x8_dot_any(qt, w, g, XQ[b], XD[b], OUT[b])
-
-
-@njit(**_JIT)
-def _gemv_span_rows(qt, w, rows, X, XS, XQ, XD, use_xq, OUT):
-    # OUT[b] = W[rows] X[b], in the row spans of the one-token kernel (_BLOCK rows a task)
-    K = rows.shape[0]
-    for s in prange((K + _BLOCK - 1) // _BLOCK):
-        lo, hi = s * _BLOCK, min(K, (s + 1) * _BLOCK)
-        for b in range(X.shape[0]):
-            _qgemv_any(qt, w, rows, lo, hi, X[b], XS[b], XQ[b], XD[b], use_xq, OUT[b])
-
-
-@njit(nogil=True, cache=True)
-def _gemv_batch(m, X, OUT):
-    # OUT [B, R] = X [B, C] @ W.T for m as cpu_step._gemv's: each row's activations prepared as the
-    # one-token GEMV prepares them (Q8 blocks, or sums of 16)
-    B, C = X.shape
-    XQ = np.empty((B, C), np.int8)
-    XD = np.empty((B, C // 16), np.float32)
-    XS = np.empty((B, C // 16), np.float32)
-    for b in range(B):
-        if m[1] or m[2]:
-            _quantize_span(X[b], 0, C, XQ[b], XD[b])
-        else:
-            _sums16_span(X[b], 0, C, XS[b])
-    if m[1]:
-        _gemv_x8_rows(m[0], m[3], XQ, XD, OUT)
-    else:
-        _gemv_span_rows(m[0], m[3], m[4], X, XS, XQ, XD, m[2], OUT)
 
 
 # ----------------------------------------------------------------------------- a block for B rows
@@ -178,7 +128,7 @@ def _block_rows(X, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
 def _fused_args(block):
     """(plan, attention args, FFN args, norm weights) where the whole block takes the fused one-token
     step (cpu_step.block_step's conditions, its FFN in the same call), else None."""
-    if not cpu_step.ENABLED or torch.is_grad_enabled():
+    if transformer.block_step is not cpu_step.block_step or torch.is_grad_enabled():  # (tests patch it out)
         return None
     mods, parts = _parts(block)
     cached = block.__dict__.get("_batch_step")

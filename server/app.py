@@ -184,7 +184,7 @@ def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
         if not ids:
             raise BadRequest("the prompt is empty", param)
         try:
-            engine.generator.check_fits(len(ids))
+            engine.check_fits(len(ids))
         except ContextLengthError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         try:
@@ -255,7 +255,7 @@ def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
             exc = not_ready()
             return _error(exc.status, exc.message, exc.type, code=exc.code)
         return {"status": "ok", "model": model_name, "running": engine.running, "waiting": engine.waiting,
-                "max_concurrency": engine.max_concurrency, "context_length": engine.max_context}
+                "max_concurrency": engine.max_concurrency, "parallel": engine.parallel, "context_length": engine.max_context}
 
     @app.get("/metrics")
     async def prometheus_metrics():

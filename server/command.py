@@ -23,6 +23,11 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     max_concurrency: int = typer.Option(8, "--max-concurrency", min=1,
                                         help="Most requests admitted (running + waiting); more get 429."),
+    parallel: int = typer.Option(4, "--parallel", min=1, help="Requests decoded together (continuous batching, on "
+                                 "the CPU; a model on a GPU runs one at a time)."),
+    cache_slots: Optional[int] = typer.Option(None, "--cache-slots", min=1, help="KV slots of --ctx tokens kept "
+                                              "as a prefix cache, running ones included (default: 2 x --parallel; "
+                                              "memory is committed as they fill)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on "
                                                              "GPU; on CPU float32, or a float16/bfloat16 "
@@ -60,7 +65,8 @@ def serve(
 
         if quantize not in QUANTIZE_TYPES:  # before the server starts
             raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
-    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4), max_concurrency, ctx)
+    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4), max_concurrency, ctx,
+                    parallel=parallel, cache_slots=cache_slots)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
                                            log_level="info", timeout_graceful_shutdown=5))
     engine.start(on_fatal=lambda: setattr(server, "should_exit", True))

@@ -24,11 +24,21 @@ class Metrics:
                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
         self.queue_depth = Gauge("hotcold_queue_depth", "Admitted requests waiting for the engine", registry=r)
         self.running = Gauge("hotcold_requests_running", "Requests being generated now", registry=r)
+        self.batch_size = Histogram("hotcold_batch_size", "Sequences decoded together per decode step",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
+        self.cache = {name: Gauge(f"hotcold_prefix_cache_{name}", help, registry=r) for name, help in (
+            ("hits", "Requests that reused a cached prompt prefix (since start)"),
+            ("misses", "Requests that found no cached prefix (since start)"),
+            ("evictions", "KV slots holding another conversation overwritten (since start)"),
+            ("reused_tokens", "Prompt tokens taken from the prefix cache (since start)"))}
 
     def bind(self, engine) -> None:
         """Read the gauges from the engine at scrape time."""
         self.queue_depth.set_function(lambda: engine.waiting)
         self.running.set_function(lambda: engine.running)
+        for name, gauge in self.cache.items():
+            gauge.set_function(lambda name=name: getattr(engine.slots.stats, name) if engine.slots else 0)
+        engine.on_step = self.batch_size.observe
 
     def observe(self, stats: GenerationStats) -> None:
         """Record one finished (or cancelled) generation."""

@@ -7,6 +7,7 @@ none does); float ones, OPT and the MoE families run their blocks row by row."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,21 @@ def test_copy_prefix_and_views(tiny_dir):
         assert torch.equal(k[2, :, :5], k[1, :, :5]) and torch.equal(v[2, :, :5], v[1, :, :5])
     assert pool.view(2).layers[0][0].data_ptr() == pool.layers[0][0][2].data_ptr()
     assert pool.slot_nbytes() * 3 == pool.nbytes()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_batched_gemv_rows_equal_one_token_gemv(qtype, packed):
+    """Each row of qgemv_batch is qgemv's for that row, bit for bit."""
+    from hotcold.models.batch_gemv import qgemv_batch
+    from hotcold.sparse_ops.quant import pack_rows, qgemv, random_matrix
+    from hotcold.sparse_ops.quant.formats import PACK_DEFAULT
+
+    m = random_matrix(qtype, (96, 256), seed=2)
+    if packed:
+        if qtype not in PACK_DEFAULT:
+            pytest.skip(f"{qtype} is not interleaved")
+        m = pack_rows(m)
+    X = torch.randn(7, 256).numpy()
+    ref = np.stack([qgemv(m, x) for x in X])
+    assert np.array_equal(qgemv_batch(m, X), ref)

@@ -285,7 +285,7 @@ def test_full_server_answers_429_and_disconnects_free_their_slots(http):
                      for _ in range(MAX_CONCURRENCY)]
         assert all(r.status_code == 200 for r in responses)
         h = http.get("/health").json()
-        assert h["running"] == 1 and h["waiting"] == MAX_CONCURRENCY - 1
+        assert h["running"] + h["waiting"] == MAX_CONCURRENCY and h["running"] <= h["parallel"] < MAX_CONCURRENCY
         _assert_error(http.post("/v1/chat/completions", json=CHAT, headers=AUTH), 429, code="rate_limit_exceeded")
         assert next(responses[0].iter_lines()).startswith("data: ")  # the first one streams; now all hang up
     h = _wait_idle(http)
@@ -343,8 +343,10 @@ def test_metrics_are_exposed(http):
     assert re.search(r'^hotcold_requests_total\{endpoint="/v1/chat/completions",status="200"\} [1-9]', text, re.M)
     assert re.search(r'^hotcold_requests_total\{endpoint="/v1/chat/completions",status="400"\} [1-9]', text, re.M)
     for name in ("hotcold_prompt_tokens_total", "hotcold_completion_tokens_total",
-                 "hotcold_time_to_first_token_seconds_count", "hotcold_decode_tokens_per_second_count"):
+                 "hotcold_time_to_first_token_seconds_count", "hotcold_decode_tokens_per_second_count",
+                 "hotcold_batch_size_count", "hotcold_prefix_cache_hits", "hotcold_prefix_cache_reused_tokens"):
         assert _metric(http, name) > 0, name
+    assert _metric(http, "hotcold_prefix_cache_misses") >= 1 and _metric(http, "hotcold_prefix_cache_evictions") >= 0
 
 
 # -- startup failures -----------------------------------------------------------------

@@ -7,7 +7,7 @@
 
 Each --server NAME=ARGS starts `hotcold serve MODEL ARGS` on a free port (ARGS starting with
 @DIR: run the hotcold package found in DIR, e.g. a `git worktree` of an older commit linked as
-DIR/hotcold), waits for /health, runs every scenario against it, and stops it; servers run one
+DIR/hotcold), waits for /health and one warm-up request (numba compiles on first use), runs every scenario against it, and stops it; servers run one
 after the other, scenarios alternate between them when --rounds > 1 (the machine's noise falls
 on both alike). A scenario of C clients sends C x --requests streamed completions (each client one
 at a time, max_tokens drawn from --tokens, ignore_eos so every reply is that long) through the
@@ -78,6 +78,8 @@ class Server:
                 raise SystemExit(f"server {self.name} exited; its log: {self.log.name}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    httpx.post(self.url + "/v1/completions", timeout=600,
+                               json={"model": "m", "prompt": "Hello there, how", "max_tokens": 4})
                     return
             except httpx.HTTPError:
                 pass
