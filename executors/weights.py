@@ -18,6 +18,8 @@ all hot and whose matrices are all 4-bit is not split but kept int4 whole (`whol
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +35,7 @@ from hotcold.sparse_ops.quant import DOWN_T_DEFAULT, QTYPES, QuantMatrix, pack_r
 
 CPU_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i8": None}
 BLOCK_ROWS = 2048
+STACK_THREADS = min(8, os.cpu_count() or 1)  # threads placing a layer's host experts into their stacks
 _COL_CHUNK_BYTES = 32 << 20  # float32 rows of a quantised W_down decoded at once to take its hot columns
 _STRIP = 1024  # columns of a quantised W_down decoded at once to transpose its cold columns
 
@@ -433,11 +436,21 @@ def host_quant_experts(ex: QuantExperts, ids: list[int], act: str) -> ColdFFN:
 
 def _stacked(get, ids: list[int]) -> QuantMatrix:
     """get(e) (QuantMatrices of one type and shape, e.g. file views) for e in ids, stacked by rows,
-    each interleaved by `pack_rows` where it applies as it is copied in: one expert's copy beside
-    the stack, never a second stack."""
-    first = pack_rows(get(ids[0]))
-    g = first.data.shape[0]
-    data = np.empty((len(ids) * g, first.data.shape[1]), np.uint8)
-    for p, e in enumerate(ids):
-        data[p * g:(p + 1) * g] = (first if p == 0 else pack_rows(get(e))).data
-    return QuantMatrix(data, first.qtype, (len(ids) * first.rows, first.cols), interleaved=first.interleaved)
+    each interleaved by `pack_rows` where it applies straight into its slice of the stack (no copy
+    beside it), the experts in threads (numpy's strided copies release the GIL; a 48-layer
+    Qwen3-30B-A3B-shaped file has ~16 GB of host experts to place at load)."""
+    first = get(ids[0])
+    packed = pack_rows(first)
+    g, width = packed.data.shape
+    data = np.empty((len(ids) * g, width), np.uint8)
+
+    def place(p: int, e: int) -> None:
+        m, part = (first if p == 0 else get(e)), data[p * g:(p + 1) * g]
+        if packed.interleaved:
+            pack_rows(m, out=part)
+        else:
+            part[...] = m.data.reshape(part.shape)
+
+    with ThreadPoolExecutor(min(STACK_THREADS, len(ids))) as pool:
+        list(pool.map(place, range(len(ids)), ids))
+    return QuantMatrix(data, packed.qtype, (len(ids) * packed.rows, packed.cols), interleaved=packed.interleaved)

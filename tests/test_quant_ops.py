@@ -754,3 +754,21 @@ def test_interleaving_applies_only_where_it_is_defined(monkeypatch):
             call()
     with pytest.raises(ValueError, match="interleaved layout"):
         QuantMatrix(p.data, "Q5_0", (16, 64), interleaved=True)
+
+
+def test_pack_rows_writes_into_a_given_slice():
+    """pack_rows(m, out=part) fills part with the bytes pack_rows(m) returns (a stack's slice is
+    filled in place at load); a slice of the wrong shape is refused."""
+    from hotcold.sparse_ops.quant import QuantMatrix, pack_rows, quantize_rows
+
+    w = np.random.default_rng(5).normal(size=(16, 64)).astype(np.float32)
+    m = QuantMatrix(quantize_rows(w, "Q4_0"), "Q4_0", w.shape)
+    want = pack_rows(m)
+    assert want.interleaved
+    stack = np.zeros((3 * want.data.shape[0], want.data.shape[1]), np.uint8)
+    got = pack_rows(m, out=stack[want.data.shape[0]:2 * want.data.shape[0]])
+    assert got.interleaved and np.shares_memory(got.data, stack)
+    assert np.array_equal(stack[want.data.shape[0]:2 * want.data.shape[0]], want.data)
+    assert not stack[: want.data.shape[0]].any() and not stack[2 * want.data.shape[0]:].any()
+    with pytest.raises(ValueError, match="out must be"):
+        pack_rows(m, out=stack[:1])

@@ -31,13 +31,14 @@ def _check_out(out: np.ndarray, shape: tuple) -> np.ndarray:
 
 
 
-def pack_rows(m: QuantMatrix, xq: bool | None = None) -> QuantMatrix:
+def pack_rows(m: QuantMatrix, xq: bool | None = None, out: np.ndarray | None = None) -> QuantMatrix:
     """m in the interleaved layout (see interleaved.py) when its type is in
     formats.PACK_DEFAULT, its rows are a multiple of 8 and Q8 activations suit it (xq None: its type is in
     formats.XQ_DEFAULT; True: the caller accepts them, e.g. for Q8_0 predictors); else m. For matrices only
     read whole: one-token qgemv over all rows runs 1.5-1.9x faster (1 thread, from DRAM); qdequantize
     (prefill) reads it too; row selections do not. m's data is left as it is (the caller may drop
-    its file pages)."""
+    its file pages). out: uint8 [rows / 8, 8 * row bytes] to write the interleaved rows into (a slice
+    of a stack), used only where m is interleaved."""
     _check_m(m, whole=True)
     if xq is None:
         xq = m.qtype in formats.XQ_DEFAULT
@@ -45,7 +46,11 @@ def pack_rows(m: QuantMatrix, xq: bool | None = None) -> QuantMatrix:
         return m
     nb, ts = m.cols // QTYPES[m.qtype][1], QTYPES[m.qtype][2]
     src = np.ascontiguousarray(m.data).reshape(-1)  # [G * 8 * nb * ts]: G groups of 8 rows
-    out = np.empty((m.rows // X8, X8 * nb * ts), np.uint8)
+    shape = (m.rows // X8, X8 * nb * ts)
+    if out is None:
+        out = np.empty(shape, np.uint8)
+    elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be contiguous uint8 {shape}, got {out.dtype} {out.shape}")
     _interleave(m._id, src, nb, ts, out)
     return QuantMatrix(out, m.qtype, m.shape, interleaved=True)
 
