@@ -119,8 +119,9 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
                          sparsities: dict[int, dict[str, float]] | None = None) -> InputSparsity:
     """Set the thresholds on model's projections (see the module docstring). input_major: build the
     input-major copies for the CPU's one-token products (False: threshold and multiply dense).
-    sparsities: each group's expected sparsity (the profile's allocation); given, a projection keeps
-    its input-major copy only where `input_major_pays` at it (else threshold and multiply dense)."""
+    sparsities: each group's expected sparsity (the profile's allocation); given, only projections
+    whose input-major product `input_major_pays` at it are thresholded, the others stay dense and
+    exact (thresholding them would cost quality and save nothing), and `dense` says why."""
     from hotcold.models.quantized import QuantLinear
     from hotcold.sparse_ops.input_sparse import input_major as make_im
 
@@ -128,36 +129,36 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
     for l, per in thresholds.items():
         block = model.layers[l]
         mods = group_modules(block)
-        if any(per.get(g, 0.0) > 0 for g in ("qkv",)):
-            _unfuse_qkv(block.attn)
+        chosen = []  # (group, linear, threshold, input-major copy or None)
         for g, t in per.items():
             if t <= 0:
                 continue
             for lin in mods[g]:
-                lin.__dict__["input_threshold"] = float(t)
-                lin.__dict__["input_counter"] = np.zeros(2, np.int64)
-                im = None
-                if input_major:
-                    if isinstance(lin, QuantLinear):
-                        im = make_im(lin.qweight, t)
-                        why = f"{lin.qweight.qtype} has no input-major form here"
-                    elif lin.weight.device.type == "cpu":
-                        im = make_im(lin.weight, t)
-                        why = f"{str(lin.weight.dtype).removeprefix('torch.')} has no input-major form here"
-                    else:
-                        why = "not on the CPU"
+                im, why = None, "not on the CPU"
+                if input_major and isinstance(lin, QuantLinear):
+                    im, why = make_im(lin.qweight, t), f"{lin.qweight.qtype} has no input-major form here"
+                elif input_major and lin.weight.device.type == "cpu":
+                    im = make_im(lin.weight, t)
+                    why = f"{str(lin.weight.dtype).removeprefix('torch.')} has no input-major form here"
                 if im is not None and sparsities is not None and not input_major_pays(lin, im, sparsities[l][g]):
                     im, why = None, f"its dense kernel is faster at {sparsities[l][g]:.0%} sparsity"
-                if im is not None:
-                    lin.__dict__["input_major"] = im
-                    out.input_major += 1
-                    out.extra_bytes += im.nbytes
-                    out.counters.append((im.rows, im.counter))
-                else:
-                    lin.__dict__.pop("input_major", None)
-                    out.counters.append((_rows(lin), lin.__dict__["input_counter"]))
-                    if input_major:
-                        out.dense.append(f"layer {l} {g}: {why}")
+                if im is None and input_major:
+                    out.dense.append(f"layer {l} {g}: {why}")
+                if im is not None or sparsities is None:
+                    chosen.append((g, lin, t, im))
+        if any(g == "qkv" for g, *_ in chosen):
+            _unfuse_qkv(block.attn)
+        for g, lin, t, im in chosen:
+            lin.__dict__["input_threshold"] = float(t)
+            lin.__dict__["input_counter"] = np.zeros(2, np.int64)
+            if im is not None:
+                lin.__dict__["input_major"] = im
+                out.input_major += 1
+                out.extra_bytes += im.nbytes
+                out.counters.append((im.rows, im.counter))
+            else:
+                lin.__dict__.pop("input_major", None)
+                out.counters.append((_rows(lin), lin.__dict__["input_counter"]))
         for m in (block, block.attn, block.ffn):  # cpu_step's cached kernel arguments
             for key in ("_cpu_step", "_cpu_args"):
                 m.__dict__.pop(key, None)
@@ -199,16 +200,20 @@ def open_input_sparsity(lm, enabled: bool = True) -> tuple[InputSparsity | None,
     rise = next((p["rise"] for p in profile.meta["input_sparsity"]["curve"] if p["sparsity"] == level), None)
     if not enabled:
         return None, f"input sparsity off (--no-sparse); the profile chose {level:.0%}"
-    applied = apply_input_sparsity(lm.model, thresholds, input_major=lm.device.type == "cpu",
-                                   sparsities=sparsities_from_profile(profile))
-    note = (f"input sparsity {level:.0%} of the weights per the profile (held-out perplexity "
+    head = (f"input sparsity: the profile chose {level:.0%} of the weights (held-out perplexity "
             f"{rise:+.2%}; --no-sparse turns it off)" if rise is not None else
-            f"input sparsity {level:.0%} per the profile (--no-sparse turns it off)")
+            f"input sparsity: the profile chose {level:.0%} of the weights (--no-sparse turns it off)")
     if lm.device.type != "cpu":
-        note += "; on CUDA its inputs are thresholded and multiplied dense (no sparse kernel there yet)"
-    else:
-        note += (f"; {applied.input_major} of {len(applied.counters)} projections read only the kept inputs' "
-                 "weights, the others threshold and multiply dense"
-                 + (f" ({applied.dense[0]}{', ...' if len(applied.dense) > 1 else ''})" if applied.dense else ""))
+        return None, f"{head}; not applied on {lm.device.type}: no sparse kernel there yet (thresholds alone cost " \
+                     "quality and save nothing)"
+    applied = apply_input_sparsity(lm.model, thresholds, sparsities=sparsities_from_profile(profile))
+    total = applied.input_major + len(applied.dense)
+    if not applied.counters:
+        remove_input_sparsity(lm.model)
+        why = applied.dense[0] if applied.dense else "nothing to threshold"
+        return None, (f"{head}; not applied: no projection's sparse product is faster here than its dense one "
+                      f"at its sparsity ({why}{', ...' if len(applied.dense) > 1 else ''}), so the run stays dense")
+    note = (f"{head}; applied to the {applied.input_major} of {total} projections whose sparse product is "
+            f"faster here, the others stay dense" + (f" ({applied.dense[0]}, ...)" if applied.dense else ""))
     return applied, note
 
