@@ -3,11 +3,12 @@
     python tools/bench_serve.py                                   # SmolLM2 on the CPU, 1 and 8 clients
     python tools/bench_serve.py --clients 1,4,8 --requests 20
     python tools/bench_serve.py --server 'p1=--parallel 1' --server 'p8=--parallel 8'   # side by side
-    python tools/bench_serve.py --server 'before=@/tmp/before' --server 'after='        # another checkout
+    python tools/bench_serve.py --server 'before=@/tmp/before' --server 'after='        # an older checkout
 
 Each --server NAME=ARGS starts `hotcold serve MODEL ARGS` on a free port (ARGS starting with
-@DIR: run the hotcold package found in DIR, e.g. a `git worktree` of an older commit linked as
-DIR/hotcold), waits for /health and one warm-up request (numba compiles on first use), runs every scenario against it, and stops it; servers run one
+@DIR: run the hotcold package found in DIR, laid out as installed: DIR/hotcold holds a checkout's
+hotcold/*.py and links to its executors, models, planner, predictors, profiler, server and
+sparse_ops folders; check with `PYTHONPATH=DIR python -c "import hotcold.server; print(hotcold.server)"`), waits for /health and one warm-up request (numba compiles on first use), runs every scenario against it, and stops it; servers run one
 after the other, scenarios alternate between them when --rounds > 1 (the machine's noise falls
 on both alike). A scenario of C clients sends C x --requests streamed completions (each client one
 at a time, max_tokens drawn from --tokens, ignore_eos so every reply is that long) through the
