@@ -185,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         exact = exact_logits(a.model, ids)
         report["exact"] = {"llama.cpp": compare(exact, ref)}
         for name, _ in runs:
-            full, _, _ = hotcold_logits(a.model, ids, name == "run" and not a.no_plan, a.device, threads, 0)
-            report["exact"][f"hotcold ({name})"] = compare(exact, full)
+            full, steps, _ = hotcold_logits(a.model, ids, name == "run" and not a.no_plan, a.device, threads,
+                                            a.decode)
+            report["exact"][f"hotcold ({name}) prefill"] = compare(exact, full)
+            if len(steps):
+                report["exact"][f"hotcold ({name}) decode"] = compare(exact[: len(steps)], steps)
         for who, c in report["exact"].items():
             print(f"{who} vs the exact float32 function over {c['positions']} positions: top-1 "
                   f"{c['top1_agreement']:.1%}, KL mean {c['kl_mean']:.2e} max {c['kl_max']:.2e} nats")
