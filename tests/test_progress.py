@@ -34,8 +34,10 @@ def test_every_stage_starts_at_zero_with_its_total(tmp_path):
     stages = {}
     for stage, done, total, *unit in calls:
         stages.setdefault(stage, []).append((done, total, unit[0] if unit else "tok"))
-    assert {"thresholds", "perplexity", "counting", "predictors"} <= set(stages), stages
-    units = {"thresholds": "tok", "counting": "tok", "perplexity": "evaluation", "predictors": "layer"}
+    # the input sparsity's stages too: a gated model's profile measures it by default
+    units = {"thresholds": "tok", "counting": "tok", "perplexity": "evaluation", "predictors": "layer",
+             "magnitudes": "tok", "allocation": "layer", "input ppl": "evaluation"}
+    assert set(units) == set(stages), stages
     for stage, seq in stages.items():
         assert seq[0][0] == 0, (stage, seq)  # said before its work starts: the clock starts there
         assert all(total > 0 and 0 <= done <= total for done, total, _ in seq), (stage, seq)
