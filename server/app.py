@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over an Engine, with OpenAI-shaped errors, health and metrics."""
+"""The FastAPI app: OpenAI-compatible routes over an ServingEngine, with OpenAI-shaped errors, health and metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from hotcold.errors import ContextLengthError, HotcoldError
-from hotcold.server.engine import Busy, Engine, Job, NotReady
+from hotcold.server.engine import Busy, ServingEngine, Job, NotReady
 from hotcold.server.metrics import Metrics, RequestCounter
 from hotcold.server.openai_format import SSE_DONE, APIError, Reply, error_body, sse
 from hotcold.server.schemas import BadRequest, ChatCompletionRequest, CompletionRequest
@@ -46,7 +46,7 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     return _error(400, f"{'.'.join(path)}: {err['msg']}", param=path[0])
 
 
-def create_app(engine: Engine, model_name: str, api_key: Optional[str] = None,
+def create_app(engine: ServingEngine, model_name: str, api_key: Optional[str] = None,
                metrics: Optional[Metrics] = None) -> FastAPI:
     """The app serving `engine` under the id `model_name`; `api_key` guards /v1 when set."""
     metrics = metrics or Metrics()

@@ -49,7 +49,7 @@ def serve(
 
     from hotcold.models.loader import default_model_path, resolve_device, resolve_dtype
     from hotcold.server.app import create_app
-    from hotcold.server.engine import Engine
+    from hotcold.server.engine import ServingEngine
 
     path = (model if model is not None else default_model_path()).expanduser()
     if not path.exists():
@@ -65,7 +65,7 @@ def serve(
 
         if quantize not in QUANTIZE_TYPES:  # before the server starts
             raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
-    engine = Engine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4), max_concurrency, ctx,
+    engine = ServingEngine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4), max_concurrency, ctx,
                     parallel=parallel, cache_slots=cache_slots)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
                                            log_level="info", timeout_graceful_shutdown=5))
@@ -81,7 +81,7 @@ def serve(
 def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None,
           gpu_int4: Optional[bool] = None):
     """The model per its plan (hybrid) or dense, saying which in the log: the RunSetup, which the
-    server's Engine keeps until it stops (the hybrid engine must outlive the loading)."""
+    server's ServingEngine keeps until it stops (the hybrid engine must outlive the loading)."""
     from hotcold.executors.from_plan import open_for_run
 
     setup = open_for_run(path, plan, not no_plan, device, dtype, quantize=quantize, gpu_int4=gpu_int4)

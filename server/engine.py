@@ -83,7 +83,7 @@ class Job:
             self._cancel.set()
 
 
-class Engine:
+class ServingEngine:
     """Owns the model and the worker thread; `submit` from the event loop, then `stream`."""
 
     def __init__(self, load: Callable[[], Any], max_concurrency: int = 8, ctx: Optional[int] = None,

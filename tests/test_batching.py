@@ -15,7 +15,7 @@ import pytest
 from hotcold.models.generate import Generator
 from hotcold.models.loader import load_model
 from hotcold.models.sampling import SamplingParams
-from hotcold.server.engine import Engine
+from hotcold.server.engine import ServingEngine
 from tiny_chat import make_chat_tiny
 
 CTX = 128
@@ -28,8 +28,8 @@ def lm(tmp_path_factory):
     return load_model(make_chat_tiny("qwen", tmp_path_factory.mktemp("chat")), "cpu", "float32", quantize="q4_0")
 
 
-def _engine(lm, parallel: int, cache_slots: int | None = None) -> Engine:
-    engine = Engine(lambda: lm, max_concurrency=16, ctx=CTX, parallel=parallel, cache_slots=cache_slots)
+def _engine(lm, parallel: int, cache_slots: int | None = None) -> ServingEngine:
+    engine = ServingEngine(lambda: lm, max_concurrency=16, ctx=CTX, parallel=parallel, cache_slots=cache_slots)
     engine.sizes = []
     engine.start()
     deadline = time.monotonic() + 60

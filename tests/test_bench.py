@@ -74,7 +74,7 @@ def _args(**kw):
 
 
 def _report(runs, engines=None, **kw):
-    engines = engines or [bench.Engine("hotcold", "hotcold"), bench.Engine("llama.cpp", "llama.cpp")]
+    engines = engines or [bench.BenchEngine("hotcold", "hotcold"), bench.BenchEngine("llama.cpp", "llama.cpp")]
     paths = bench.ModelPaths(None, Path("m.gguf"), Path("m.gguf"), "m.gguf")
     return bench.build_report(_args(**kw), paths, engines, runs, [1, 2, 3], {}, [], {})
 
@@ -112,7 +112,7 @@ def test_report_flags_wrong_token_counts_prompt_ids_and_failures():
         "llama.cpp": [_run(200, 40, 0.015, 1, sha="deadbeef")],
         "transformers": [{"error": "OSError: cannot load", "status": "skipped"}],
     }
-    engines = [bench.Engine(n, n) for n in ("hotcold", "llama.cpp", "transformers")]
+    engines = [bench.BenchEngine(n, n) for n in ("hotcold", "llama.cpp", "transformers")]
     rep = _report(runs, engines, repeats=1)
     notes = "\n".join(rep["notes"])
     assert "hotcold: generated [3] tokens, not 4" in notes
@@ -122,12 +122,12 @@ def test_report_flags_wrong_token_counts_prompt_ids_and_failures():
 
 
 def test_report_without_a_peer_has_no_ratios():
-    rep = _report({"hotcold": [_run(100, 10, 0.03, 1)]}, [bench.Engine("hotcold", "hotcold")], repeats=1)
+    rep = _report({"hotcold": [_run(100, 10, 0.03, 1)]}, [bench.BenchEngine("hotcold", "hotcold")], repeats=1)
     assert rep["reference"] is None and "ratio" not in rep["engines"]["hotcold"] and "×" not in rep["table"]
 
 
 def test_reference_is_llama_cpp_else_first_peer():
-    E = bench.Engine
+    E = bench.BenchEngine
     assert bench.reference_engine([E("hotcold", "hotcold"), E("transformers", "transformers"),
                                    E("llama.cpp", "llama.cpp")]) == "llama.cpp"
     assert bench.reference_engine([E("hotcold", "hotcold"), E("transformers", "transformers")]) == "transformers"
@@ -282,7 +282,7 @@ def test_bench_passes_the_split_to_llama_cpp_and_records_it(tmp_path, monkeypatc
     paths = bench.ModelPaths(None, Path("m.gguf"), Path("m.gguf"), "m.gguf")
     if device == "cuda" and vram:
         args.vram_bytes += 3 * (10 - 2)  # the hand-made budgets assume n_ctx 2: add the 8 extra tokens' KV
-    bench.bench(args, paths, [bench.Engine("llama.cpp", "llama.cpp")])
+    bench.bench(args, paths, [bench.BenchEngine("llama.cpp", "llama.cpp")])
     (spec,) = [s for s in specs if s["kind"] == "llama.cpp"]
     assert (spec["n_gpu_layers"], spec["n_cpu_moe"]) == want
     rep = json.loads((tmp_path / "b.json").read_text())

@@ -1,7 +1,7 @@
-"""hotcold.server.engine.Engine keeps what `serve` loads for as long as it serves.
+"""hotcold.server.engine.ServingEngine keeps what `serve` loads for as long as it serves.
 
 `hotcold serve` loads through `open_for_run`, whose RunSetup holds the hybrid engine: the CPU worker
-and the page-locked host weights, released when that engine is collected. The server's Engine must
+and the page-locked host weights, released when that engine is collected. The server's ServingEngine must
 hold the whole setup while it serves and close it when it stops."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import weakref
 
 from hotcold.executors.from_plan import RunSetup
 from hotcold.models.loader import load_model
-from hotcold.server.engine import Engine
+from hotcold.server.engine import ServingEngine
 from tiny_models import add_tiny_tokenizer, make_tiny
 
 
@@ -24,7 +24,7 @@ class _Hybrid:
         self.closed += 1
 
 
-def _started(engine: Engine) -> Engine:
+def _started(engine: ServingEngine) -> ServingEngine:
     engine.start()
     deadline = time.monotonic() + 60
     while not engine.ready:
@@ -38,7 +38,7 @@ def test_engine_holds_the_run_setup_while_serving_and_closes_it(tmp_path):
     lm = load_model(add_tiny_tokenizer(make_tiny("llama", tmp_path)), "cpu", "float32")
     hybrid = _Hybrid()
     alive = weakref.ref(hybrid)
-    engine = _started(Engine(lambda: RunSetup(lm, engine=hybrid)))
+    engine = _started(ServingEngine(lambda: RunSetup(lm, engine=hybrid)))
     del hybrid
     gc.collect()
     assert alive() is not None and alive().closed == 0  # kept, not collected, while serving
@@ -50,7 +50,7 @@ def test_engine_holds_the_run_setup_while_serving_and_closes_it(tmp_path):
 
 def test_engine_takes_a_bare_model_too(tmp_path):
     lm = load_model(add_tiny_tokenizer(make_tiny("llama", tmp_path)), "cpu", "float32")
-    engine = _started(Engine(lambda: lm))
+    engine = _started(ServingEngine(lambda: lm))
     assert engine.lm is lm and engine._setup is None
     engine.close()
     engine._thread.join(30)

@@ -19,7 +19,7 @@ from tiny_chat import make_chat_tiny  # noqa: E402
 
 from hotcold.models.loader import load_model  # noqa: E402
 from hotcold.server.app import create_app  # noqa: E402
-from hotcold.server.engine import Engine  # noqa: E402
+from hotcold.server.engine import ServingEngine  # noqa: E402
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -30,7 +30,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 class Served:
     def __init__(self, path):
-        self.engine = Engine(lambda: load_model(path, "cpu", "float32"), max_concurrency=4, ctx=8192)
+        self.engine = ServingEngine(lambda: load_model(path, "cpu", "float32"), max_concurrency=4, ctx=8192)
         self.engine.start()
         deadline = time.monotonic() + 60
         while not self.engine.ready:

@@ -77,7 +77,7 @@ from benchlib.children import (NO_REPACK, _ids_digest, child_main, llama_model_p
                                llama_tensor_overrides, plan_ctx_note, run_llama_cpp)
 from benchlib.common import (BUILD_HINT, DEFAULT_ENGINES, BenchError, fmt_bytes, fmt_num, fmt_ratio,  # noqa: E402
                              ratio, summarise, vram_size)
-from benchlib.inputs import (Engine, ModelPaths, hotcold_options, parse_engines, reference_engine,  # noqa: E402
+from benchlib.inputs import (BenchEngine, ModelPaths, hotcold_options, parse_engines, reference_engine,  # noqa: E402
                              resolve_model)
 from benchlib.offload import (GgufLayout, gpu_reserve_bytes, llama_cpu_moe_layers, llama_cpu_moe_patterns,  # noqa: E402
                               llama_gpu_layers, llama_offload, read_gguf_layout)
@@ -86,7 +86,7 @@ from benchlib.report import _summary_line, build_report, default_threads, format
 __all__ = ["REPO", "VramPoller", "child_env", "spawn", "bench", "hotcold_has", "run_step", "e2e", "make_parser",
            "default_model", "validate", "main", "_ids_digest", "child_main", "plan_ctx_note", "run_llama_cpp",
            "NO_REPACK", "llama_model_params", "llama_tensor_overrides",
-           "BenchError", "fmt_bytes", "fmt_num", "fmt_ratio", "ratio", "summarise", "vram_size", "Engine",
+           "BenchError", "fmt_bytes", "fmt_num", "fmt_ratio", "ratio", "summarise", "vram_size", "BenchEngine",
            "ModelPaths", "hotcold_options", "parse_engines", "reference_engine", "resolve_model", "GgufLayout",
            "gpu_reserve_bytes", "llama_cpu_moe_layers", "llama_cpu_moe_patterns", "llama_gpu_layers",
            "llama_offload", "read_gguf_layout", "build_report", "format_table", "machine_info"]
@@ -232,7 +232,7 @@ def spawn(spec: dict, workdir: Path, tag: str, threads: int, poll_vram: bool, ti
 
 
 
-def bench(args, paths: ModelPaths, engines: list[Engine], extra_notes: list[str] | None = None,
+def bench(args, paths: ModelPaths, engines: list[BenchEngine], extra_notes: list[str] | None = None,
           extra_settings: dict | None = None) -> int:
     notes = list(extra_notes or [])
     kinds = {e.kind for e in engines}
@@ -518,7 +518,7 @@ def default_model() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def validate(args) -> list[Engine]:
+def validate(args) -> list[BenchEngine]:
     """Check every argument before anything runs; BenchError with one line otherwise."""
     if args.model and args.e2e:
         raise BenchError("give MODEL or --e2e PRESET, not both")

@@ -35,14 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/makemodel, als
 
 from makemodel.cli import main, make_parser  # noqa: E402
 from makemodel.driver import CHECK_WINDOW, Result, check, generate  # noqa: E402
-from makemodel.generator import Generator  # noqa: E402
+from makemodel.generator import WeightGenerator  # noqa: E402
 from makemodel.spec import (OVERRIDES, P_MAX, PRESETS, TOKENIZER_VOCAB, MakeModelError, Spec, build_spec,  # noqa: E402
                             expert_shares, firing_probs, mass_fraction)
 from makemodel.tensors import QUANT, STORAGE, Pool, count_params, tensor_plan  # noqa: E402
 from makemodel.tokens import load_tokenizer, smollm2_gguf, text_windows, tokenizer_metadata  # noqa: E402
 from makemodel.writers import GGUFStreamWriter, SafetensorsWriter, gguf_types  # noqa: E402
 
-__all__ = ["main", "make_parser", "CHECK_WINDOW", "Result", "check", "generate", "Generator", "OVERRIDES", "P_MAX",
+__all__ = ["main", "make_parser", "CHECK_WINDOW", "Result", "check", "generate", "WeightGenerator", "OVERRIDES", "P_MAX",
            "PRESETS", "TOKENIZER_VOCAB", "MakeModelError", "Spec", "build_spec", "expert_shares", "firing_probs",
            "mass_fraction", "QUANT", "STORAGE", "Pool", "count_params", "tensor_plan", "load_tokenizer",
            "smollm2_gguf", "text_windows", "tokenizer_metadata", "GGUFStreamWriter", "SafetensorsWriter",

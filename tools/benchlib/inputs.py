@@ -61,7 +61,7 @@ def resolve_model(model: str, gguf: str | None) -> ModelPaths:
 
 
 @dataclass
-class Engine:
+class BenchEngine:
     name: str  # row name
     kind: str  # one of ENGINE_KINDS
     args: list[str] = field(default_factory=list)  # extra hotcold options (variants)
@@ -90,9 +90,9 @@ def hotcold_options(args: list[str], device: str, dtype: str | None) -> argparse
     return ns
 
 
-def parse_engines(text: str, variants: list[str], hotcold_args: str, device: str, dtype: str | None) -> list[Engine]:
+def parse_engines(text: str, variants: list[str], hotcold_args: str, device: str, dtype: str | None) -> list[BenchEngine]:
     """--engines plus --variant NAME=ARGS rows (placed after 'hotcold' unless --engines names them)."""
-    defined: dict[str, Engine] = {k: Engine(k, k) for k in ENGINE_KINDS}
+    defined: dict[str, BenchEngine] = {k: BenchEngine(k, k) for k in ENGINE_KINDS}
     defined["hotcold"].args = shlex.split(hotcold_args or "")
     extra: list[str] = []
     for v in variants:
@@ -102,7 +102,7 @@ def parse_engines(text: str, variants: list[str], hotcold_args: str, device: str
             raise BenchError(f"--variant: '{v}' is not NAME=ARGS (e.g. \"hotcold-bf16=--dtype bfloat16\")")
         if name in defined:
             raise BenchError(f"--variant: name '{name}' is taken")
-        defined[name] = Engine(name, "hotcold", defined["hotcold"].args + shlex.split(args))
+        defined[name] = BenchEngine(name, "hotcold", defined["hotcold"].args + shlex.split(args))
         extra.append(name)
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
@@ -122,7 +122,7 @@ def parse_engines(text: str, variants: list[str], hotcold_args: str, device: str
     return engines
 
 
-def reference_engine(engines: list[Engine]) -> str | None:
+def reference_engine(engines: list[BenchEngine]) -> str | None:
     """llama.cpp when it runs, else the first peer (not hotcold), else None."""
     names = [e.name for e in engines]
     if "llama.cpp" in names:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from benchlib.children import _ids_digest
 from benchlib.common import METRICS, NOISY, fmt_bytes, fmt_num, fmt_ratio, ratio, summarise
-from benchlib.inputs import Engine, ModelPaths, reference_engine
+from benchlib.inputs import BenchEngine, ModelPaths, reference_engine
 
 def format_table(report: dict, markdown: bool = False) -> str:
     """The comparison table: one row per engine, medians ± half-range, (ratio to the reference)."""
@@ -110,7 +110,7 @@ def agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
-def build_report(args, paths: ModelPaths, engines: list[Engine], runs: dict[str, list[dict]], prompt_ids: list[int],
+def build_report(args, paths: ModelPaths, engines: list[BenchEngine], runs: dict[str, list[dict]], prompt_ids: list[int],
                  machine: dict, notes: list[str], extra_settings: dict) -> dict:
     ref = reference_engine(engines)
     report: dict = {

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from makemodel.generator import Generator, _top_share
+from makemodel.generator import WeightGenerator, _top_share
 from makemodel.spec import BOS_ID, EOS_ID, MakeModelError, Spec, expert_shares, firing_probs, mass_fraction
 from makemodel.tensors import QUANT, STORAGE, count_params, tensor_plan
 from makemodel.tokens import load_tokenizer, text_windows, write_hf_tokenizer
@@ -68,7 +68,7 @@ def generate(spec: Spec, out: Path, *, dtype: str = "f16", seed: int = 0, format
     tokenizer = load_tokenizer()
     calib_len = min(calib_len, calib_tokens)
     calib = text_windows(tokenizer, max(1, calib_tokens // calib_len), calib_len, "calib")
-    gen = Generator(spec, torch_dtype, seed, sparsity, mass80, expert_skew, calib, gate_rank, gate_noise)
+    gen = WeightGenerator(spec, torch_dtype, seed, sparsity, mass80, expert_skew, calib, gate_rank, gate_noise)
 
     t0 = time.perf_counter()
     io = IOThread()

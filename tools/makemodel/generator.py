@@ -17,7 +17,7 @@ from makemodel.tensors import Pool, count_params, pool_size, tensor_plan
 # ----------------------------------------------------------------------------- the generator
 
 CHUNK_BYTES = 8 << 20  # rows generated at once (per tensor chunk, in the storage dtype)
-EXPERT_GROUP = 16  # expert matrices copied from the pool at once, in threads (see Generator._experts)
+EXPERT_GROUP = 16  # expert matrices copied from the pool at once, in threads (see WeightGenerator._experts)
 
 
 def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _grid(std: float) -> float:
     return float(2.0 ** (round(8 * math.log2(std)) / 8))
 
 
-class Generator:
+class WeightGenerator:
     """Produces every tensor of the plan, in order, as row chunks, while running a float32 forward of
     a few hundred calibration tokens through the layers generated so far; the forward gives each
     FFN (or router) the statistics its planted biases are solved from.
