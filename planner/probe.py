@@ -217,7 +217,8 @@ def hardware_path(hostname: str | None = None) -> Path:
 
 def load_hardware(spec: str | Path | None = None, force: bool = False, quick: bool = False,
                   log=None) -> tuple[HardwareProfile, Path | None, bool]:
-    """(profile, its file, measured now?). spec: None (this machine: cached, or probed and cached),
+    """(profile, its file, measured now?). spec: None (this machine: cached, or probed and cached; a
+    cached profile that was measured on a busy machine is measured again once the machine is idle),
     a preset name, or a JSON file written by `hotcold probe`."""
     if spec is not None and str(spec) in PRESETS:
         return preset(str(spec)), None, False
@@ -227,13 +228,26 @@ def load_hardware(spec: str | Path | None = None, force: bool = False, quick: bo
     path = hardware_path()
     if path.is_file() and not force:
         try:
-            return read_hardware(path), path, False
+            cached = read_hardware(path)
         except HotcoldError:
             if log:
                 log(f"{path}: unreadable, measuring again")
+        else:
+            if cached.busy_warning() is None or not _idle_now(cached):
+                return cached, path, False
+            if log:  # a busy probe's rates are several times too low; an idle machine measures them right
+                log(f"{path} was measured on a busy machine (load average {cached.load_before:.1f}); "
+                    "measuring again now that it is idle")
     hw = probe(quick=quick, log=log)
     write_hardware(hw, path)
     return hw, path, True
+
+
+def _idle_now(hw: HardwareProfile) -> bool:
+    """Whether this machine is idle now by the measure `busy_warning` applies to a profile."""
+    if not hasattr(os, "getloadavg"):
+        return False
+    return os.getloadavg()[0] < 0.5 * (hw.cpu_threads or os.cpu_count() or 1)
 
 
 def read_hardware(path: Path) -> HardwareProfile:

@@ -501,7 +501,8 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
     if not hw.cuda:
         assert hw.gpu_gemv_Bps is None and hw.roundtrip_s is None
     calls = []
-    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: calls.append(1) or hw)
+    quiet = dataclasses.replace(hw, load_before=0.0)  # (this test's own probe may have met a busy moment)
+    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: calls.append(1) or quiet)
     a, path, measured = load_hardware(None)
     assert measured and path.is_file() and path.parent == tmp_path and path.name.startswith("hardware-")
     b, _, measured2 = load_hardware(None)
@@ -509,6 +510,16 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
     load_hardware(None, force=True)
     assert len(calls) == 2
     assert read_hardware(path) == a
+    # a cached profile measured on a busy machine is kept while the machine is still busy, and measured
+    # again (and replaced) once it is idle: its rates were too low for every plan made with them
+    busy = dataclasses.replace(a, source="measured", cpu_threads=2, load_before=3.0)
+    path.write_text(busy.to_json())
+    monkeypatch.setattr("os.getloadavg", lambda: (2.5, 2.0, 2.0))
+    c, _, measured3 = load_hardware(None)
+    assert not measured3 and c == busy and len(calls) == 2
+    monkeypatch.setattr("os.getloadavg", lambda: (0.2, 1.0, 2.0))
+    d, _, measured4 = load_hardware(None)
+    assert measured4 and d == a and len(calls) == 3 and read_hardware(path) == a
     assert preset("h200").gpu_gemv_Bps == 3.6e12
 
 
