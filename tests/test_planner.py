@@ -520,6 +520,24 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
     monkeypatch.setattr("os.getloadavg", lambda: (0.2, 1.0, 2.0))
     d, _, measured4 = load_hardware(None)
     assert measured4 and d == a and len(calls) == 3 and read_hardware(path) == a
+
+
+def test_best_of_two_probes():
+    """A re-probe keeps the best rate and the shortest per-call time of each measurement (other work
+    only slows a probe down), and ignores an older profile of another configuration."""
+    old = toy_hw(cuda=False)
+    old = dataclasses.replace(old, source="measured", load_before=3.0, cpu_threads=2, cpu_call_s=2e-6,
+                              cpu_expert_Bps={"q4_0": 20e9, "q8_0": 1e9}, cpu_dense_Bps={"f32": 1e9})
+    new = dataclasses.replace(old, load_before=0.1, cpu_call_s=9e-6, thread_handoff_s=1e-6,
+                              cpu_expert_Bps={"q4_0": 1e9, "q8_0": 25e9}, cpu_dense_Bps={"f32": 30e9},
+                              ram_available_bytes=123)
+    best = new.best_of(old)
+    assert best.cpu_expert_Bps == {"q4_0": 20e9, "q8_0": 25e9} and best.cpu_dense_Bps == {"f32": 30e9}
+    assert best.cpu_call_s == 2e-6 and best.thread_handoff_s == min(old.thread_handoff_s, 1e-6)
+    assert best.load_before == 0.1 and best.ram_available_bytes == 123  # the rest: the new probe's
+    assert best.busy_warning() is None and old.busy_warning() is not None
+    assert new.best_of(dataclasses.replace(old, cpu_threads=4)) == new  # another configuration
+    assert new.best_of(dataclasses.replace(old, source="preset:h200")) == new
     assert preset("h200").gpu_gemv_Bps == 3.6e12
 
 
