@@ -23,7 +23,7 @@ from numba import njit
 
 from hotcold.models import cpu_step, transformer
 from hotcold.models.batch_gemv import _gemv_batch
-from hotcold.models.cpu_step import _mat, _norm, _parts, _plan, _weights
+from hotcold.models.cpu_step import _heads, _mat, _norm, _parts, _plan, _residual, _weights
 from hotcold.models.quantized import QuantEmbedding, QuantLinear
 from hotcold.models.transformer import KVCache
 from hotcold.sparse_ops.attention import _decode_attention
@@ -79,21 +79,7 @@ def _block_rows(X, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
         QKV[:, :nq], QKV[:, nq:nq + nk], QKV[:, nq + nk:] = Qo, Ko, Vo
     ATT = np.empty((B, nq), np.float32)
     for b in range(B):
-        row = QKV[b]
-        if has_bias:
-            for i in range(nq):
-                row[i] += biases[0][i]
-            for i in range(nk):
-                row[nq + i] += biases[1][i]
-                row[nq + nk + i] += biases[2][i]
-        qh = row[:nq].reshape(H, Dh)
-        kh = row[nq:nq + nk].reshape(Hkv, Dh)
-        vh = row[nq + nk:].reshape(Hkv, Dh)
-        if qk_norm:
-            for i in range(H):
-                _norm(qh[i], norm_w[4], eps, plus_one, qh[i])
-            for i in range(Hkv):
-                _norm(kh[i], norm_w[5], eps, plus_one, kh[i])
+        qh, kh, vh = _heads(QKV[b], biases, has_bias, qk_norm, norm_w, eps, plus_one, H, Hkv, Dh)
         n = pos[b] + 1 - lo[b]
         scores = np.empty(H * n, np.float32).reshape(H, n)
         _decode_attention(qh, kh, vh, COS[b], SIN[b], rotary, k_pool[slots[b]], v_pool[slots[b]], pos[b], lo[b],
@@ -103,11 +89,7 @@ def _block_rows(X, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
     R = np.empty((B, D), np.float32)
     F = np.empty((B, D), np.float32)
     for b in range(B):
-        h = Hs[b]
-        if sandwich:
-            _norm(h, norm_w[2], eps, plus_one, h)
-        for i in range(D):
-            R[b, i] = X[b, i] + h[i]
+        _residual(X[b], Hs[b], norm_w[2], eps, plus_one, sandwich, R[b])
         _norm(R[b], norm_w[1], eps, plus_one, F[b])
     I = gate[4].shape[0]
     G, U = np.empty((B, I), np.float32), np.empty((B, I), np.float32)
@@ -118,11 +100,7 @@ def _block_rows(X, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
             G[b, i] = activate(G[b, i], act) * U[b, i]
     _gemv_batch(down, G, Hs)
     for b in range(B):
-        h = Hs[b]
-        if sandwich:
-            _norm(h, norm_w[3], eps, plus_one, h)
-        for i in range(D):
-            Y[b, i] = R[b, i] + h[i]
+        _residual(R[b], Hs[b], norm_w[3], eps, plus_one, sandwich, Y[b])
 
 
 def _fused_args(block):

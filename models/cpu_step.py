@@ -75,6 +75,37 @@ def _norm(x, w, eps, plus_one, out):
 
 
 @njit(nogil=True, cache=True)
+def _heads(qkv_row, biases, has_bias, qk_norm, norm_w, eps, plus_one, H, Hkv, Dh):
+    # one token's fused q|k|v projection [H Dh + 2 Hkv Dh], in place: + the biases (with has_bias),
+    # RMSNorm per q and k head (with qk_norm; norm_w[4], norm_w[5]) -> the head views (q, k, v)
+    nq, nk = H * Dh, Hkv * Dh
+    if has_bias:
+        for i in range(nq):
+            qkv_row[i] += biases[0][i]
+        for i in range(nk):
+            qkv_row[nq + i] += biases[1][i]
+            qkv_row[nq + nk + i] += biases[2][i]
+    qh = qkv_row[:nq].reshape(H, Dh)
+    kh = qkv_row[nq:nq + nk].reshape(Hkv, Dh)
+    vh = qkv_row[nq + nk:].reshape(Hkv, Dh)
+    if qk_norm:
+        for i in range(H):
+            _norm(qh[i], norm_w[4], eps, plus_one, qh[i])
+        for i in range(Hkv):
+            _norm(kh[i], norm_w[5], eps, plus_one, kh[i])
+    return qh, kh, vh
+
+
+@njit(nogil=True, cache=True)
+def _residual(x, h, post_norm_w, eps, plus_one, sandwich, out):
+    # out = x + (post-norm with sandwich) h, all [D]; h is normalised in place
+    if sandwich:
+        _norm(h, post_norm_w, eps, plus_one, h)
+    for i in range(x.shape[0]):
+        out[i] = x[i] + h[i]
+
+
+@njit(nogil=True, cache=True)
 def _attn_half(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh,
                cos, sin, rotary, k_cache, v_cache, pos, lo, scale, o, buf, r, f_in):
     # x [D] -> r = x + attention [D] and f_in = ffn_norm(r) [D]. norm_w: (attn, ffn, post-attn,
@@ -95,27 +126,11 @@ def _attn_half(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, 
         _gemv(q, xn, qkv_out[:nq])
         _gemv(k, xn, qkv_out[nq:nq + nk])
         _gemv(v, xn, qkv_out[nq + nk:])
-    if has_bias:
-        for i in range(nq):
-            qkv_out[i] += biases[0][i]
-        for i in range(nk):
-            qkv_out[nq + i] += biases[1][i]
-            qkv_out[nq + nk + i] += biases[2][i]
-    qh = qkv_out[:nq].reshape(H, Dh)
-    kh = qkv_out[nq:nq + nk].reshape(Hkv, Dh)
-    vh = qkv_out[nq + nk:].reshape(Hkv, Dh)
-    if qk_norm:
-        for i in range(H):
-            _norm(qh[i], norm_w[4], eps, plus_one, qh[i])
-        for i in range(Hkv):
-            _norm(kh[i], norm_w[5], eps, plus_one, kh[i])
+    qh, kh, vh = _heads(qkv_out, biases, has_bias, qk_norm, norm_w, eps, plus_one, H, Hkv, Dh)
     _decode_attention(qh, kh, vh, cos, sin, rotary, k_cache, v_cache, pos, lo, scale,
                       scores[:H * (pos + 1 - lo)].reshape(H, pos + 1 - lo), att.reshape(H, Dh))
     _gemv(o, att, h)
-    if sandwich:
-        _norm(h, norm_w[2], eps, plus_one, h)
-    for i in range(D):
-        r[i] = x[i] + h[i]
+    _residual(x, h, norm_w[2], eps, plus_one, sandwich, r)
     _norm(r, norm_w[1], eps, plus_one, f_in)
 
 
@@ -129,10 +144,7 @@ def _ffn_half(f_in, r, norm_w, eps, plus_one, sandwich, gate, up, down, act, buf
     for i in range(I):
         g[i] = activate(g[i], act) * u[i]
     _gemv(down, g, h)
-    if sandwich:
-        _norm(h, norm_w[3], eps, plus_one, h)
-    for i in range(D):
-        y[i] = r[i] + h[i]
+    _residual(r, h, norm_w[3], eps, plus_one, sandwich, y)
 
 
 @njit(nogil=True, cache=True)
