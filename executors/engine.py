@@ -149,7 +149,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
                 host_nodes: bool = True, dense_host_nodes: bool = True,
                 host_block_steps: bool = True, layer_nodes: bool = True, layer_graphs: bool = True,
-                times: LoadTimes | None = None) -> HybridEngine:
+                map_experts: bool = False, times: LoadTimes | None = None) -> HybridEngine:
     """build_engine from keywords (tests and tools): `hot`, `gpu_experts`, `attention_cpu`,
     `predictor_cpu`, `embed_cpu`, `head_cpu`, `expert_cache_bytes`, `gpu_int4` and `int4_down` make
     the Placement, the rest the EngineOptions (executors/options.py says what each means;
@@ -163,7 +163,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                             expert_cache_policy=expert_cache_policy, thresholds=thresholds or {},
                             cuda_graphs=cuda_graphs, cpu_inline=cpu_inline, int4_hot=int4_hot,
                             host_nodes=host_nodes, dense_host_nodes=dense_host_nodes, host_blocks=host_block_steps,
-                            layer_nodes=layer_nodes, layer_graphs=layer_graphs)
+                            layer_nodes=layer_nodes, layer_graphs=layer_graphs, map_experts=map_experts)
     return build_engine(lm, placement, predictors, options, times)
 
 
@@ -292,8 +292,10 @@ def _split_moe_layer(b: _Build, l: int, gpu_experts) -> MoEParts:
     """Layer l's MoE split: router, shared expert and gpu_experts on the fast tier, the rest in host memory."""
     moe_ffn = b.model.layers[l].ffn
     parts = split_moe(moe_ffn, gpu_experts, b.lm.config.activation, b.tier.device, b.tier.dtype,
-                      b.options.cpu_dtype, int4=b.int4_hot)
-    drop_module_pages(moe_ffn)
+                      b.options.cpu_dtype, int4=b.int4_hot, mapped=b.options.map_experts)
+    in_place = parts.cold is not None and parts.cold.up is getattr(moe_ffn.experts, "qup", None)
+    if not in_place:  # copied into the parts: one copy in RAM (mapped experts keep their pages)
+        drop_module_pages(moe_ffn)
     b.model.layers[l].ffn = nn.Identity()  # the stacked experts go with the last reference
     return parts
 

@@ -117,7 +117,7 @@ def _prefill_costs(kind: str):
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
                  quantize: str | None = None, gpu_int4: bool | None = None,
-                 compile_announced: bool = False, input_sparse: bool = True) -> RunSetup:
+                 compile_announced: bool = False, input_sparse: bool = True, map_experts: bool = False) -> RunSetup:
     """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
     `load_model` (HF checkpoints quantised at load). gpu_int4: on CUDA, a quantised model's 4-bit
     matrices stay 4-bit on the GPU, the split FFNs' hot rows included (see make_hybrid); a plan made
@@ -126,11 +126,12 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     plan counted int4 (its GPU bytes assume it). compile_announced: the caller said up front that the
     CPU kernels are being compiled (kernel_cache.cold_kernels); no second note after the build.
     input_sparse: apply the profile's input sparsity (executors/input_sparse.py) where it chose some, to
-    a dense run (a plan's split engine runs without it so far, and says so).
+    a dense run (a plan's split engine runs without it so far, and says so). map_experts: a plan's CPU
+    experts of a quantised MoE model read in place from the file (EngineOptions.map_experts).
     The setup's load_times says where the time went."""
     times = LoadTimes()
     setup = _open_timed(times, path, plan, use_plan, device, dtype, threads, stats, quantize, gpu_int4,
-                        compile_announced)
+                        compile_announced, map_experts)
     with times.stage("split"):
         _input_sparsity(setup, input_sparse)
     setup.load_times = times.finish()
@@ -158,7 +159,7 @@ def _input_sparsity(setup: RunSetup, enabled: bool) -> None:
 
 def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool, device: str | None,
                 dtype: str | None, threads: int | None, stats: bool, quantize: str | None,
-                gpu_int4: bool | None, compile_announced: bool) -> RunSetup:
+                gpu_int4: bool | None, compile_announced: bool, map_experts: bool = False) -> RunSetup:
     """open_for_run, each stage's time added to `times`."""
     from hotcold.planner.plan import find_plan, load_plan
 
@@ -226,7 +227,7 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
             notes.append(f"expert cache: {placement.expert_cache_bytes // one} experts on the GPU, filled by "
                          "look-ahead prefetch")
     options = EngineOptions(device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
-                            costs=_prefill_costs(cpu_dtype))
+                            costs=_prefill_costs(cpu_dtype), map_experts=map_experts)
     built = host_node.BUILD_S[0]
     engine = build_engine(lm, placement, preds, options, times)
     for why, ls in engine.int4_skipped().items():

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts
+from hotcold.executors.weights import ColdFFN, host_experts, host_quant_experts, mapped_quant_experts
 from hotcold.models.layers import MoEFFN, activation_fn
 from hotcold.models.quantized import QUANT_MODULES, QuantExperts, dequantize_model, dequantize_module, quant_bytes
 from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES
@@ -137,24 +137,31 @@ class MoEParts:
 
 @torch.no_grad()
 def split_moe(moe: MoEFFN, gpu_experts, act: str, device, dtype, cpu_kind: str = "bf16",
-              int4: bool = False) -> MoEParts:
+              int4: bool = False, mapped: bool = False) -> MoEParts:
     """Split a MoEFFN: router, shared expert and the GPU experts to device (dtype), the other experts
     to host memory in cpu_kind. Quantised experts (QuantExperts) stay quantised on the host
     (`host_quant_experts`; cpu_kind does not apply) and are dequantised for the fast tier, or with
     int4 kept 4-bit there (Q4Stack) where `int4_experts_reason` allows: gate and up together, down on
-    its own. The caller drops `moe` afterwards; the parts share no memory with its experts (router
-    and shared expert are the same modules, moved, or their dequantised copies off the CPU)."""
+    its own. mapped: quantised host experts are read in place from the model file
+    (`mapped_quant_experts`: every expert keeps its position, those on the fast tier are never read)
+    where its blocks serve as they are. The caller drops `moe` afterwards; the parts share no memory
+    with its experts but for mapped ones (router and shared expert are the same modules, moved, or
+    their dequantised copies off the CPU)."""
     ex = moe.experts
     quant = isinstance(ex, QuantExperts)
     n_exp, hidden = (ex.n, ex.hidden) if quant else ex.gate.shape[:2]  # gate: [E, I, D]
     on_gpu = check_experts(gpu_experts, n_exp)
     cold_ids = [e for e in range(n_exp) if e not in on_gpu]
     cold = None
-    if cold_ids:
+    pos = np.full(n_exp, -1, np.int64)
+    if cold_ids and quant and mapped:
+        cold = mapped_quant_experts(ex, act)  # None where the file's blocks do not serve as they are
+    if cold is not None:
+        pos[cold_ids] = cold_ids
+    elif cold_ids:
         cold = host_quant_experts(ex, cold_ids, act) if quant else \
             host_experts(ex.gate, ex.up, ex.down, cold_ids, act, cpu_kind)
-    pos = np.full(n_exp, -1, np.int64)
-    pos[cold_ids] = np.arange(len(cold_ids))
+        pos[cold_ids] = np.arange(len(cold_ids))
     slot_of = torch.full((n_exp,), -1, dtype=torch.int32)
     slot_of[on_gpu] = torch.arange(len(on_gpu), dtype=torch.int32)
     q4 = {w: int4 and int4_experts_reason(ex, "down" if w == "down" else "gate_up") is None

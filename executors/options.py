@@ -87,6 +87,9 @@ class EngineOptions:
     #   (executors/graphs.py) and, where every block's step is captured whole, the whole step as one
     #   (StepGraph); "step": that also over layers whose CPU experts are host nodes; "layers": graphs
     #   per layer only; "attention": the attention half only (the FFNs eager)
+    map_experts: bool = False  # a quantised MoE model's CPU experts are read in place from the file's
+    #   mapping (no interleaved copy: faster load, host memory shared with the page cache; kernels ~1.2x
+    #   slower where arithmetic, not memory, bounds them)
     cpu_inline: bool | None = None  # the CPU parts run in the calling thread, not a worker thread
     #   (default: on a CPU tier, and on CUDA with per-layer graphs, where a graph queues the fast
     #   tier's work of a layer before its CPU part starts: a worker would only add a hand-off)

@@ -201,6 +201,42 @@ def test_oracle_matches_quantized_reference(folder, family, kind):
         assert rel_err(float_logits, want) > 3 * max(rel_err(got, want), rel_err(got_dec, want_dec))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_mapped_cpu_experts_match_quantized_reference(folder, family, kind):
+    """map_experts: the CPU experts are the file's own blocks, read in place (every expert at its
+    position, the fast tier's never read); prefill, streamed prefill and decode equal the quantised
+    reference as the interleaved copies do."""
+    ref = reference(folder, family, kind)
+    toks = tokens(seed=11)
+    with torch.inference_mode():
+        want = ref.model(toks)
+    want_dec = decode_logits(ref, toks)
+    ties = near_ties(ref, toks)
+    for prefill in ("auto", "stream"):
+        lm = fresh(folder, family, kind)
+        gpu = random_experts(lm, 0.25, seed=4)
+        blocks = {l: b.ffn.experts.qup.data for l, b in enumerate(lm.model.layers) if hasattr(b.ffn, "experts")}
+        with make_hybrid(lm, {}, None, threads=2, gpu_experts=gpu, map_experts=True, prefill=prefill,
+                         expert_stream_bytes=1) as eng:
+            for l, h in eng.moe.items():
+                cold, n = h.cold, lm.config.num_experts
+                assert cold.up.rows == n * lm.config.moe_intermediate_size and not cold.up.interleaved
+                assert cold.up.data is blocks[l]  # the model's own blocks (a GGUF's: its mapping), not a copy
+                on_gpu = set(torch.as_tensor(gpu[l]).tolist())
+                assert h.pos.tolist() == [-1 if e in on_gpu else e for e in range(n)]
+            with torch.inference_mode():
+                got = lm.model(toks)
+            if prefill == "auto":
+                got_dec = decode_logits(lm, toks)
+            st = eng.stats()
+        assert rel_err(got, want) < TOL[kind], prefill
+        assert st["prefill"]["experts_cpu" if prefill == "auto" else "rows_streamed"] > 0
+    for i in range(T):
+        if i not in ties:
+            assert rel_err(got_dec[:, i], want_dec[:, i]) < TOL[kind], f"decode step {i}"
+
+
 @pytest.mark.parametrize("family", ["llama", "opt", "qwen2_moe"])
 def test_all_hot_and_all_cold(folder, family):
     """The two ends of a plan: every neuron on the fast tier (dequantised), or none."""
