@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton comes with torch's CUDA builds on Linux
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+triton = None
+if torch.cuda.is_available():  # the kernels run on CUDA only: a CPU run does not pay Triton's import (~0.1 s)
+    try:  # Triton comes with torch's CUDA builds on Linux
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - depends on the install
+        triton = None
 
 __all__ = ["fused_ready", "rms_norm_cuda", "rope_cuda", "route_pack_cuda", "MAX_EXPERTS"]
 

@@ -28,11 +28,13 @@ import torch
 
 from hotcold.sparse_ops.gpu import activation
 
-try:  # Triton comes with torch's CUDA builds on Linux; without it the torch version runs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+triton = None
+if torch.cuda.is_available():  # the kernels run on CUDA only: a CPU run does not pay Triton's import
+    try:  # Triton comes with torch's CUDA builds on Linux; without it the torch version runs
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - depends on the install
+        triton = None
 
 __all__ = ["Q4Stack", "routed_experts", "routed_experts_torch", "triton_available"]
 
