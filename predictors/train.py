@@ -12,6 +12,7 @@ from hotcold.predictors.artifact import PredictorSet
 from hotcold.predictors.lookahead import fit_lookahead
 from hotcold.predictors.neurons import choose_ranks, cpu_time_per_token, train_layer
 from hotcold.profiler.artifact import Profile
+from hotcold.profiler.layer_pool import in_parallel
 
 
 def ffn_params(config, layer: int) -> int:
@@ -30,44 +31,6 @@ def sample_magnitude(ffn, x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     dtype = p.dtype if p is not None else torch.float32
     with torch.no_grad():
         return torch.cat([ffn.activations(c.to(dtype)).abs().to(torch.float16) for c in x.split(chunk)])
-
-
-def _in_parallel(jobs: list, prepare, train, progress, device) -> None:
-    """prepare(job) in this thread (it runs the model's FFN, whose numba kernels are not to be called
-    from two threads at once), then train(i, *prepared) on a pool of one thread per CPU thread, each
-    running torch single-threaded: a predictor's steps are many small ops, which on 2 threads spend
-    most of their time at OpenMP barriers (10x slower per op on a busy 2-core machine), while layers
-    are independent. A GPU trains one layer at a time. At most workers + 1 layers' samples are held."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    workers = 1 if torch.device(device).type == "cuda" else max(1, torch.get_num_threads())
-    threads = torch.get_num_threads()
-    slots = threading.Semaphore(workers + 1)
-    done = [0]
-    lock = threading.Lock()
-
-    def run(i, prepared):
-        try:
-            train(i, *prepared)
-        finally:
-            slots.release()
-        with lock:
-            done[0] += 1
-            progress("predictors", done[0], len(jobs), "layer")
-
-    if workers > 1:
-        torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(workers) as pool:
-            futures = []
-            for i, job in enumerate(jobs):
-                slots.acquire()
-                futures.append(pool.submit(run, i, prepare(job)))
-            for f in futures:
-                f.result()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, budget: float = 0.04,
@@ -114,7 +77,8 @@ def train_predictors(lm: LoadedModel, profile: Profile, recall: float = 0.95, bu
         preds.neurons[l] = p.cpu()
         layer_metrics[i] = dict(m.__dict__, weighted_loss=wl)
 
-    _in_parallel(jobs, prepare, train, progress, device)
+    # layers side by side on single-threaded workers (profiler/layer_pool.py); |h| in this thread
+    in_parallel(jobs, prepare, train, lambda n: progress("predictors", n, len(jobs), "layer"), device)
     preds.neurons = dict(sorted(preds.neurons.items()))
 
     lookahead = []

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 GRID = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+HELDOUT_BATCH = 8  # held-out windows per forward in the profile's perplexity evaluations (models/perplexity.py)
 
 
 @dataclass

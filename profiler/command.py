@@ -43,6 +43,9 @@ def profile(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch."),
 ) -> None:
     """Stream calibration text through the model and record which neurons and experts fire."""
+    import time
+
+    began = time.perf_counter()
     import torch
     from rich.console import Console
 
@@ -88,7 +91,8 @@ def profile(
         console.print(f"note: {counted:,} tokens counted give each layer {counted:,} predictor-training samples, "
                       f"fewer than the {samples:,} its reservoir holds; the predictors train on those "
                       f"(--tokens {samples} or more fills it)")
-    with _progress(console) as update:
+    spans: dict[str, list[float]] = {}
+    with _progress(console, spans) as update:
         tensors, meta = run_profile(lm, cal, opts, update)
     paths = write_profile(folder, tensors, meta, lambda p: plot(
         {r["layer"]: tensors.get(f"layers.{r['layer']}.neuron_freq", tensors.get(f"layers.{r['layer']}.expert_freq"))
@@ -97,9 +101,10 @@ def profile(
         paths.append(_plot_input_sparsity(folder, meta))
     if predictors and samples:
         check = (cal.heldout, seq_len, opts.ppl_budget) if gated and cal.heldout else None
-        paths += _train_predictors(lm, paths, recall, predictor_budget, console, check)
+        paths += _train_predictors(lm, paths, recall, predictor_budget, console, check, spans)
         meta = json.loads(paths[1].read_text())
     print_table(meta, console)
+    print(stage_times(spans, time.perf_counter() - began), file=sys.stderr)
     for p in paths:
         print(p)
     sys.stdout.flush()
@@ -139,7 +144,7 @@ def _sample_cap(lm, samples: int, console) -> int:
     return samples
 
 
-def _train_predictors(lm, paths, recall: float, budget: float, console, check=None) -> list[Path]:
+def _train_predictors(lm, paths, recall: float, budget: float, console, check=None, spans=None) -> list[Path]:
     """Train predictors from the profile just written; save them and add their metrics to profile.json.
     check: (held-out ids, window, perplexity budget) of a gated model: the predictor-sparse held-out
     perplexity is measured, recorded and printed beside the dense one."""
@@ -149,11 +154,12 @@ def _train_predictors(lm, paths, recall: float, budget: float, console, check=No
     from hotcold.profiler.artifact import load_profile
 
     profile = load_profile(paths[0], lm.fingerprint)
-    with _progress(console) as update:
+    with _progress(console, spans) as update:
         preds, metrics = train_predictors(lm, profile, recall=recall, budget=budget, device=lm.device, progress=update)
+        if check is not None:
+            ppl = _sparse_ppl(lm, preds, *check[:2], update)
     if check is not None:
         dense = profile.meta["dense_ppl"]
-        ppl = _sparse_ppl(lm, preds, *check[:2])
         rise = ppl / dense - 1.0
         metrics.update(heldout_ppl=ppl, heldout_ppl_rise=rise)
         hint = (f"; above the {check[2]:.0%} budget: a larger --predictor-budget (up to 0.08) or --recall may help"
@@ -166,26 +172,33 @@ def _train_predictors(lm, paths, recall: float, budget: float, console, check=No
     return [out]
 
 
-def _sparse_ppl(lm, preds, ids, window: int) -> float:
-    """Perplexity of ids with every predicted layer's FFN restricted to its predicted neurons."""
+def _sparse_ppl(lm, preds, ids, window: int, update=None) -> float:
+    """Perplexity of ids with every predicted layer's FFN restricted to its predicted neurons (the
+    progress stage 'sparse ppl' counts its windows)."""
     from hotcold.models.perplexity import perplexity
     from hotcold.predictors.sparse import predicted_sparse
+    from hotcold.profiler.calibrate import HELDOUT_BATCH
 
+    update = update or (lambda *a: None)
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
+    update("sparse ppl", 0, len(ids) // window, "window")
     with predicted_sparse(lm.model, preds):
-        return perplexity(lm.model, ids, window, bos).ppl
+        return perplexity(lm.model, ids, window, bos, batch=HELDOUT_BATCH,
+                          progress=lambda done, total: update("sparse ppl", done, total, "window")).ppl
 
 
 class _progress:
     """A rich progress bar per stage: done of total in the stage's unit (tokens, evaluations, layers),
-    its rate since the stage began (tok/s; s per evaluation or layer), and the time left."""
+    its rate since the stage began (tok/s; s per evaluation or layer), and the time left. `spans`
+    ({stage: [first, last update time]}, shared between bars) says where the profile's time went."""
 
-    def __init__(self, console):
+    def __init__(self, console, spans: dict[str, list[float]] | None = None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console, transient=True)
         self.tasks: dict[str, int] = {}
+        self.spans = spans if spans is not None else {}
 
     def __enter__(self):
         self.bar.__enter__()
@@ -195,11 +208,27 @@ class _progress:
         return self.bar.__exit__(*exc)
 
     def update(self, stage: str, done: int, total: int, unit: str = "tok") -> None:
+        import time
+
+        now = time.perf_counter()
+        self.spans.setdefault(stage, [now, now])[1] = now
         if stage not in self.tasks:  # stages report done=0 as they start: the clock starts there
             self.tasks[stage] = self.bar.add_task(stage, total=total or None, rate="")
         task = self.tasks[stage]
         self.bar.update(task, completed=done, total=total or None, rate=rate_text(
             done, self.bar.tasks[task].elapsed or 0.0, unit))
+
+
+def stage_times(spans: dict[str, list[float]], total: float) -> str:
+    """'profiled in 2 min 31 s: thresholds 4 s, perplexity 40 s, ...': each stage's time, first to last
+    report, the per-level allocation stages added up; the rest (loading, writing) as 'other'."""
+    times: dict[str, float] = {}
+    for stage, (first, last) in spans.items():
+        name = "allocation" if stage.startswith("allocation ") else stage
+        times[name] = times.get(name, 0.0) + last - first
+    times["other"] = max(0.0, total - sum(times.values()))
+    whole = f"{int(total // 60)} min {total % 60:.0f} s" if total >= 60 else f"{total:.0f} s"
+    return f"profiled in {whole}: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
 
 
 def rate_text(done: int, elapsed: float, unit: str) -> str:

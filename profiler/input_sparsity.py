@@ -19,7 +19,8 @@ An input entry with |x| <= threshold is zeroed, and the runtime skips the weight
    `LEVELS`; the allocation at each level is kept. Every block gets the same level, so the level is
    the model's sparsity in parameters read;
 3. the level: held-out perplexity measured by running the thresholded model at each level until the
-   budget breaks; the highest level within it is chosen (0 when none is).
+   budget breaks; the highest level within it is chosen (0 when none is). Steps 2 and 3 alternate:
+   the allocation is advanced to a level only when the search reaches it.
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ def applies(model) -> bool:
 
 
 def _zero_below(t: float):
-    def hook(mod, args):
-        x = args[0]
-        return (x * (x.abs() > t),) + tuple(args[1:])
+    def hook(mod, args):  # hardshrink: x where |x| > t, else 0, in one op (a profile calls it ~20,000 times)
+        return (torch.nn.functional.hardshrink(args[0], t),) + tuple(args[1:])
     return hook
 
 
@@ -134,13 +134,15 @@ class Magnitudes:
 
 
 def greedy_allocation(error: Callable[[dict[str, float]], float], weights: dict[str, float],
-                      levels=LEVELS, step: float = STEP, cap: float = MAX_GROUP) -> dict[float, dict[str, float]]:
-    """Block-wise greedy allocation: from all groups at 0, raise by `step` the group whose raise gives
-    the smallest `error(allocation)`, until the weighted sparsity sum(w_g s_g) / sum(w_g) reaches each
+                      levels=LEVELS, step: float = STEP, cap: float = MAX_GROUP,
+                      start: dict[str, float] | None = None) -> dict[float, dict[str, float]]:
+    """Block-wise greedy allocation: from all groups at 0 (or at `start`, an allocation this search
+    returned for a lower level: it resumes there), raise by `step` the group whose raise gives the
+    smallest `error(allocation)`, until the weighted sparsity sum(w_g s_g) / sum(w_g) reaches each
     level; returns {level: the allocation when it first reached it}. A level no allocation reaches
     (every group at `cap`) is left out."""
     total = sum(weights.values())
-    alloc = {g: 0.0 for g in weights}
+    alloc = dict(start) if start is not None else {g: 0.0 for g in weights}
     out: dict[float, dict[str, float]] = {}
     pending = sorted(levels)
 
@@ -176,45 +178,84 @@ def block_inputs(model, seqs: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-@torch.inference_mode()
-def allocate_layers(model, seqs: torch.Tensor, mags: Magnitudes, levels=LEVELS, step: float = STEP,
-                    progress: Callable | None = None) -> dict[float, list[dict[str, float]]]:
-    """The greedy allocation of every block on calibration tokens seqs [B, T]: {level: [per layer
-    {group: sparsity}]}; a level some block cannot reach is left out."""
-    from hotcold.models.quantized import dequantize_model, is_quantized
+class LayerAllocations:
+    """The greedy allocation of every block on calibration tokens seqs [B, T], advanced level by level
+    as the perplexity search asks for the next one: a level beyond the budget's is never allocated
+    (each step of the greedy search costs a block forward per group). Blocks are allocated side by
+    side on single-threaded workers (profiler/layer_pool.py), each on its own float copy."""
 
-    positions = torch.arange(seqs.shape[1], device=seqs.device)
-    xs = block_inputs(model, seqs)
-    per_layer = []
-    for l, (block, x) in enumerate(zip(model.layers, xs)):
-        if is_quantized(block):  # a float copy: a quantised block's several-token products decode its
-            # blocks on every call, and the greedy search calls it ~200 times
-            block = dequantize_model(copy.deepcopy(block), x.device, x.dtype)
-        dense = block(x, positions, None).float()
-        scale = float(((dense - x.float()) ** 2).sum()) or 1.0  # the block's own contribution
+    def __init__(self, model, seqs: torch.Tensor, mags: Magnitudes, step: float = STEP):
+        self.model, self.mags, self.step = model, mags, step
+        self.positions = torch.arange(seqs.shape[1], device=seqs.device)
+        self.xs = block_inputs(model, seqs)
+        self.current: list[dict[str, float] | None] = [None] * len(self.xs)  # each block's latest allocation
+        self.levels: dict[float, list[dict[str, float]]] = {}
+        for l in range(len(self.xs)):  # sorted here, not in the workers
+            for g in GROUPS:
+                mags.sorted(l, g)
 
-        def error(alloc, l=l, block=block, x=x, dense=dense, scale=scale):
-            blocks = {l: block}
-            with thresholded(model, {l: {g: mags.threshold(l, g, s) for g, s in alloc.items()}}, blocks):
-                y = block(x, positions, None).float()
-            return float(((y - dense) ** 2).sum()) / scale
+    def _workers(self) -> int:
+        """As many as a third of the available RAM holds float copies of a block (a large model's)."""
+        import psutil
 
-        per_layer.append(greedy_allocation(error, group_params(block), levels, step))
-        if progress:
-            progress("allocation", l + 1, len(xs), "layer")
-    common = [s for s in levels if all(s in a for a in per_layer)]
-    return {s: [a[s] for a in per_layer] for s in common}
+        per = 4 * sum(group_params(self.model.layers[0]).values()) + 1
+        return max(1, int(psutil.virtual_memory().available // 3 // per) - 1)
+
+    @torch.inference_mode()
+    def advance(self, level: float, progress: Callable | None = None) -> list[dict[str, float]] | None:
+        """Every block's allocation at `level` (per layer {group: sparsity}), or None when some block
+        cannot reach it (every group at MAX_GROUP). progress(stage, done, total, "layer") per block."""
+        from hotcold.models.quantized import dequantize_model, is_quantized
+        from hotcold.profiler.layer_pool import in_parallel
+
+        if level in self.levels:
+            return self.levels[level]
+        L = len(self.xs)
+        stage = f"allocation {level:.0%}"
+        progress = progress or (lambda *a: None)
+        progress(stage, 0, L, "layer")
+        reached: list[dict[str, float] | None] = [None] * L
+        mags, positions = self.mags, self.positions
+
+        def prepare(l):
+            block, x = self.model.layers[l], self.xs[l]
+            if is_quantized(block):  # a float copy: a quantised block's several-token products decode its
+                # blocks on every call, and the greedy search calls it ~100 times
+                block = dequantize_model(copy.deepcopy(block), x.device, x.dtype)
+            return l, block, x
+
+        def work(i, l, block, x):
+            dense = block(x, positions, None).float()
+            scale = float(((dense - x.float()) ** 2).sum()) or 1.0  # the block's own contribution
+
+            def error(alloc):
+                with thresholded(self.model, {l: {g: mags.threshold(l, g, s) for g, s in alloc.items()}}, {l: block}):
+                    y = block(x, positions, None).float()
+                return float(((y - dense) ** 2).sum()) / scale
+
+            got = greedy_allocation(error, group_params(block), (level,), self.step, start=self.current[l])
+            reached[l] = got.get(level)
+
+        in_parallel(list(range(L)), prepare, work, lambda n: progress(stage, n, L, "layer"), self.xs[0].device,
+                    self._workers())
+        if any(a is None for a in reached):
+            return None
+        self.current = reached
+        self.levels[level] = reached
+        return reached
 
 
 def profile_input_sparsity(lm, calib: torch.Tensor, heldout: list[int], seq_len: int, budget: float,
-                           progress: Callable | None = None, seed: int = 0, greedy_tokens: int = 128
-                           ) -> tuple[dict[str, torch.Tensor], dict]:
+                           progress: Callable | None = None, seed: int = 0, greedy_tokens: int = 128,
+                           dense_ppl: float | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Magnitudes, allocation and perplexity curve of `lm` (see the module docstring). calib: [B, T]
     calibration sequences (the greedy allocation reads the first `greedy_tokens` of them, at least one
-    sequence); heldout: ids for perplexity. Returns (profile tensors, profile.json's
-    "input_sparsity" section)."""
+    sequence); heldout: ids for perplexity, whose dense perplexity is `dense_ppl` when the caller has
+    measured it. The levels are walked upwards until the budget breaks (or a level cannot be
+    allocated); the highest within it is chosen. Returns (profile tensors, profile.json's
+    "input_sparsity" section, with the allocations of the levels walked)."""
     from hotcold.models.perplexity import perplexity
-    from hotcold.profiler.calibrate import search_sparsity
+    from hotcold.profiler.calibrate import HELDOUT_BATCH, CurvePoint
 
     progress = progress or (lambda *a: None)
     model, dev = lm.model, lm.device
@@ -228,24 +269,36 @@ def profile_input_sparsity(lm, calib: torch.Tensor, heldout: list[int], seq_len:
             for block in model.layers:
                 x = block(x, positions, None)
             progress("magnitudes", (i + 1) * calib.shape[1], calib.numel())
-    progress("allocation", 0, len(model.layers), "layer")
     greedy = calib[: max(1, greedy_tokens // calib.shape[1]), :greedy_tokens]  # whole sequences, or one's start
-    alloc = allocate_layers(model, greedy.to(dev), mags, progress=progress)
-    levels = sorted(alloc)
+    allocations = LayerAllocations(model, greedy.to(dev), mags)
+    most = len(LEVELS) + (dense_ppl is None)  # evaluations, if no level breaks the budget
     evals = [0]
 
-    def ppl_at(s: float) -> float:
-        with thresholded(model, mags.thresholds(alloc[s]) if s > 0 else {}):
-            p = perplexity(model, heldout, seq_len, bos).ppl
+    def ppl_at(thresholds) -> float:
+        with thresholded(model, thresholds):
+            p = perplexity(model, heldout, seq_len, bos, batch=HELDOUT_BATCH).ppl
         evals[0] += 1
-        progress("input ppl", evals[0], len(levels) + 1, "evaluation")
+        progress("input ppl", evals[0], most, "evaluation")
         return p
 
-    progress("input ppl", 0, len(levels) + 1, "evaluation")
-    chosen, points = search_sparsity(ppl_at, budget, grid=tuple(levels), refine=0)
-    dense_ppl = points[0].ppl
+    if dense_ppl is None:
+        progress("input ppl", 0, most, "evaluation")
+        dense_ppl = ppl_at({})
+    points, chosen = [CurvePoint(0.0, dense_ppl)], 0.0
+    for s in LEVELS:
+        alloc = allocations.advance(s, progress)
+        if alloc is None:
+            break
+        if evals[0] == 0:
+            progress("input ppl", 0, most, "evaluation")
+        points.append(CurvePoint(s, ppl_at(mags.thresholds(alloc))))
+        if points[-1].ppl > dense_ppl * (1 + budget):
+            break
+        chosen = s
+    levels = sorted(allocations.levels)
     L = len(model.layers)
-    chosen_t = mags.thresholds(alloc[chosen]) if chosen > 0 else {l: {g: 0.0 for g in GROUPS} for l in range(L)}
+    chosen_t = mags.thresholds(allocations.levels[chosen]) if chosen > 0 else {l: {g: 0.0 for g in GROUPS}
+                                                                                for l in range(L)}
     tensors = {f"layers.{l}.input_threshold": torch.tensor([chosen_t[l][g] for g in GROUPS], dtype=torch.float32)
                for l in range(L)}
     meta = {
@@ -257,8 +310,8 @@ def profile_input_sparsity(lm, calib: torch.Tensor, heldout: list[int], seq_len:
         "calibration_tokens": int(calib.numel()),  # of the magnitudes
         "allocation_tokens": int(greedy.numel()),
         "step": STEP,
-        "allocation": {str(s): [[round(a[g], 4) for g in GROUPS] for a in alloc[s]] for s in levels},
-        "thresholds": {str(s): [[round(t[g], 6) for g in GROUPS] for t in mags.thresholds(alloc[s]).values()]
+        "allocation": {str(s): [[round(a[g], 4) for g in GROUPS] for a in allocations.levels[s]] for s in levels},
+        "thresholds": {str(s): [[round(t[g], 6) for g in GROUPS] for t in mags.thresholds(allocations.levels[s]).values()]
                        for s in levels},
         "quantiles": {"q": list(QUANTILES),  # of |x|: [layer][group][q]
                       "layers": [[[round(mags.threshold(l, g, q), 6) for q in QUANTILES] for g in GROUPS]

@@ -12,7 +12,7 @@ import torch
 
 from hotcold.models.loader import LoadedModel
 from hotcold.models.perplexity import perplexity
-from hotcold.profiler.calibrate import GRID, search_sparsity
+from hotcold.profiler.calibrate import GRID, HELDOUT_BATCH, search_sparsity
 from hotcold.profiler.data import Calibration
 from hotcold.profiler.input_sparsity import applies as input_applies
 from hotcold.profiler.input_sparsity import profile_input_sparsity
@@ -89,7 +89,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
 
         def ppl_at(s: float) -> float:
             with probed(model, sampler.thresholds(s)):
-                ppl = perplexity(model, cal.heldout, opts.seq_len, bos).ppl
+                ppl = perplexity(model, cal.heldout, opts.seq_len, bos, batch=HELDOUT_BATCH).ppl
             evals[0] += 1
             progress("perplexity", evals[0], most, "evaluation")
             return ppl
@@ -127,7 +127,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
     if opts.input_sparsity and thresholded_kinds(lm) and cal.heldout and input_applies(model):
         calib = seqs[: max(1, math.ceil(opts.input_calib_tokens / seqs.shape[1]))]
         tensors, input_meta = profile_input_sparsity(lm, calib, cal.heldout, opts.seq_len, opts.ppl_budget,
-                                                     progress, opts.seed)
+                                                     progress, opts.seed, dense_ppl=dense_ppl)
     for l in range(c.num_layers):
         kind = c.ffn_kind(l)
         tau = thresholds.get(l, 0.0)

@@ -18,7 +18,8 @@ from hotcold.executors.input_sparse import apply_input_sparsity
 from hotcold.models.loader import load_model
 from hotcold.models.quantized import dequantize_model, quantize_model
 from hotcold.models.transformer import KVCache
-from hotcold.profiler.input_sparsity import GROUPS, greedy_allocation, thresholded
+from hotcold.profiler.input_sparsity import (GROUPS, LayerAllocations, Magnitudes, greedy_allocation, group_params,
+                                             thresholded)
 from hotcold.sparse_ops.input_sparse import im_gemv, input_major, sparse_linear_torch
 from hotcold.sparse_ops.quant import QuantMatrix, pack_rows
 from conftest import run_cli
@@ -104,6 +105,49 @@ def test_greedy_allocation_weights_the_level_by_parameters():
     got = greedy_allocation(lambda a: a["big"] * 10 + a["small"], {"big": 3.0, "small": 1.0}, (0.1, 0.3), 0.1, cap=0.9)
     assert got[0.1]["small"] > 0 and (3 * got[0.3]["big"] + got[0.3]["small"]) / 4 >= 0.3 - 1e-9
     assert 0.5 not in greedy_allocation(lambda a: 0.0, {"x": 1.0}, (0.5,), 0.1, cap=0.4)
+
+
+def test_greedy_allocation_resumes_where_a_lower_level_stopped():
+    """Advancing level by level from the allocation returned for the previous one gives what one
+    search over all levels gives, with an error whose groups interact."""
+    def error(a):
+        return (a["a"] + 2 * a["b"]) ** 2 + a["c"] * a["a"] * 3 + a["d"] ** 1.5 + 0.5 * a["c"] ** 2
+
+    weights = {"a": 1.0, "b": 2.0, "c": 0.5, "d": 3.0}
+    levels = (0.1, 0.2, 0.3, 0.45)
+    whole = greedy_allocation(error, weights, levels, 0.05, cap=0.9)
+    start = None
+    for level in levels:
+        start = greedy_allocation(error, weights, (level,), 0.05, cap=0.9, start=start)[level]
+        assert start == whole[level]
+
+
+def test_layer_allocations_equal_each_blocks_own_greedy_search(tmp_path):
+    """LayerAllocations (blocks side by side on worker threads, each level resumed from the last)
+    against each block's greedy search over both levels at once, run here in order."""
+    lm = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    model = lm.model
+    seqs = torch.randint(3, 160, (2, 16), generator=torch.Generator().manual_seed(5))
+    mags = Magnitudes(model)
+    with mags.recording(), torch.inference_mode():
+        model(seqs)
+    allocations = LayerAllocations(model, seqs, mags)
+    got = {s: allocations.advance(s) for s in (0.1, 0.3)}
+    positions = torch.arange(seqs.shape[1])
+    with torch.inference_mode():
+        x = model.embed_tokens(seqs, positions)
+        for l, block in enumerate(model.layers):
+            dense = block(x, positions, None)
+
+            def error(alloc):
+                with thresholded(model, {l: {g: mags.threshold(l, g, s) for g, s in alloc.items()}}):
+                    y = block(x, positions, None)
+                return float(((y - dense) ** 2).sum())
+
+            want = greedy_allocation(error, group_params(block), (0.1, 0.3))
+            assert [got[0.1][l], got[0.3][l]] == [want[0.1], want[0.3]], l
+            x = dense
+    assert allocations.advance(0.99) is None  # beyond every group's cap
 
 
 def _thresholds(model, rng_seed: int = 0) -> dict[int, dict[str, float]]:

@@ -265,3 +265,16 @@ def test_sample_magnitude_of_a_quantised_ffn(tiny):
     want = sample_magnitude(ref.model.layers[0].ffn, x).float()
     got = sample_magnitude(q.model.layers[0].ffn, x).float()
     assert got.shape == want.shape and (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_batched_perplexity_equals_window_by_window(tmp_path):
+    """perplexity(batch=k) (several windows per forward, as the profile's searches run it) against one
+    window at a time, with a last batch shorter than the others; progress counts every window."""
+    lm = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    ids = torch.randint(3, 160, (5 * 32 + 7,), generator=torch.Generator().manual_seed(2)).tolist()
+    one = perplexity(lm.model, ids, 32, 1)
+    for batch in (2, 8):
+        seen = []
+        got = perplexity(lm.model, ids, 32, 1, batch=batch, progress=lambda done, total: seen.append((done, total)))
+        assert got.ppl == pytest.approx(one.ppl, rel=1e-5) and got.tokens_scored == one.tokens_scored == 5 * 15
+        assert seen == [(w, 5) for w in range(1, 6)]

@@ -7,7 +7,7 @@ import pytest
 from hotcold.models.loader import load_model
 from hotcold.predictors.train import train_predictors
 from hotcold.profiler.artifact import load_profile, write_profile
-from hotcold.profiler.command import rate_text
+from hotcold.profiler.command import rate_text, stage_times
 from hotcold.profiler.data import Source, tokenise
 from hotcold.profiler.profile import ProfileOptions, run_profile
 from tiny_models import add_tiny_tokenizer, make_tiny
@@ -22,6 +22,14 @@ def test_rate_text_in_the_stages_unit():
     assert rate_text(0, 5.0, "layer") == ""
 
 
+def test_stage_times_add_up_to_the_whole():
+    spans = {"thresholds": [0.0, 4.0], "allocation 10%": [10.0, 30.0], "allocation 20%": [31.0, 51.0],
+             "predictors": [60.0, 100.0]}
+    assert stage_times(spans, 151.0) == ("profiled in 2 min 31 s: thresholds 4 s, allocation 40 s, predictors 40 s, "
+                                         "other 67 s")
+    assert stage_times({}, 12.4) == "profiled in 12 s: other 12 s"
+
+
 def test_every_stage_starts_at_zero_with_its_total(tmp_path):
     lm = load_model(add_tiny_tokenizer(make_tiny("llama", tmp_path)), "cpu", "float32")
     opts = ProfileOptions(tokens=512, seq_len=64, samples=64, heldout_tokens=256)
@@ -34,10 +42,15 @@ def test_every_stage_starts_at_zero_with_its_total(tmp_path):
     stages = {}
     for stage, done, total, *unit in calls:
         stages.setdefault(stage, []).append((done, total, unit[0] if unit else "tok"))
-    # the input sparsity's stages too: a gated model's profile measures it by default
+    # the input sparsity's stages too: a gated model's profile measures it by default, allocating
+    # each level it reaches in a stage of its own ("allocation 10%", ...)
+    allocated = sorted(s for s in stages if s.startswith("allocation "))
+    assert allocated and allocated[0] == "allocation 10%", stages
     units = {"thresholds": "tok", "counting": "tok", "perplexity": "evaluation", "predictors": "layer",
-             "magnitudes": "tok", "allocation": "layer", "input ppl": "evaluation"}
+             "magnitudes": "tok", "input ppl": "evaluation", **{s: "layer" for s in allocated}}
     assert set(units) == set(stages), stages
+    for s in allocated:  # every block, once per level
+        assert stages[s][-1][:2] == (lm.config.num_layers, lm.config.num_layers), (s, stages[s])
     for stage, seq in stages.items():
         assert seq[0][0] == 0, (stage, seq)  # said before its work starts: the clock starts there
         assert all(total > 0 and 0 <= done <= total for done, total, _ in seq), (stage, seq)
