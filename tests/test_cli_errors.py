@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_cli
 from hotcold.cli import main
 
 
@@ -103,13 +104,52 @@ def test_kernel_cache_check_sees_a_cold_and_a_warm_cache(tmp_path, monkeypatch):
     assert again.stdout.split() == ["True", "True"], again.stderr
 
 
+def readme_first_command() -> list[str]:
+    """The arguments of the README's first command (after `hotcold`), as README.md gives them."""
+    import shlex
+
+    from test_docs import _two_commands
+
+    install_and_run, _ = _two_commands()
+    (command,) = [c.strip() for c in install_and_run.split("&&") if c.strip().startswith("hotcold ")]
+    return shlex.split(command)[1:]
+
+
+def with_option(args: list[str], option: str, value: str) -> list[str]:
+    """args with option's value replaced (or the option added)."""
+    args = list(args)
+    if option in args:
+        args[args.index(option) + 1] = value
+        return args
+    return args + [option, value]
+
+
+@pytest.mark.parametrize("change, needles", [
+    (lambda a: with_option(a, "--max-tokens", "0"), ("--max-tokens", "greater than or equal to 1")),
+    (lambda a: with_option(a, "--max-tokens", "forty"), ("--max-tokens", "integer")),
+    (lambda a: ["rnu", *a[1:]], ("No such command 'rnu'", "Did you mean 'run'")),
+    (lambda a: [w.replace("--prompt", "--promt") for w in a], ("No such option: --promt",)),
+    (lambda a: with_option(a, "--dtype", "int3"), ("--dtype",)),
+], ids=["range", "type", "command", "option", "dtype"])
+def test_first_command_mistyped_is_one_line(change, needles):
+    """The README's first command with a mistake, run as a user runs it (a new process, `python -m
+    hotcold.cli`): one line on stderr naming the mistake, nothing on stdout, exit code 2."""
+    args = readme_first_command()
+    assert args[0] == "run" and "--max-tokens" in args and "--prompt" in args, args
+    done = run_cli(*change(args), timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and not done.stdout, done.stderr
+    assert lines[0].startswith("error: ") and all(n in lines[0] for n in needles), lines[0]
+
+
 @pytest.mark.slow
 def test_first_command_says_it_compiles_once_up_front(capsys, monkeypatch):
-    """The README's first command (the embedded model, no plan) with numba's cache cold says, before
-    loading or generating anything, that it is compiling the CPU kernels, once; with it warm, nothing."""
+    """The README's first command (the embedded model, no plan; 3 tokens, on the CPU) with numba's
+    cache cold says, before loading or generating anything, that it is compiling the CPU kernels,
+    once; with it warm, nothing."""
     from hotcold.executors import kernel_cache
 
-    args = ["run", "--prompt", "The three primary colours are", "--max-tokens", "3", "--device", "cpu"]
+    args = with_option(with_option(readme_first_command(), "--max-tokens", "3"), "--device", "cpu")
     monkeypatch.setattr(kernel_cache, "cold_kernels", lambda: ["block step"])
     with pytest.raises(SystemExit) as done:
         main(args)
