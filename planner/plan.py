@@ -97,6 +97,14 @@ def find_plan(model_path: Path, fingerprint: str, given: Path | None = None) -> 
     return None
 
 
+def check_plan_path(path: Path) -> None:
+    """A --plan that names neither plan.safetensors nor a folder holding one: the error load_plan
+    raises, before anything loads."""
+    path = Path(path).expanduser()
+    if not (path / PLAN_TENSORS if path.is_dir() else path).is_file():
+        raise ArtifactError(f"{path}: no plan here; run `hotcold plan MODEL --vram SIZE` first")
+
+
 def load_plan(path: Path, fingerprint: str | None = None) -> Plan:
     """Read plan.safetensors (+ plan.json beside it); refuse a plan made for another model."""
     path = Path(path)

@@ -60,7 +60,10 @@ def profile(
         raise HotcoldError("give either --sparsity or --ppl-budget, not both")
     # what can be checked from the config alone, before the model loads (minutes for a large one)
     path = model if model is not None else default_model_path()
-    if sparsity is None and heldout < seq_len and describe_model(path).config.activation != "relu":
+    info = describe_model(path)  # a missing or unreadable model file, said first
+    if out is not None and out.expanduser().exists() and not out.expanduser().is_dir():
+        raise HotcoldError(f"--out: {out} is a file; pass a folder for the profile's files")
+    if sparsity is None and heldout < seq_len and info.config.activation != "relu":
         raise HotcoldError(f"--heldout-tokens {heldout} is less than one --seq-len window ({seq_len}); "
                            "the perplexity budget needs held-out text (or give --sparsity)")
     resolve_dtype(dtype, resolve_device(device))

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from hotcold.errors import HotcoldError, ModelFileError
+from hotcold.errors import HotcoldError
 
 log = logging.getLogger("hotcold.server")
 
@@ -51,24 +51,29 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn
 
-    from hotcold.models.loader import default_model_path, resolve_device, resolve_dtype
+    from hotcold.models.loader import default_model_path, describe_model, resolve_device, resolve_dtype
     from hotcold.server.app import create_app
     from hotcold.server.engine import ServingEngine
 
     path = (model if model is not None else default_model_path()).expanduser()
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file or folder; pass an HF model folder or a .gguf file")
+    describe_model(path)  # a missing, foreign or cut-off model file, said before the server starts
     resolve_dtype(dtype, resolve_device(device))  # bad options fail before the server starts
-    name = model_name or (path.stem if path.is_file() else path.name)
-    sock = _listen(host, port)
+    if plan is not None:
+        from hotcold.planner.plan import check_plan_path
 
-    _log_to_console()
-    log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
+        if no_plan:
+            raise HotcoldError("--plan cannot be combined with --no-plan")
+        check_plan_path(plan)
     if quantize is not None:
         from hotcold.models.quantized import QUANTIZE_TYPES
 
         if quantize not in QUANTIZE_TYPES:  # before the server starts
             raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
+    name = model_name or (path.stem if path.is_file() else path.name)
+    sock = _listen(host, port)
+
+    _log_to_console()
+    log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
     engine = ServingEngine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4, map_experts), max_concurrency, ctx,
                     parallel=parallel, cache_slots=cache_slots)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],

@@ -66,6 +66,31 @@ def test_checked_before_the_model_loads(capsys, monkeypatch, tmp_path):
     assert "--quantize" in one_line_error(capsys, "run", "-p", "hi", "--quantize", "q9")
     assert "no such file" in one_line_error(capsys, "perplexity", "--data", tmp_path / "missing.txt")
     assert "no such file" in one_line_error(capsys, "run", tmp_path / "missing.gguf", "-p", "hi")
+    assert "no such file" in one_line_error(capsys, "profile", tmp_path / "missing.gguf")
+    assert "no such file" in one_line_error(capsys, "profile", "--data", tmp_path / "missing.txt")
+    (tmp_path / "a-file").write_text("x")
+    assert "--out" in one_line_error(capsys, "profile", "--out", tmp_path / "a-file")
+    assert "no plan here" in one_line_error(capsys, "run", "-p", "hi", "--plan", tmp_path / "none")
+
+
+def test_serve_refuses_before_it_starts(capsys, monkeypatch, tmp_path):
+    """serve's mistakes are said before it listens or logs anything: one line, not a server's start
+    and shutdown log with the error after it."""
+    import hotcold.server.command as command
+
+    def no_listen(*a, **k):
+        raise AssertionError("the server started before the arguments were checked")
+
+    monkeypatch.setattr(command, "_listen", no_listen)
+    assert "no plan here" in one_line_error(capsys, "serve", "--plan", tmp_path / "none")
+    assert "--no-plan" in one_line_error(capsys, "serve", "--plan", tmp_path, "--no-plan")
+    assert "--quantize" in one_line_error(capsys, "serve", "--quantize", "q9")
+    assert "not a GGUF file" in one_line_error(capsys, "serve", _write(tmp_path / "text.gguf", b"hello"))
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
 
 
 def test_truncated_gguf_in_the_users_terms(capsys, gemma3_path, tmp_path):
@@ -75,6 +100,11 @@ def test_truncated_gguf_in_the_users_terms(capsys, gemma3_path, tmp_path):
     line = one_line_error(capsys, "run", cut, "-p", "hi")
     assert "cut.gguf: file is truncated or corrupt" in line and "100,000 bytes" in line and "re-download" in line
     assert "numpy" not in line and "buffer" not in line and "offset" not in line
+    with open(gemma3_path, "rb") as src:
+        cut.write_bytes(src.read(150_000_000))  # past the header, inside the tensor data
+    for command in (("run", cut, "-p", "hi"), ("profile", cut), ("plan", cut, "--vram", "0")):
+        line = one_line_error(capsys, *command)
+        assert "cut.gguf: file is truncated" in line and "bytes of tensor data" in line and "re-download" in line
 
 
 def test_help_and_version_exit_zero(capsys):
