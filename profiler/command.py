@@ -94,8 +94,8 @@ def profile(
         console.print(f"note: {counted:,} tokens counted give each layer {counted:,} predictor-training samples, "
                       f"fewer than the {samples:,} its reservoir holds; the predictors train on those "
                       f"(--tokens {samples} or more fills it)")
-    spans: dict[str, list[float]] = {}
-    with _progress(console, spans) as update:
+    clock = StageClock()
+    with _progress(console, clock) as update:
         tensors, meta = run_profile(lm, cal, opts, update)
     paths = write_profile(folder, tensors, meta, lambda p: plot(
         {r["layer"]: tensors.get(f"layers.{r['layer']}.neuron_freq", tensors.get(f"layers.{r['layer']}.expert_freq"))
@@ -104,10 +104,10 @@ def profile(
         paths.append(_plot_input_sparsity(folder, meta))
     if predictors and samples:
         check = (cal.heldout, seq_len, opts.ppl_budget) if gated and cal.heldout else None
-        paths += _train_predictors(lm, paths, recall, predictor_budget, console, check, spans)
+        paths += _train_predictors(lm, paths, recall, predictor_budget, console, check, clock)
         meta = json.loads(paths[1].read_text())
     print_table(meta, console)
-    print(stage_times(spans, time.perf_counter() - began), file=sys.stderr)
+    print(clock.summary(time.perf_counter() - began), file=sys.stderr)
     for p in paths:
         print(p)
     sys.stdout.flush()
@@ -147,7 +147,7 @@ def _sample_cap(lm, samples: int, console) -> int:
     return samples
 
 
-def _train_predictors(lm, paths, recall: float, budget: float, console, check=None, spans=None) -> list[Path]:
+def _train_predictors(lm, paths, recall: float, budget: float, console, check=None, clock=None) -> list[Path]:
     """Train predictors from the profile just written; save them and add their metrics to profile.json.
     check: (held-out ids, window, perplexity budget) of a gated model: the predictor-sparse held-out
     perplexity is measured, recorded and printed beside the dense one."""
@@ -157,7 +157,7 @@ def _train_predictors(lm, paths, recall: float, budget: float, console, check=No
     from hotcold.profiler.artifact import load_profile
 
     profile = load_profile(paths[0], lm.fingerprint)
-    with _progress(console, spans) as update:
+    with _progress(console, clock) as update:
         preds, metrics = train_predictors(lm, profile, recall=recall, budget=budget, device=lm.device, progress=update)
         if check is not None:
             ppl = _sparse_ppl(lm, preds, *check[:2], update)
@@ -192,16 +192,16 @@ def _sparse_ppl(lm, preds, ids, window: int, update=None) -> float:
 
 class _progress:
     """A rich progress bar per stage: done of total in the stage's unit (tokens, evaluations, layers),
-    its rate since the stage began (tok/s; s per evaluation or layer), and the time left. `spans`
-    ({stage: [first, last update time]}, shared between bars) says where the profile's time went."""
+    its rate since the stage began (tok/s; s per evaluation or layer), and the time left; each
+    update also goes to `clock` (a StageClock, shared between bars), which says where the time went."""
 
-    def __init__(self, console, spans: dict[str, list[float]] | None = None):
+    def __init__(self, console, clock: "StageClock | None" = None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console, transient=True)
         self.tasks: dict[str, int] = {}
-        self.spans = spans if spans is not None else {}
+        self.clock = clock if clock is not None else StageClock()
 
     def __enter__(self):
         self.bar.__enter__()
@@ -211,10 +211,7 @@ class _progress:
         return self.bar.__exit__(*exc)
 
     def update(self, stage: str, done: int, total: int, unit: str = "tok") -> None:
-        import time
-
-        now = time.perf_counter()
-        self.spans.setdefault(stage, [now, now])[1] = now
+        self.clock.update(stage, done)
         if stage not in self.tasks:  # stages report done=0 as they start: the clock starts there
             self.tasks[stage] = self.bar.add_task(stage, total=total or None, rate="")
         task = self.tasks[stage]
@@ -222,16 +219,29 @@ class _progress:
             done, self.bar.tasks[task].elapsed or 0.0, unit))
 
 
-def stage_times(spans: dict[str, list[float]], total: float) -> str:
-    """'profiled in 2 min 31 s: thresholds 4 s, perplexity 40 s, ...': each stage's time, first to last
-    report, the per-level allocation stages added up; the rest (loading, writing) as 'other'."""
-    times: dict[str, float] = {}
-    for stage, (first, last) in spans.items():
-        name = "allocation" if stage.startswith("allocation ") else stage
-        times[name] = times.get(name, 0.0) + last - first
-    times["other"] = max(0.0, total - sum(times.values()))
-    whole = f"{int(total // 60)} min {total % 60:.0f} s" if total >= 60 else f"{total:.0f} s"
-    return f"profiled in {whole}: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
+class StageClock:
+    """Where a profile's time went: the time between two progress reports is the work the later one
+    reports (a stage's start report, done=0, ends time spent outside any stage: loading, writing)."""
+
+    def __init__(self, now=None):
+        import time
+
+        self.now = now or time.perf_counter
+        self.last = self.now()
+        self.spent: dict[str, float] = {}
+
+    def update(self, stage: str, done: int) -> None:
+        t = self.now()
+        if done > 0:
+            name = "allocation" if stage.startswith("allocation ") else stage  # its levels added up
+            self.spent[name] = self.spent.get(name, 0.0) + t - self.last
+        self.last = t
+
+    def summary(self, total: float) -> str:
+        """'profiled in 2 min 31 s: thresholds 4 s, perplexity 40 s, ..., other 12 s' (other: the rest)."""
+        times = dict(self.spent, other=max(0.0, total - sum(self.spent.values())))
+        whole = f"{int(total // 60)} min {total % 60:.0f} s" if total >= 60 else f"{total:.0f} s"
+        return f"profiled in {whole}: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
 
 
 def rate_text(done: int, elapsed: float, unit: str) -> str:

@@ -7,7 +7,7 @@ import pytest
 from hotcold.models.loader import load_model
 from hotcold.predictors.train import train_predictors
 from hotcold.profiler.artifact import load_profile, write_profile
-from hotcold.profiler.command import rate_text, stage_times
+from hotcold.profiler.command import StageClock, rate_text
 from hotcold.profiler.data import Source, tokenise
 from hotcold.profiler.profile import ProfileOptions, run_profile
 from tiny_models import add_tiny_tokenizer, make_tiny
@@ -22,12 +22,19 @@ def test_rate_text_in_the_stages_unit():
     assert rate_text(0, 5.0, "layer") == ""
 
 
-def test_stage_times_add_up_to_the_whole():
-    spans = {"thresholds": [0.0, 4.0], "allocation 10%": [10.0, 30.0], "allocation 20%": [31.0, 51.0],
-             "predictors": [60.0, 100.0]}
-    assert stage_times(spans, 151.0) == ("profiled in 2 min 31 s: thresholds 4 s, allocation 40 s, predictors 40 s, "
-                                         "other 67 s")
-    assert stage_times({}, 12.4) == "profiled in 12 s: other 12 s"
+def test_stage_clock_gives_each_report_the_time_since_the_last():
+    """Time between reports goes to the stage reporting work done; a start report (done=0) closes
+    time outside any stage (counted as 'other'); per-level allocation stages are added up."""
+    ticks = iter([0.0, 10.0, 14.0, 20.0, 30.0, 31.0, 51.0, 60.0, 80.0, 100.0])
+    clock = StageClock(lambda: next(ticks))
+    for stage, done in [("thresholds", 0), ("thresholds", 4096), ("allocation 10%", 0), ("allocation 10%", 30),
+                        ("input ppl", 0), ("allocation 20%", 30), ("input ppl", 1), ("predictors", 0),
+                        ("predictors", 30)]:
+        clock.update(stage, done)
+    assert clock.spent == {"thresholds": 4.0, "allocation": 10.0 + 20.0, "input ppl": 9.0, "predictors": 20.0}
+    assert clock.summary(151.0) == ("profiled in 2 min 31 s: thresholds 4 s, allocation 30 s, input ppl 9 s, "
+                                    "predictors 20 s, other 88 s")
+    assert StageClock(lambda: 0.0).summary(12.4) == "profiled in 12 s: other 12 s"
 
 
 def test_every_stage_starts_at_zero_with_its_total(tmp_path):
