@@ -50,7 +50,7 @@ class Profile:
 
     def samples(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x [S, D] float16, active [S, I] bool) for a dense/gated layer, or None."""
-        from hotcold.profiler.probes import unpack_bits
+        from hotcold.profiler.instrument import unpack_bits
 
         with safe_open(self.path, "pt") as f:
             if f"layers.{layer}.sample_x" not in f.keys():

@@ -16,7 +16,7 @@ from hotcold.profiler.calibrate import GRID, HELDOUT_BATCH, search_sparsity
 from hotcold.profiler.data import Calibration
 from hotcold.profiler.input_sparsity import applies as input_applies
 from hotcold.profiler.input_sparsity import profile_input_sparsity
-from hotcold.profiler.probes import MagnitudeSampler, Recorder, probed, run_layers
+from hotcold.profiler.instrument import MagnitudeSampler, Recorder, instrumented, run_layers
 from hotcold.profiler.report import layer_summary
 
 REFINE = 2  # bisections of the sparsity search after the grid
@@ -74,7 +74,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
         calib = seqs[: max(1, math.ceil(opts.calib_tokens / seqs.shape[1]))]
         sampler = MagnitudeSampler(opts.magnitudes_per_layer,
                                    {l: calib.numel() * _intermediate(lm, l) for l in range(c.num_layers)}, opts.seed)
-        with probed(model, magnitudes=sampler):
+        with instrumented(model, magnitudes=sampler):
             done = 0
             progress("thresholds", 0, calib.numel())
             for batch in _batches(calib, opts.batch_tokens):
@@ -88,7 +88,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
         most = 2 if opts.sparsity is not None else 1 + len(GRID) + REFINE
 
         def ppl_at(s: float) -> float:
-            with probed(model, sampler.thresholds(s)):
+            with instrumented(model, sampler.thresholds(s)):
                 ppl = perplexity(model, cal.heldout, opts.seq_len, bos, batch=HELDOUT_BATCH).ppl
             evals[0] += 1
             progress("perplexity", evals[0], most, "evaluation")
@@ -113,7 +113,7 @@ def run_profile(lm: LoadedModel, cal: Calibration, opts: ProfileOptions, progres
     # 3. count activations at those thresholds, sample for the predictors
     recorder = Recorder(model, opts.samples, opts.seed)
     start, done = time.perf_counter(), 0
-    with probed(model, thresholds, recorder):
+    with instrumented(model, thresholds, recorder):
         progress("counting", 0, seqs.numel())
         for batch in _batches(seqs, opts.batch_tokens):
             recorder.start_batch(batch.numel())

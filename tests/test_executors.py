@@ -36,7 +36,7 @@ from hotcold.models.transformer import KVCache
 from hotcold.predictors.artifact import PredictorSet
 from hotcold.predictors.neurons import NeuronPredictor, train_layer
 from hotcold.predictors.sparse import predicted_sparse
-from hotcold.profiler.probes import probed
+from hotcold.profiler.instrument import instrumented
 
 from tiny_models import make_tiny
 
@@ -113,7 +113,7 @@ def gap_thresholds(lm: LoadedModel, toks: torch.Tensor) -> dict[int, float]:
         if lm.config.ffn_kind(l) == "moe":
             continue
         seen = []
-        with probed(lm.model, thr), torch.inference_mode():
+        with instrumented(lm.model, thr), torch.inference_mode():
             block = lm.model.layers[l]
             hook = block.ffn.register_forward_pre_hook(lambda m, a: seen.append(m.inner.activations(a[0]).abs()))
             lm.model(toks)
@@ -164,11 +164,11 @@ def test_oracle_decode_matches_thresholded_reference(folder, family):
     ref = reference(folder, family)
     toks = tokens(seed=3)
     thr = gap_thresholds(ref, toks)
-    from hotcold.profiler.probes import Recorder
+    from hotcold.profiler.instrument import Recorder
 
     rec = Recorder(ref.model, samples=0)
     rec.start_batch(T)
-    with probed(ref.model, thr, rec), torch.inference_mode():
+    with instrumented(ref.model, thr, rec), torch.inference_mode():
         want = ref.model(toks)
     active = sum(int(c.sum()) for c in rec.neuron_count.values())
     lm = fresh(folder, family)
@@ -703,7 +703,7 @@ def test_cuda_oracle_matches_dense(folder, family):
     ref = reference(folder, family, "cuda", "float32")
     toks = tokens(seed=13, device="cuda")
     thr = gap_thresholds(ref, toks)
-    with probed(ref.model, thr), torch.inference_mode():
+    with instrumented(ref.model, thr), torch.inference_mode():
         want = ref.model(toks)
     with torch.inference_mode():
         dense = ref.model(toks)

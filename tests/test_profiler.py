@@ -14,7 +14,7 @@ from hotcold.models.loader import load_model
 from hotcold.profiler.artifact import load_profile, write_profile
 from hotcold.profiler.calibrate import search_sparsity
 from hotcold.profiler.data import DataError, Source, read_source, tokenise
-from hotcold.profiler.probes import Reservoir, pack_bits, unpack_bits
+from hotcold.profiler.instrument import Reservoir, pack_bits, unpack_bits
 from hotcold.profiler.profile import ProfileOptions, run_profile
 from hotcold.profiler.report import mass_fraction
 from tiny_models import add_tiny_tokenizer, make_tiny

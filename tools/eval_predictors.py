@@ -89,7 +89,7 @@ def evaluate(model: Path, art: Path, eval_tokens: int, ctx: int) -> dict:
     from hotcold.predictors.artifact import load_predictors
     from hotcold.predictors.sparse import predicted_sparse
     from hotcold.profiler.artifact import load_profile
-    from hotcold.profiler.probes import probed
+    from hotcold.profiler.instrument import instrumented
 
     lm = load_model(model, "cpu", "float32")
     prof = load_profile(art / "profile.safetensors", lm.fingerprint)
@@ -102,7 +102,7 @@ def evaluate(model: Path, art: Path, eval_tokens: int, ctx: int) -> dict:
     text = ids[end - eval_tokens : end]
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
     dense = perplexity(lm.model, text, ctx, bos).ppl
-    with probed(lm.model, prof.threshold):
+    with instrumented(lm.model, prof.threshold):
         oracle = perplexity(lm.model, text, ctx, bos).ppl
     with predicted_sparse(lm.model, preds) as wrapped:
         predicted = perplexity(lm.model, text, ctx, bos).ppl

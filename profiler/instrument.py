@@ -1,6 +1,6 @@
 """Instrumented FFNs: apply per-layer activation thresholds and count which neurons and experts fire.
 
-`probed(model, thresholds, recorder, magnitudes)` swaps every block's FFN for a `ProbedFFN` for the
+`instrumented(model, thresholds, recorder, magnitudes)` swaps every block's FFN for an `InstrumentedFFN` for the
 duration of a `with` block. A neuron is *active* on a token when |h| > threshold, where h is the
 down projection's input; thresholds are 0 for ReLU models (active = fired), and the calibrated
 magnitude threshold for gated (SwiGLU/GeGLU) FFNs, where h is then zeroed below it, so the forward
@@ -146,7 +146,7 @@ class MagnitudeSampler:
         return out
 
 
-class ProbedFFN(nn.Module):
+class InstrumentedFFN(nn.Module):
     """Wraps a block's FFN: zeroes activations with |h| <= threshold, reports to the recorder/sampler."""
 
     def __init__(self, inner: FFN, layer: int, threshold: float, recorder: Recorder | None,
@@ -192,15 +192,15 @@ class ProbedFFN(nn.Module):
 
 
 @contextlib.contextmanager
-def probed(model: Transformer, thresholds: dict[int, float] | None = None, recorder: Recorder | None = None,
+def instrumented(model: Transformer, thresholds: dict[int, float] | None = None, recorder: Recorder | None = None,
            magnitudes: MagnitudeSampler | None = None) -> Iterator[None]:
-    """Within the block, every FFN is a ProbedFFN with the given per-layer thresholds (default 0)."""
+    """Within the block, every FFN is an InstrumentedFFN with the given per-layer thresholds (default 0)."""
     thresholds = thresholds or {}
     originals = [block.ffn for block in model.layers]
     hooks = []
     try:
         for i, block in enumerate(model.layers):
-            block.ffn = ProbedFFN(block.ffn, i, thresholds.get(i, 0.0), recorder, magnitudes)
+            block.ffn = InstrumentedFFN(block.ffn, i, thresholds.get(i, 0.0), recorder, magnitudes)
             if recorder is not None and recorder.lookahead:
                 hooks.append(block.ffn_norm.register_forward_pre_hook(
                     lambda mod, args, i=i: recorder.residual(i, args[0].reshape(-1, args[0].shape[-1]))))
