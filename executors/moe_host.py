@@ -48,14 +48,13 @@ def routed(ids: np.ndarray, here) -> Iterator[tuple[int, np.ndarray, np.ndarray]
             yield e, tok, slot
 
 
-EXPERT_BATCH_TOKENS = 48 if GEMM_BF16 else 256  # tokens of a chunk routed to one quantised CPU expert
+EXPERT_BATCH_TOKENS = 64 if GEMM_BF16 else 256  # tokens of a chunk routed to one quantised CPU expert
 # from which it is decoded once for a torch GEMM (qexpert_batch) rather than computed from its blocks
-# with the other experts' tokens in one qexperts_tokens call. Measured with bfloat16 GEMMs (2-core
-# AMX Xeon, 64 Q4_0 Qwen3-30B-A3B experts, 8 routed per token): qexperts_tokens 25 / 87 ms for 64 /
-# 256 tokens (8 / 32 an expert) against 79 / 98 ms decoding every expert for GEMMs; 374 against 166
-# ms for 1024 (128 an expert). Without bfloat16 GEMMs (float32, ~3x slower) the threshold is an
-# estimate: per-token kernels are faster than float32 GEMMs up to 64-128 tokens on a 2-core AVX2
-# machine, and qexperts_tokens is 2.2-2.7x faster than per-token kernels.
+# with the other experts' tokens in one qexperts_tokens call (a decoded block dotted with up to 8
+# tokens' Q8 activations at once). Measured with bfloat16 GEMMs (2-core AMX Xeon, 1 thread, one
+# Q4_0 Qwen3-30B-A3B expert): qexperts_tokens 1.5 / 2.8 / 5.6 ms for 32 / 64 / 128 tokens against
+# 2.4 / 2.8 / 3.8 ms for qexpert_batch. Without bfloat16 GEMMs (float32, ~3x slower) the threshold
+# is an estimate from the same ratio.
 
 
 @dataclass

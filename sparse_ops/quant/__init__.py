@@ -12,6 +12,7 @@ Modules, from the bottom up:
   activations  Q8 activations and sums of x, prepared once per call
   interleaved  the row-interleaved layout ("x8") of matrices read whole, its kernels and packing
   kernels      numba kernels over row selections, the fused FFN, whole experts, dequantisation
+  tiles        whole experts for several tokens over interleaved stacks: a block dotted with a tile of tokens
   quantise     float rows -> GGUF blocks (load time, numpy) and gguf.quants' decoder
   matrix       `QuantMatrix`, `transpose_quantized`, `random_matrix`
   ops          the Python entry points (argument checks, then one kernel call); `GEMM_BF16`

@@ -36,10 +36,47 @@ from .vector import (_AVX2, _F32, _FAST, _I8, _I16, _I32, _I64, _IR_BLOCK_BYTES,
 
 
 
+# The per-block arithmetic of the group dots (the _x8_*_block functions) and their sum over blocks
+# carry no reassociating fast-math flags (_EXACT: only "no signed zeros", which also keeps numba's
+# fast-math pass from adding its own; products that may fuse go through llvm.fmuladd): LLVM then
+# computes them the same way wherever they are inlined, so the several-token kernels (tiles.py) give
+# each token bit for bit the one-token kernel's products (the Q8 rounding of an expert's h,
+# downstream of them, would otherwise flip now and then).
+_EXACT = ("nsz",)
+
+
+def _fmuladd(bd, a, b, c):
+    # a * b + c, fused where the target has FMA (the same choice in every kernel)
+    name = f"llvm.fmuladd.v{a.type.count}f32"
+    f = bd.module.globals.get(name) or ir.Function(bd.module, ir.FunctionType(a.type, [a.type] * 3), name)
+    return bd.call(f, [a, b, c])
+
+
+def _groups(row):
+    # row: one group's pointer, or a tuple of groups' pointers whose lanes are side by side
+    return row if isinstance(row, tuple) else (row,)
+
+
+def _gload(bd, row, off, ty):
+    # a vector ty of one group's 8 rows at row + off; for several groups (_groups), theirs concatenated
+    # (group 0's lanes first): the 16-lane forms of the block functions below for two groups at once
+    # (AVX-512: one zmm instruction where one group takes a ymm one; each lane computes the same)
+    vs = [_load(bd, r, off, ty) for r in _groups(row)]
+    while len(vs) > 1:
+        a, b = vs[0], vs[1]
+        vs = [_shuffle(bd, a, list(range(2 * a.type.count)), b)] + vs[2:]
+    return vs[0]
+
+
 def _dot4(bd, acc, q, xq, nibbles=False):
     # acc + the sums of 4 products q[4l..4l+3] . xq[4l..4l+3] per int32 lane l; q <32 x i8> unsigned,
     # xq signed; acc <8 x i32>. nibbles: q < 16, so that AVX2's pmaddubsw (u8 x s8, adjacent pairs
-    # summed in int16 with saturation) cannot saturate (2 x 15 x 128 < 2^15; Q8_0's q + 128 could)
+    # summed in int16 with saturation) cannot saturate (2 x 15 x 128 < 2^15; Q8_0's q + 128 could).
+    # <64 x i8> / <16 x i32> (two groups): AVX-512 VNNI only
+    if acc.type.count == 16:
+        t = ir.VectorType(_I32, 16)
+        f = bd.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(t, [t] * 3))
+        return bd.call(f, [acc, bd.bitcast(q, t), bd.bitcast(xq, t)])
     if _VNNI:
         return _vpdpbusd(bd, acc, q, xq)
     if nibbles and _AVX2:  # 3 instructions per 32 products, as llama.cpp's AVX2 kernels do
@@ -53,54 +90,65 @@ def _dot4(bd, acc, q, xq, nibbles=False):
     return bd.add(acc, p4, flags=["nsw"])
 
 
-def _x8_nibble_dots(bd, row, o, xp, xo, chunks):
+def _x8_nibble_dots(bd, row, o, xp, xo, chunks, chains=2):
     # 32-byte chunks of nibbles at row + o + 32k (k < chunks), x's Q8 values at xp + xo -> (low, high)
     # <8 x i32> per-row dots: chunk k's low nibbles against x[xo + 4k..], its high ones against
-    # x[xo + 4 chunks + 4k..] (Q4_0: elements 4k and 16 + 4k; Q4_K: sub-blocks 2c, 2c + 1)
-    v32 = ir.VectorType(_I8, 32)
-    sums = [_vconst(_I32, 8, 0), _vconst(_I32, 8, 0)]
+    # x[xo + 4 chunks + 4k..] (Q4_0: elements 4k and 16 + 4k; Q4_K: sub-blocks 2c, 2c + 1); chains=1:
+    # (their sum,), one accumulator (an integer sum: the same in any order)
+    L = 8 * len(_groups(row))
+    sums = [_vconst(_I32, L, 0)] * chains
     for k in range(chunks):
-        qs = _load(bd, row, bd.add(o, ir.Constant(_I64, 32 * k)), v32)
-        for h, q in enumerate((bd.and_(qs, _vconst(_I8, 32, 15)), bd.lshr(qs, _vconst(_I8, 32, 4)))):
+        qs = _gload(bd, row, bd.add(o, ir.Constant(_I64, 32 * k)), ir.VectorType(_I8, 32))
+        for h, q in enumerate((bd.and_(qs, _vconst(_I8, 4 * L, 15)), bd.lshr(qs, _vconst(_I8, 4 * L, 4)))):
             xv = _load(bd, xp, bd.add(xo, ir.Constant(_I64, 4 * (chunks * h + k))), _I32)
-            sums[h] = _dot4(bd, sums[h], q, bd.bitcast(_splat(bd, xv, 8), v32), nibbles=True)
+            sums[h % chains] = _dot4(bd, sums[h % chains], q, bd.bitcast(_splat(bd, xv, L), q.type), nibbles=True)
     return sums
 
 
-def _x8_xd(bd, xdp, k):
-    # (dx, dx * sum of xq) of x's 32-block k (as _quantize_x stores them), each splat over 8 lanes
+def _x8_xd(bd, xdp, k, lanes=8):
+    # (dx, dx * sum of xq) of x's 32-block k (as _quantize_x stores them), each splat over the lanes
     k2 = bd.mul(k, ir.Constant(_I64, 2))
-    return tuple(_splat(bd, bd.load(bd.gep(xdp, [bd.add(k2, ir.Constant(_I64, i))])), 8) for i in (0, 1))
+    return tuple(_splat(bd, bd.load(bd.gep(xdp, [bd.add(k2, ir.Constant(_I64, i))])), lanes) for i in (0, 1))
 
 
-def _x8_q4_block(bd, row, o, b, xp, xdp, qt):
-    # block b of a Q4_0 / Q4_1 group at row + o -> <8 x float>: each row's block . x
-    f8, h8 = ir.VectorType(_F32, 8), ir.VectorType(ir.HalfType(), 8)
-    d = bd.fpext(_load(bd, row, o, h8), f8)
+def _x8_q4_block(bd, row, o, b, xp, xdp, acc, qt, chains=2):
+    # acc + block b of a Q4_0 / Q4_1 group at row + o . x -> <8 x float>, one lane a row (row a tuple
+    # of groups: <8 n x float>, see _gload): acc + (dot (d dx) + c sx) with dot the block's integer dot
+    # and c = -8 d (Q4_0: sum((q - 8) xq) dx = dot dx - 8 dx sum(xq)) or m (Q4_1: w = d q + m); -8 d
+    # is exact and shared by the tokens of a tile. One addition on acc's chain from block to block
+    # (the one-token loop is bound by that chain's latency); chains: the integer dot's accumulators
+    L = 8 * len(_groups(row))
+    f8, h8 = ir.VectorType(_F32, L), ir.VectorType(ir.HalfType(), 8)
+    d = bd.fpext(_gload(bd, row, o, h8), f8)
     qs = 16 if qt == Q4_0 else 32  # Q4_1: the 8 rows' m after their d
-    lo, hi = _x8_nibble_dots(bd, row, bd.add(o, ir.Constant(_I64, qs)), xp, bd.mul(b, ir.Constant(_I64, 32)), 4)
-    dx, sx = _x8_xd(bd, xdp, b)
-    t = bd.fmul(bd.fmul(bd.sitofp(bd.add(lo, hi), f8), dx, flags=_FAST), d, flags=_FAST)
-    if qt == Q4_0:  # sum((q - 8) xq) dx = dot dx - 8 dx sum(xq)
-        return bd.fsub(t, bd.fmul(d, bd.fmul(_vconst(_F32, 8, 8.0), sx, flags=_FAST), flags=_FAST), flags=_FAST)
-    m = bd.fpext(_load(bd, row, bd.add(o, ir.Constant(_I64, 16)), h8), f8)  # w = d q + m
-    return bd.fadd(t, bd.fmul(m, sx, flags=_FAST), flags=_FAST)
+    dots = _x8_nibble_dots(bd, row, bd.add(o, ir.Constant(_I64, qs)), xp, bd.mul(b, ir.Constant(_I64, 32)), 4, chains)
+    dot = dots[0] if chains == 1 else bd.add(dots[0], dots[1])
+    dx, sx = _x8_xd(bd, xdp, b, L)
+    if qt == Q4_0:
+        c = bd.fmul(d, _vconst(_F32, L, -8.0), flags=_EXACT)
+    else:
+        c = bd.fpext(_gload(bd, row, bd.add(o, ir.Constant(_I64, 16)), h8), f8)
+    v = _fmuladd(bd, bd.sitofp(dot, f8), bd.fmul(d, dx, flags=_EXACT), bd.fmul(c, sx, flags=_EXACT))
+    return bd.fadd(acc, v, flags=_EXACT)
 
 
-def _x8_q8_0_block(bd, row, o, b, xp, xdp):
-    # block b of a Q8_0 group at row + o -> <8 x float>: each row's block . x; the int8 q go into
-    # vpdpbusd's unsigned operand as q + 128 (the sign bit flipped), and 128 sum(xq) comes off
-    f8, v32 = ir.VectorType(_F32, 8), ir.VectorType(_I8, 32)
-    d = bd.fpext(_load(bd, row, o, ir.VectorType(ir.HalfType(), 8)), f8)
-    sums = [_vconst(_I32, 8, 0), _vconst(_I32, 8, 0)]  # two chains
+def _x8_q8_0_block(bd, row, o, b, xp, xdp, acc, chains=2):
+    # acc + block b of a Q8_0 group at row + o . x -> <8 x float>, as _x8_q4_block; the int8 q go into
+    # vpdpbusd's unsigned operand as q + 128 (the sign bit flipped), and 128 sum(xq) comes off (row a
+    # tuple of groups: <8 n x float>, see _gload)
+    L = 8 * len(_groups(row))
+    f8, v32 = ir.VectorType(_F32, L), ir.VectorType(_I8, 32)
+    d = bd.fpext(_gload(bd, row, o, ir.VectorType(ir.HalfType(), 8)), f8)
+    sums = [_vconst(_I32, L, 0)] * chains
     for k in range(8):
-        q = bd.xor(_load(bd, row, bd.add(o, ir.Constant(_I64, 16 + 32 * k)), v32), _vconst(_I8, 32, -128))
+        q = bd.xor(_gload(bd, row, bd.add(o, ir.Constant(_I64, 16 + 32 * k)), v32), _vconst(_I8, 4 * L, -128))
         xv = _load(bd, xp, bd.add(bd.mul(b, ir.Constant(_I64, 32)), ir.Constant(_I64, 4 * k)), _I32)
-        sums[k % 2] = _dot4(bd, sums[k % 2], q, bd.bitcast(_splat(bd, xv, 8), v32))
-    dx, sx = _x8_xd(bd, xdp, b)
-    t = bd.fsub(bd.fmul(bd.sitofp(bd.add(sums[0], sums[1]), f8), dx, flags=_FAST),
-                bd.fmul(_vconst(_F32, 8, 128.0), sx, flags=_FAST), flags=_FAST)
-    return bd.fmul(d, t, flags=_FAST)
+        sums[k % chains] = _dot4(bd, sums[k % chains], q, bd.bitcast(_splat(bd, xv, L), q.type))
+    dot = sums[0] if chains == 1 else bd.add(sums[0], sums[1])
+    dx, sx = _x8_xd(bd, xdp, b, L)
+    c = bd.fmul(d, _vconst(_F32, L, -128.0), flags=_EXACT)
+    v = _fmuladd(bd, bd.sitofp(dot, f8), bd.fmul(d, dx, flags=_EXACT), bd.fmul(c, sx, flags=_EXACT))
+    return bd.fadd(acc, v, flags=_EXACT)
 
 
 def _x8_q4_k_scales(bd, at):
@@ -115,8 +163,8 @@ def _x8_q4_k_scales(bd, at):
     return sc, mn
 
 
-def _x8_q4_k_block(bd, row, o, b, xp, xdp):
-    # block b (256 elements) of a Q4_K group at row + o -> <8 x float>: each row's block . x
+def _x8_q4_k_block(bd, row, o, b, xp, xdp, acc, chains=2):
+    # acc + block b (256 elements) of a Q4_K group at row + o . x -> <8 x float>, one lane a row
     f8 = ir.VectorType(_F32, 8)
     d, dmin = (bd.fpext(_load(bd, row, bd.add(o, ir.Constant(_I64, k)), ir.VectorType(ir.HalfType(), 8)), f8)
                for k in (0, 16))
@@ -132,10 +180,10 @@ def _x8_q4_k_block(bd, row, o, b, xp, xdp):
         for h, dot in enumerate(dots):
             s = 2 * c + h
             dx, sx = _x8_xd(bd, xdp, bd.add(bd.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, s)))
-            t = bd.fmul(bd.sitofp(dot, f8), dx, flags=_FAST)
-            acc_sc = bd.fadd(acc_sc, bd.fmul(lanes(sc, s), t, flags=_FAST), flags=_FAST)
-            acc_mn = bd.fadd(acc_mn, bd.fmul(lanes(mn, s), sx, flags=_FAST), flags=_FAST)
-    return bd.fsub(bd.fmul(d, acc_sc, flags=_FAST), bd.fmul(dmin, acc_mn, flags=_FAST), flags=_FAST)
+            t = bd.fmul(bd.sitofp(dot, f8), dx, flags=_EXACT)
+            acc_sc = _fmuladd(bd, lanes(sc, s), t, acc_sc)
+            acc_mn = _fmuladd(bd, lanes(mn, s), sx, acc_mn)
+    return bd.fadd(acc, _fmuladd(bd, d, acc_sc, bd.fneg(bd.fmul(dmin, acc_mn, flags=_EXACT))), flags=_EXACT)
 
 
 def _make_x8_dot(qt):
@@ -160,8 +208,7 @@ def _make_x8_dot(qt):
             acc = cgutils.alloca_once_value(bd, _vconst(_F32, 8, 0.0))
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
-                v = block(bd, row, bd.mul(b, ir.Constant(_I64, gb)), b, xp, xdp)
-                bd.store(bd.fadd(bd.load(acc), v, flags=_FAST), acc)
+                bd.store(block(bd, row, bd.mul(b, ir.Constant(_I64, gb)), b, xp, xdp, bd.load(acc)), acc)
             dst = bd.gep(op, [bd.mul(args[1], ir.Constant(_I64, X8))])
             bd.store(bd.load(acc), bd.bitcast(dst, ir.VectorType(_F32, 8).as_pointer()), align=4)
             return context.get_dummy_value()

@@ -171,6 +171,20 @@ def qffn_one_kernel(x, rows, qu, up, gate, qd, down, act, gated, use_xq, bias, u
         out[d] += acc
 
 
+# `activate` compiled without fast-math (its own source; not cached: its cache entries would share
+# `activate`'s file and name)
+_activate_exact = njit(nogil=True)(activate.py_func)
+
+
+@njit(nogil=True, cache=True)
+def _gated_span(g, u, c, act, h, lo, hi):
+    # h[j] = act(g[j]) u[j] c for j in [lo, hi): an expert's h, without fast-math (as the group dots'
+    # arithmetic, see interleaved._EXACT) so that every kernel computing it (one token, several:
+    # tiles.py) rounds it alike wherever LLVM inlines it, and its Q8 blocks come out the same
+    for j in range(lo, hi):
+        h[j] = _activate_exact(g[j], act) * u[j] * c
+
+
 @njit(nogil=True, fastmath=True, cache=True)
 def _expert_gemv(qt, w, x8, first, k, m, lo, hi, x, xs, xq, xd, use_xq, out):
     # out[k m + j] = row (first[k] m + j) of w . x for j in [lo, hi): rows of expert first[k], m per
@@ -192,8 +206,7 @@ def _expert_h_span(qu, gate, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_u
     # hi), and h's sums of 16 and (xq_down) its Q8 blocks there
     _expert_gemv(qu, gate, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, g)
     _expert_gemv(qu, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, u)
-    for j in range(k * I + lo, k * I + hi):
-        h[j] = activate(g[j], act) * u[j] * coef[k]
+    _gated_span(g, u, coef[k], act, h, k * I + lo, k * I + hi)
     _sums16_span(h, k * I + lo, k * I + hi, hs)
     if xq_down:
         _quantize_span(h, k * I + lo, k * I + hi, hq, hd)
