@@ -7,6 +7,7 @@ wrapped so that a failure says the exact call that was tried (`KtError`).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,26 @@ class _Blocks:
         return torch.from_numpy(m.data.reshape(-1)), self.type
 
 
+@contextlib.contextmanager
+def _unpinned(torch):
+    """Without CUDA, torch.zeros / torch.empty with pin_memory=True fail; KTMoEWrapper's constructor
+    pins only its gpu_experts_mask that way (0.6.1), which the task calls made here never copy to a
+    GPU: within this block those two calls ignore pin_memory where CUDA is absent."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.zeros, torch.empty
+
+    def plain(fn):
+        return lambda *a, pin_memory=False, **kw: fn(*a, **kw)
+
+    torch.zeros, torch.empty = plain(saved[0]), plain(saved[1])
+    try:
+        yield
+    finally:
+        torch.zeros, torch.empty = saved
+
+
 def _tried(fn: str, kwargs: dict) -> str:
     return f"{fn}(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
 
@@ -86,7 +107,8 @@ class Kt:
                       gpu_experts_mask=None, cpuinfer_threads=threads, threadpool_count=args.kt_pools,
                       weight_path=str(path), chunked_prefill_size=max(args.tokens), method=method)
             try:
-                wrapper = kt.KTMoEWrapper(**kw)
+                with _unpinned(torch):
+                    wrapper = kt.KTMoEWrapper(**kw)
             except Exception as e:
                 raise KtError(f"{_tried('KTMoEWrapper', kw)} raised {type(e).__name__}: {e}") from e
             if method == "LLAMAFILE":
@@ -169,8 +191,6 @@ def kt_preflight(kt, methods: list[str], args) -> dict[str, str]:
     bad = {}
     if not hasattr(kt, "KTMoEWrapper"):
         return {m: f"kt_kernel has no KTMoEWrapper (version {getattr(kt, '__version__', '?')})" for m in methods}
-    if not torch.cuda.is_available():
-        return {m: "KTMoEWrapper pins its host buffers (torch pin_memory=True), which needs CUDA" for m in methods}
     for m in methods:
         try:
             if m == "LLAMAFILE":
