@@ -268,9 +268,7 @@ def load_hardware(spec: str | Path | None = None, force: bool = False, quick: bo
 
 def _idle_now(hw: HardwareProfile) -> bool:
     """Whether this machine is idle now by the measure `busy_warning` applies to a profile."""
-    if not hasattr(os, "getloadavg"):
-        return False
-    return os.getloadavg()[0] < 0.5 * (hw.cpu_threads or os.cpu_count() or 1)
+    return hasattr(os, "getloadavg") and os.getloadavg()[0] < 0.5 * (hw.cpu_threads or os.cpu_count() or 1)
 
 
 def read_hardware(path: Path) -> HardwareProfile:
