@@ -20,6 +20,7 @@ selection (what cpu and quant share: activations, row checks, threads), gpu_quan
 Row layout: one neuron is one row, so pass W_up/W_gate as [I, D] and W_down transposed, [I, D].
 """
 
+from .quant import jit_cache  # noqa: F401  (numba's cache stamp, before any kernel is defined)
 from . import cpu, gpu
 from .cpu import HostMatrix, axpy_rows, ffn_rows, ffn_rows_batch, gemv, gemv_rows, set_threads
 from .gpu import compact_rows, hot_ffn

@@ -55,7 +55,9 @@ def _run(model: Path, tmp_path, *args) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_LLAMA, reason="needs llama-cpp-python")
 def test_smollm2_agrees_with_llama_cpp(smollm2_path, tmp_path):
-    rep = _run(smollm2_path, tmp_path, "--tokens", "64", "--decode", "8", "--no-plan")
+    # 32 one-token steps: a 135M model's top two logits are often near-tied, so over 8 steps one
+    # flip of rounding (12.5%) would decide the check; over 32 the bound measures agreement
+    rep = _run(smollm2_path, tmp_path, "--tokens", "64", "--decode", "32", "--no-plan")
     for path in ("prefill", "decode"):
         c = rep["runs"]["run"][path]
         assert c["top1_agreement"] >= 0.9 and c["kl_mean"] < 0.02, (path, c)

@@ -16,7 +16,7 @@ Modules, from the bottom up:
   quantise     float rows -> GGUF blocks (load time, numpy) and gguf.quants' decoder
   matrix       `QuantMatrix`, `transpose_quantized`, `random_matrix`
   ops          the Python entry points (argument checks, then one kernel call); `GEMM_BF16`
-  jit_cache    numba's cache for this package, stamped by all of its sources
+  jit_cache    numba's cache for hotcold's kernels, stamped by all of their sources
 
 Settings read at call time live in their module, where tests patch them: `formats.XQ_DEFAULT`,
 `ops.GEMM_BF16`, `ops.BATCH_CHUNK_BYTES`.
