@@ -28,7 +28,8 @@ def _kernel_sources() -> list[str]:
     other subpackages that define numba functions."""
     out = []
     for pkg in _PACKAGES:
-        for folder, _, files in os.walk(os.path.join(_ROOT, pkg)):
+        for folder, dirs, files in os.walk(os.path.join(_ROOT, pkg)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]  # numba's cache files: thousands, no source
             for f in files:
                 path = os.path.join(folder, f)
                 if f.endswith(".py"):
