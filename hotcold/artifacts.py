@@ -1,9 +1,12 @@
 """Where a model's artifacts live (profile, predictors, plan) and how they are written and checked.
 
 Artifacts sit next to the model, in `<model>.hotcold/` (e.g. `llama-7b.hotcold/` beside the folder
-`llama-7b/`, `model.hotcold/` beside `model.gguf`). When that place is not writable (a model inside
-a read-only package), they go to `$HOTCOLD_HOME/<name>-<fingerprint>/` (default `~/.cache/hotcold`).
-Every artifact records the model fingerprint; one made for another model is refused.
+`llama-7b/`, `model.hotcold/` beside `model.gguf`). A model reached through a symbolic link keeps
+them beside the link, under the name the user gave (a model hub's cache links `model.gguf` to a blob
+named by its hash); folders written beside the link's target are still found. When that place is
+not writable (a model inside a read-only package), they go to `$HOTCOLD_HOME/<name>-<fingerprint>/`
+(default `~/.cache/hotcold`). Every artifact records the model fingerprint; one made for another
+model is refused.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ class ArtifactError(HotcoldError):
     """An artifact is missing, unreadable, or made for another model."""
 
 
-def _beside(model_path: Path) -> Path:
-    model_path = Path(model_path).expanduser().resolve()
+def _beside(model_path: Path, follow_links: bool = False) -> Path:
+    model_path = Path(model_path).expanduser()
+    model_path = model_path.resolve() if follow_links else Path(os.path.abspath(model_path))
     stem = model_path.stem if model_path.is_file() else model_path.name
     return model_path.parent / f"{stem}.hotcold"
 
@@ -35,8 +39,9 @@ def _cache(model_path: Path, fingerprint: str) -> Path:
 
 
 def find_artifact_dir(model_path: Path, fingerprint: str) -> Path | None:
-    """The existing artifact folder of this model, or None: beside it first, then the cache."""
-    for d in (_beside(model_path), _cache(model_path, fingerprint)):
+    """The existing artifact folder of this model, or None: beside it (or its link's target) first,
+    then the cache."""
+    for d in (_beside(model_path), _beside(model_path, follow_links=True), _cache(model_path, fingerprint)):
         if d.is_dir():
             return d
     return None
@@ -56,6 +61,17 @@ def artifact_dir(model_path: Path, fingerprint: str, out: Path | None = None) ->
         if os.access(d, os.W_OK):
             return d
     raise ArtifactError(f"{candidates[0]}: cannot create or write this folder; pass --out DIR")
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(folder: Path) -> Iterator[Path]:
+    """Yield `folder`; if the block fails while the folder is still empty, remove the folder."""
+    try:
+        yield folder
+    except BaseException:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # refuses a folder that holds anything
+        raise
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ def profile(
     import torch
     from rich.console import Console
 
-    from hotcold.artifacts import artifact_dir
+    from hotcold.artifacts import artifact_dir, removed_if_left_empty
     from hotcold.models.loader import default_model_path, describe_model, load_model, resolve_device, resolve_dtype
     from hotcold.profiler.artifact import write_profile
     from hotcold.profiler.data import default_source, read_source, tokenise
@@ -75,42 +75,43 @@ def profile(
     if lm.tokenizer is None:
         raise HotcoldError(f"{lm.path}: no tokenizer.json in the model folder; profiling needs a tokenizer")
     folder = artifact_dir(lm.path, lm.fingerprint, out)
-    gated = thresholded_kinds(lm)
-    if not gated and (sparsity is not None or ppl_budget is not None):
-        why = ("ReLU model: neurons are active when they fire" if lm.config.activation == "relu" else
-               "every FFN is a MoE layer, whose experts run whole")
-        console.print(f"note: {why}; --sparsity/--ppl-budget do not apply")
-    samples = _sample_cap(lm, samples, console)
-    opts = ProfileOptions(tokens=tokens, seq_len=seq_len, sparsity=sparsity if gated else None,
-                          ppl_budget=ppl_budget if ppl_budget is not None else 0.01, samples=samples,
-                          heldout_tokens=heldout if gated else 0, seed=seed, input_sparsity=input_sparsity)
-    cal = tokenise(lm.tokenizer, sources, tokens, seq_len, opts.heldout_tokens)
-    if cal.reused:
-        have = sum(s.tokens for s in sources) - len(cal.heldout)
-        console.print(f"note: the data has {have} tokens for counting, fewer than --tokens {tokens}; "
-                      "reusing it with shifted windows")
-    counted = cal.sequences.numel()
-    if predictors and 0 < counted < samples:  # the reservoir keeps at most one sample per token counted
-        console.print(f"note: {counted:,} tokens counted give each layer {counted:,} predictor-training samples, "
-                      f"fewer than the {samples:,} its reservoir holds; the predictors train on those "
-                      f"(--tokens {samples} or more fills it)")
-    clock = StageClock()
-    with _progress(console, clock) as update:
-        tensors, meta = run_profile(lm, cal, opts, update)
-    paths = write_profile(folder, tensors, meta, lambda p: plot(
-        {r["layer"]: tensors.get(f"layers.{r['layer']}.neuron_freq", tensors.get(f"layers.{r['layer']}.expert_freq"))
-         for r in meta["layers"]}, meta, p))
-    if "input_sparsity" in meta:
-        paths.append(_plot_input_sparsity(folder, meta))
-    if predictors and samples:
-        check = (cal.heldout, seq_len, opts.ppl_budget) if gated and cal.heldout else None
-        paths += _train_predictors(lm, paths, recall, predictor_budget, console, check, clock)
-        meta = json.loads(paths[1].read_text())
-    print_table(meta, console)
-    print(clock.summary(time.perf_counter() - began), file=sys.stderr)
-    for p in paths:
-        print(p)
-    sys.stdout.flush()
+    with removed_if_left_empty(folder):  # a failed or stopped profile leaves no empty folder behind
+        gated = thresholded_kinds(lm)
+        if not gated and (sparsity is not None or ppl_budget is not None):
+            why = ("ReLU model: neurons are active when they fire" if lm.config.activation == "relu" else
+                   "every FFN is a MoE layer, whose experts run whole")
+            console.print(f"note: {why}; --sparsity/--ppl-budget do not apply")
+        samples = _sample_cap(lm, samples, console)
+        opts = ProfileOptions(tokens=tokens, seq_len=seq_len, sparsity=sparsity if gated else None,
+                              ppl_budget=ppl_budget if ppl_budget is not None else 0.01, samples=samples,
+                              heldout_tokens=heldout if gated else 0, seed=seed, input_sparsity=input_sparsity)
+        cal = tokenise(lm.tokenizer, sources, tokens, seq_len, opts.heldout_tokens)
+        if cal.reused:
+            have = sum(s.tokens for s in sources) - len(cal.heldout)
+            console.print(f"note: the data has {have} tokens for counting, fewer than --tokens {tokens}; "
+                          "reusing it with shifted windows")
+        counted = cal.sequences.numel()
+        if predictors and 0 < counted < samples:  # the reservoir keeps at most one sample per token counted
+            console.print(f"note: {counted:,} tokens counted give each layer {counted:,} predictor-training samples, "
+                          f"fewer than the {samples:,} its reservoir holds; the predictors train on those "
+                          f"(--tokens {samples} or more fills it)")
+        clock = StageClock()
+        with _progress(console, clock) as update:
+            tensors, meta = run_profile(lm, cal, opts, update)
+        paths = write_profile(folder, tensors, meta, lambda p: plot(
+            {r["layer"]: tensors.get(f"layers.{r['layer']}.neuron_freq", tensors.get(f"layers.{r['layer']}.expert_freq"))
+             for r in meta["layers"]}, meta, p))
+        if "input_sparsity" in meta:
+            paths.append(_plot_input_sparsity(folder, meta))
+        if predictors and samples:
+            check = (cal.heldout, seq_len, opts.ppl_budget) if gated and cal.heldout else None
+            paths += _train_predictors(lm, paths, recall, predictor_budget, console, check, clock)
+            meta = json.loads(paths[1].read_text())
+        print_table(meta, console)
+        print(clock.summary(time.perf_counter() - began), file=sys.stderr)
+        for p in paths:
+            print(p)
+        sys.stdout.flush()
 
 
 def _plot_input_sparsity(folder: Path, meta: dict) -> Path:
