@@ -25,9 +25,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from hotcold.sparse_ops.float_rows import FLOAT_CHUNK, _float_dot, float_dot_types_ok
 from hotcold.sparse_ops.host_matrix import (_TO_DTYPE, KINDS, HostMatrix, advise_hugepages, gather_columns,
                                             host_empty, quantize_i8)
 from hotcold.sparse_ops.quant.matrix import QuantMatrix
+from hotcold.sparse_ops.quant.vector import _IR_ROWS
 from hotcold.sparse_ops.quant.ops import qaxpy_rows, qffn_rows, qffn_rows_batch, qgemv, qgemv_rows
 from hotcold.sparse_ops.selection import (ACTS, activate, as_rows, batch_input, get_threads, index_map, keep_active,
                                           mask_to_rows, set_threads, split_rows)
@@ -131,30 +133,27 @@ def _dot(wr, x):
 _BLOCK = 8  # rows read side by side by one thread: 8 memory streams in flight instead of 1
 
 
-@njit(nogil=True, fastmath=True, cache=True)
-def _dot_block(w, s, rows, j0, x, out):
-    # out[j0 + i] = w[rows[j0 + i]] · x * s[...] for i < 8 (8 rows streamed together)
-    w0, w1, w2, w3 = w[rows[j0]], w[rows[j0 + 1]], w[rows[j0 + 2]], w[rows[j0 + 3]]
-    w4, w5, w6, w7 = w[rows[j0 + 4]], w[rows[j0 + 5]], w[rows[j0 + 6]], w[rows[j0 + 7]]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for d in range(x.shape[0]):
-        xd = x[d]
-        a0 += _widen(w0[d]) * xd
-        a1 += _widen(w1[d]) * xd
-        a2 += _widen(w2[d]) * xd
-        a3 += _widen(w3[d]) * xd
-        a4 += _widen(w4[d]) * xd
-        a5 += _widen(w5[d]) * xd
-        a6 += _widen(w6[d]) * xd
-        a7 += _widen(w7[d]) * xd
-    out[j0] = a0 * s[rows[j0]]
-    out[j0 + 1] = a1 * s[rows[j0 + 1]]
-    out[j0 + 2] = a2 * s[rows[j0 + 2]]
-    out[j0 + 3] = a3 * s[rows[j0 + 3]]
-    out[j0 + 4] = a4 * s[rows[j0 + 4]]
-    out[j0 + 5] = a5 * s[rows[j0 + 5]]
-    out[j0 + 6] = a6 * s[rows[j0 + 6]]
-    out[j0 + 7] = a7 * s[rows[j0 + 7]]
+def _rows_dot(w, rows, j, hi, x, out):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_rows_dot, inline="always")
+def _rows_dot_impl(w, rows, j, hi, x, out):
+    """out[i] = w[rows[i], :C] . x[:C] for the _IR_ROWS rows i from j (clamped to hi - 1), C = the row
+    length rounded down to FLOAT_CHUNK: float_rows' vector IR where the types allow (C-contiguous), else
+    the same sums in a numba loop."""
+    if float_dot_types_ok(w, rows, x, out):
+        return lambda w, rows, j, hi, x, out: _float_dot(w, rows, j, hi, x, out)
+
+    def loop(w, rows, j, hi, x, out):
+        c = x.shape[0] - x.shape[0] % FLOAT_CHUNK
+        for i in range(j, min(hi, j + _IR_ROWS)):
+            wr = w[rows[i]]
+            acc = np.float32(0.0)
+            for d in range(c):
+                acc += _widen(wr[d]) * x[d]
+            out[i] = acc
+    return loop
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -171,14 +170,20 @@ def _axpy_block(w, rows, j0, a, p):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _gemv_span(w, s, rows, lo, hi, x, out):
-    # out[j] = w[rows[j]] · x * s[rows[j]] for j in [lo, hi): blocks of 8, then the rest one by one
-    j = lo
-    while j + _BLOCK <= hi:
-        _dot_block(w, s, rows, j, x, out)
-        j += _BLOCK
-    while j < hi:
-        out[j] = _dot(w[rows[j]], x) * s[rows[j]]
-        j += 1
+    # out[j] = w[rows[j]] · x * s[rows[j]] for j in [lo, hi): _IR_ROWS rows side by side over the
+    # columns in whole FLOAT_CHUNKs (_rows_dot), then the remaining columns and the scale row by row
+    for j in range(lo, hi, _IR_ROWS):
+        _rows_dot(w, rows, j, hi, x, out)
+    D = x.shape[0]
+    c = D - D % FLOAT_CHUNK
+    for j in range(lo, hi):
+        r = rows[j]
+        acc = out[j]
+        if c < D:
+            wr = w[r]
+            for d in range(c, D):
+                acc += _widen(wr[d]) * x[d]
+        out[j] = acc * s[r]
 
 
 @njit(nogil=True, fastmath=True, cache=True)
