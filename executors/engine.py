@@ -140,6 +140,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 costs: PrefillCosts | None = None, stats: bool = True, pin_cold: bool | None = None,
                 attention_cpu: set[int] | frozenset = frozenset(),
                 predictor_cpu: set[int] | frozenset = frozenset(),
+                predictor_off: set[int] | frozenset = frozenset(),
                 gpu_experts: dict[int, list[int] | torch.Tensor] | None = None,
                 stream_slots_bytes: int = STREAM_SLOTS_BYTES, expert_stream_bytes: int = EXPERT_STREAM_BYTES,
                 expert_cache_bytes: int = 0,
@@ -151,11 +152,11 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 host_block_steps: bool = True, layer_nodes: bool = True, layer_graphs: bool = True,
                 map_experts: bool = False, times: LoadTimes | None = None) -> HybridEngine:
     """build_engine from keywords (tests and tools): `hot`, `gpu_experts`, `attention_cpu`,
-    `predictor_cpu`, `embed_cpu`, `head_cpu`, `expert_cache_bytes`, `gpu_int4` and `int4_down` make
+    `predictor_cpu`, `predictor_off`, `embed_cpu`, `head_cpu`, `expert_cache_bytes`, `gpu_int4` and `int4_down` make
     the Placement, the rest the EngineOptions (executors/options.py says what each means;
     host_block_steps is EngineOptions.host_blocks)."""
     placement = Placement(hot=hot, gpu_experts=gpu_experts or {}, attention_cpu=attention_cpu,
-                          predictor_cpu=predictor_cpu, embed_cpu=embed_cpu, head_cpu=head_cpu,
+                          predictor_cpu=predictor_cpu, predictor_off=predictor_off, embed_cpu=embed_cpu, head_cpu=head_cpu,
                           expert_cache_bytes=expert_cache_bytes, gpu_int4=gpu_int4, int4_down=int4_down)
     options = EngineOptions(device=device, dtype=dtype, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
                             prefill=prefill, costs=costs, pin_cold=pin_cold, stream_slots_bytes=stream_slots_bytes,
@@ -268,7 +269,8 @@ def _split_dense(b: _Build, predictors) -> tuple[dict[int, tuple[GPUExecutor, ob
         perm = torch.cat([hot_idx, torch.nonzero(~is_hot).flatten()])  # hot-first order
         if predictors == "oracle":
             mask_fn = OracleMask(ffn, perm, act, float(o.thresholds.get(l, 0.0)), device, dtype)
-        elif predictors is not None and l in predictors.neurons and hot_idx.numel() < n:  # all hot: nothing to skip
+        elif (predictors is not None and l in predictors.neurons and hot_idx.numel() < n  # all hot: nothing to skip
+              and l not in b.placement.predictor_off):
             on_cpu = l in b.placement.predictor_cpu
             # on the CPU (placed there, or the CPU tier): numba's kernels over Q8_0 blocks (float32
             # where cpu_dtype asks for f32): a 4-layer 7B shape's 43 MB of predictors take 2.0 ms a token

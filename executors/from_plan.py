@@ -143,7 +143,7 @@ def _input_sparsity(setup: RunSetup, enabled: bool) -> None:
     that it runs without)."""
     from hotcold.executors.input_sparse import open_input_sparsity
 
-    if setup.engine is not None or setup.plan is not None:
+    if setup.engine is not None or (setup.plan is not None and not setup.plan.splits_nothing):
         if enabled and setup.lm.path is not None:
             from hotcold.profiler.artifact import find_profile, load_profile
 
@@ -191,6 +191,9 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
                          notes=[f"plan {plan_path}: the whole model on the GPU"])
         return setup
     notes = [f"plan {plan_path}: {p.mode}, predicted {p.predicted_tok_per_s:.1f} tok/s"]
+    if p.splits_nothing:  # the dense engine's fused step (and input sparsity) is the faster way to run it
+        notes.append("no layer asks a predictor: the model runs whole on the CPU")
+        return RunSetup(_load_dense(path, "cpu", dtype, quantize, False, times), plan=p, notes=notes)
     if dev.type == "cuda" and p.mode == "cpu":
         notes.append("the plan is all-CPU; running it on the CPU")
         dev = torch.device("cpu")

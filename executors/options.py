@@ -30,6 +30,7 @@ class Placement:
     gpu_experts: Mapping[int, Sequence[int]] = field(default_factory=dict)  # MoE layer -> its fast-tier experts
     attention_cpu: frozenset[int] = frozenset()  # layers whose attention (weights, KV cache) runs on the CPU
     predictor_cpu: frozenset[int] = frozenset()  # layers whose predictor runs on the CPU (numba GEMV)
+    predictor_off: frozenset[int] = frozenset()  # layers that ask no predictor: every cold neuron computed
     embed_cpu: bool = False  # the token embedding in host memory (HostEmbedding; a tied head follows it)
     head_cpu: bool = False  # the LM head in host memory (HostHead)
     expert_cache_bytes: int = 0  # fast-tier bytes of the MoE expert cache (0: none)
@@ -47,6 +48,7 @@ class Placement:
                    gpu_experts={l: e.tolist() for l, e in plan.gpu_experts.items()} if hybrid else {},
                    attention_cpu=frozenset(int(l) for l in np.flatnonzero(~plan.attention_gpu)) if cuda else frozenset(),
                    predictor_cpu=frozenset(int(l) for l in np.flatnonzero(~plan.predictor_gpu)) if cuda else frozenset(),
+                   predictor_off=frozenset(int(l) for l in np.flatnonzero(plan.predictor_off)),
                    # the planner counts the embedding in host memory, and the LM head where it put it
                    embed_cpu=cuda, head_cpu=cuda and not plan.lm_head_gpu,
                    expert_cache_bytes=plan.expert_cache_bytes if cuda else 0, gpu_int4=gpu_int4,
@@ -55,6 +57,7 @@ class Placement:
     def __post_init__(self):
         object.__setattr__(self, "attention_cpu", frozenset(self.attention_cpu))
         object.__setattr__(self, "predictor_cpu", frozenset(self.predictor_cpu))
+        object.__setattr__(self, "predictor_off", frozenset(self.predictor_off))
         if self.expert_cache_bytes < 0:
             raise ValueError(f"expert_cache_bytes must be >= 0, got {self.expert_cache_bytes}")
 

@@ -96,7 +96,7 @@ def plan(
     from hotcold.models.loader import default_model_path, describe_model
     from hotcold.planner.costs import Constants
     from hotcold.planner.weight_format import weight_format
-    from hotcold.planner.inputs import model_format, read_profile, uniform_stats
+    from hotcold.planner.inputs import model_format, predictors_within_budget, read_profile, uniform_stats
     from hotcold.profiler.artifact import find_profile
     from hotcold.planner.make import PlanRequest, plan_json, plan_tensors
     from hotcold.planner.plan import write_plan
@@ -127,6 +127,7 @@ def plan(
     # a quantised model: its host side in blocks; int4: its 4-bit matrices also kept int4 on the GPU
     fmt, int4 = [model_format(info.path, fmt, quantize, gpu_int4=g, moe=getattr(cfg, "num_experts", 0) > 0)
                  for g in (False, True)]
+    pred_off_reason = None
     if uniform:
         stats, source, sparsity = uniform_stats(cfg, assume_sparsity), "uniform", assume_sparsity
     else:
@@ -135,8 +136,13 @@ def plan(
             where = f" at {prof}" if prof is not None else ""
             raise HotcoldError(f"{info.path}: no profile{where}; run `hotcold profile {info.path}` first "
                                "(or plan with an assumed sparsity: --uniform --assume-sparsity 0.9)")
-        stats, _ = read_profile(prof, cfg, info.fingerprint)
+        stats, prof_meta = read_profile(prof, cfg, info.fingerprint)
         source, sparsity = str(prof), None
+        if not predictors_within_budget(prof_meta):
+            pm = prof_meta["predictors"]
+            pred_off_reason = (f"the profile's predictors raise held-out perplexity {pm['heldout_ppl_rise']:+.2%}, over "
+                               f"its {prof_meta['ppl_budget']:.0%} budget: every CPU neuron is computed, exactly "
+                               "(`hotcold profile --recall 0.99` may train predictors within it)")
     hw, hw_file, measured = load_hardware(
         hardware, log=(lambda m: err.print(f"[dim]{m}[/dim]")) if not as_json else None)
     if measured and not as_json:
@@ -160,6 +166,8 @@ def plan(
     meta = plan_json(result, req, fingerprint=info.fingerprint, model=info.path, model_type=cfg.model_type, hw=hw,
                      hw_file=hw_file, profile_source=source, sparsity=sparsity)
     meta["weights"]["gpu_int4_choice"] = choice
+    if pred_off_reason and any(le["predictor"] == "off" for le in meta["layers"]):
+        meta["predictors_off_reason"] = pred_off_reason
     folder = artifact_dir(info.path, info.fingerprint, out)
     paths = write_plan(folder, plan_tensors(result), meta)
     if as_json:
@@ -271,7 +279,9 @@ def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
 
     console = console or Console()
     pred = meta["predicted"]
-    title = (f"hotcold plan: {meta['mode']} — VRAM {meta['budget']['vram']}, RAM {meta['budget']['ram']}, "
+    # a plan for a machine without a GPU has no VRAM, whatever --vram said (a note says it was ignored)
+    vram = f"VRAM {meta['budget']['vram']}" if meta["hardware"].get("cuda") else "no GPU"
+    title = (f"hotcold plan: {meta['mode']} — {vram}, RAM {meta['budget']['ram']}, "
              f"ctx {meta['budget']['ctx']}, batch {meta['budget']['batch']}, {meta['weights']['format']}")
     console.print(title)
     # an all-CPU plan (the machine has no GPU, or --vram 0) has no GPU column: the words match the machine
@@ -322,6 +332,11 @@ def print_plan(result, meta: dict, json_path: Path, console=None) -> None:
             continue
         lt.add_row(span, _mix(g, "attention"), _mix(g, "predictor"), ffn, f"{100 * share:.0f}%", f"{t:.0f}", bound)
     console.print(lt)
+    off = [x["layer"] for x in layers if x.get("predictor") == "off"]
+    if off:
+        why = meta.get("predictors_off_reason") or ("computing every CPU neuron there is predicted faster than "
+                                                     "asking a predictor that would select nearly all of them")
+        console.print(f"predictors off in {len(off)} of {len(layers)} layers: {why}")
     bd = pred["breakdown_s"]
     console.print(f"predicted [bold]{pred['tokens_per_s']:.2f} tok/s[/bold] ({1e3 * pred['time_per_step_s']:.2f} ms per "
                   f"step): FFN {1e3 * bd['ffn']:.2f} ms, attention {1e3 * bd['attention']:.2f} ms, predictors "

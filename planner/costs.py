@@ -103,6 +103,9 @@ class LayerStats:
     freq: np.ndarray  # float64 [I] neuron activation frequency, or [E] expert routing frequency
     predictor_params: int | None = None
     predicted_active_fraction: float | None = None
+    # False when the profile's predictors raised held-out perplexity beyond its budget: the layer's
+    # CPU rows are then all computed, exactly, and the cost model asks no predictor
+    predictor_allowed: bool = True
 
 
 @dataclass
@@ -139,6 +142,10 @@ class LayerCosts:
     # seconds per step replace the units' sums (None: the units' sums apply)
     whole_bytes: float | None = None
     whole_gpu_s: float | None = None
+    # [K] seconds per step when the CPU computes every row of the unit, no predictor asked (None:
+    # unit_cpu_s; MoE experts run whole when routed either way)
+    unit_all_cpu_s: np.ndarray | None = None
+    predictor_allowed: bool = True  # LayerStats.predictor_allowed
 
     def __post_init__(self):
         if self.unit_host_bytes is None:
@@ -147,6 +154,8 @@ class LayerCosts:
             self.attn_host_bytes = self.attn_bytes
         if self.pred_host_bytes is None:
             self.pred_host_bytes = self.pred_bytes
+        if self.unit_all_cpu_s is None:
+            self.unit_all_cpu_s = self.unit_cpu_s
 
     @property
     def n_units(self) -> int:
@@ -305,7 +314,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             unit_bytes = np.full(n_items, eb)
             unit_host_bytes = np.full(n_items, eb_host)
             unit_gpu_s = q * eb_t / gbw  # a routed GPU expert costs its bytes: no launches of its own
-            unit_cpu_s = q * (eb_host / expert_bps + c.expert_cpu_calls * call)
+            unit_cpu_s = unit_all_cpu_s = q * (eb_host / expert_bps + c.expert_cpu_calls * call)
             unit_freq = f_sorted.copy()
             pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = c.moe_gpu_kernels * launch
@@ -330,6 +339,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             unit_gpu_s = rows * rb_t / gbw
             exp_rows = np.add.reduceat(q, starts[:-1])
             unit_cpu_s = exp_rows * rb_host / ffn_bps
+            unit_all_cpu_s = rows * rb_host / ffn_bps
             unit_freq = np.add.reduceat(f_sorted, starts[:-1]) / rows
             if st.predictor_params is not None:
                 pred_bytes = float(st.predictor_params) * c.predictor_bytes_per_param
@@ -338,6 +348,9 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             pred_host_bytes = pred_bytes * c.predictor_host_bytes_per_param / c.predictor_bytes_per_param
             pred_gpu_s = pred_bytes / gbw + c.predictor_gpu_kernels * launch
             pred_cpu_s = pred_host_bytes / pred_bps + c.predictor_cpu_calls * call
+            if not st.predictor_allowed:  # every CPU row computed: no predictor to place or pay for
+                unit_cpu_s = unit_all_cpu_s
+                pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = c.ffn_gpu_kernels * launch
             ffn_cpu_fixed_s = c.ffn_cpu_calls * call
             mask_bytes = n_items * c.mask_bytes_per_neuron
@@ -354,7 +367,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             ffn_sync_s=(rt + (2 * B * h * tv + mask_bytes) / pcie + handoff) if has_gpu else 0.0,
             pred_sync_s=(rt + (B * h * tv + mask_bytes) / pcie + handoff) if has_gpu and pred_bytes else 0.0,
             unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes,
-            pred_host_bytes=pred_host_bytes, whole_bytes=whole_bytes, whole_gpu_s=whole_gpu_s))
+            pred_host_bytes=pred_host_bytes, whole_bytes=whole_bytes, whole_gpu_s=whole_gpu_s,
+            unit_all_cpu_s=np.asarray(unit_all_cpu_s, dtype=np.float64), predictor_allowed=st.predictor_allowed))
     # kept as the dtype (often the file's widest type, Q6_K), or int4 (a tied head is the embedding's table)
     head_int4 = fmt.gpu_head_int4 and not cfg.tie_word_embeddings
     head_w, head_speed = (INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED) if head_int4 else (w, 1.0)
@@ -399,6 +413,9 @@ class Placement:
     # back on the GPU after the attention, so the GPU predictor needs no extra round trip); None: the
     # predictor sits beside the attention. An attention on the GPU always has its predictor there.
     pred_gpu: list[bool] | None = None
+    # per layer, no predictor: the CPU computes every one of the layer's CPU rows (cheaper when the
+    # predictor would select nearly all of them anyway); None: every layer with CPU rows asks one
+    pred_off: list[bool] | None = None
 
     @classmethod
     def all_cpu(cls, costs: ModelCosts) -> "Placement":
@@ -425,7 +442,7 @@ class LayerEval:
     ffn_gpu_s: float
     ffn_cpu_s: float
     sync_s: float
-    predictor: str  # gpu | cpu | none
+    predictor: str  # gpu | cpu | none (no CPU rows) | off (CPU rows all computed, no predictor)
     gpu_bytes: dict[str, float]
     cpu_bytes: dict[str, float]
 
@@ -476,7 +493,10 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
             sync += lc.attn_sync_s
         predictor = "none"
         pred_s = 0.0
-        if has_cpu and lc.kind != "moe":
+        off = has_cpu and lc.kind != "moe" and p.pred_off is not None and bool(p.pred_off[l])
+        if off:
+            predictor = "off"
+        elif has_cpu and lc.kind != "moe":
             pg = a or (p.pred_gpu is not None and bool(p.pred_gpu[l]))
             predictor = "gpu" if pg else "cpu"
             pred_s = lc.pred_gpu_s if pg else lc.pred_cpu_s
@@ -488,7 +508,7 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
             else:
                 h["predictors"] = lc.pred_host_bytes
         ffn_gpu = (lc.whole_gpu_s if whole else float(lc.unit_gpu_s[on].sum())) + (lc.ffn_gpu_fixed_s if has_gpu else 0.0)
-        ffn_cpu = float(lc.unit_cpu_s[~on].sum()) + (lc.ffn_cpu_fixed_s if has_cpu else 0.0)
+        ffn_cpu = float((lc.unit_all_cpu_s if off else lc.unit_cpu_s)[~on].sum()) + (lc.ffn_cpu_fixed_s if has_cpu else 0.0)
         if has_cpu and hybrid:
             ffn_gpu += lc.hybrid_gpu_s
             ffn_cpu += lc.ffn_sync_s
@@ -517,3 +537,16 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
         cpu["router_shared"] = costs.moe_gpu_bytes
         total += costs.moe_cpu_delta_s
     return Evaluation(total, out, head_s, costs.fixed_s, gpu, cpu)
+
+
+def without_needless_predictors(costs: ModelCosts, p: Placement) -> Placement:
+    """`p` with the predictor turned off in each dense/gated layer with CPU rows whose predictor is
+    not allowed (LayerStats.predictor_allowed) or whose step is predicted faster when the CPU computes
+    all of its CPU rows than when a predictor first selects some of them: a gated model's predictor
+    often selects 85-97% of the rows, and then its own time is not repaid."""
+    L = len(costs.layers)
+    asked = evaluate(costs, dataclasses.replace(p, pred_off=[False] * L))
+    unasked = evaluate(costs, dataclasses.replace(p, pred_off=[True] * L))
+    off = [b.predictor == "off" and (not lc.predictor_allowed or b.t_s < a.t_s)
+           for lc, a, b in zip(costs.layers, asked.layers, unasked.layers)]
+    return dataclasses.replace(p, pred_off=off if any(off) else None)

@@ -48,6 +48,9 @@ def read_profile(path: Path, cfg, fingerprint: str) -> tuple[list[LayerStats], d
             raise ArtifactError(f"{path}: layers.{l}.{name} has {freq.shape[0]} entries, the model has {n}; "
                                 "re-run `hotcold profile`")
         stats.append(LayerStats(kind, np.nan_to_num(freq, nan=1.0)))
+    allowed = predictors_within_budget(prof.meta)
+    for st in stats:
+        st.predictor_allowed = allowed
     for entry in (prof.meta.get("predictors") or {}).get("layers", []) or []:
         l = int(entry.get("layer", -1))
         if 0 <= l < len(stats) and stats[l].kind != "moe":
@@ -56,6 +59,15 @@ def read_profile(path: Path, cfg, fingerprint: str) -> tuple[list[LayerStats], d
             if entry.get("predicted_active_fraction") is not None:
                 stats[l].predicted_active_fraction = float(entry["predicted_active_fraction"])
     return stats, prof.meta
+
+
+def predictors_within_budget(meta: dict) -> bool:
+    """Whether a profile's predictors keep held-out perplexity within the profile's budget (a gated
+    model's profile measures the predictor-sparse perplexity; a ReLU model's predictors only skip
+    neurons that would be zero or nearly so, and the profile does not measure them)."""
+    rise = (meta.get("predictors") or {}).get("heldout_ppl_rise")
+    budget = meta.get("ppl_budget")
+    return rise is None or budget is None or rise <= budget
 
 
 def _is_ffn_matrix(name: str) -> bool:

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from hotcold.errors import HotcoldError
-from hotcold.planner.costs import Constants, Evaluation, ModelCosts, Placement, build_costs, evaluate
+from hotcold.planner.costs import (Constants, Evaluation, ModelCosts, Placement, build_costs, evaluate,
+                                   without_needless_predictors)
 from hotcold.planner.weight_format import WeightFormat
 from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import SolveResult, solve
@@ -76,7 +77,7 @@ def make_plan(cfg, stats, hw: HardwareProfile, req: PlanRequest) -> PlanResult:
     costs = build_costs(cfg, stats, hw, req.fmt, req.ctx, req.batch, req.block_size, req.constants)
     notes: list[str] = []
     vram, ram = float(req.vram), float(req.ram)
-    cpu_p = Placement.all_cpu(costs)
+    cpu_p = without_needless_predictors(costs, Placement.all_cpu(costs))
     cpu_ev = evaluate(costs, cpu_p)
     cpu_ok = cpu_ev.cpu_total <= ram
 
@@ -138,7 +139,9 @@ def make_plan(cfg, stats, hw: HardwareProfile, req: PlanRequest) -> PlanResult:
                            f"host {ev.cpu_total:.0f} B); report this")
     if not _fits(g_ev, vram, ram):
         notes.append(f"greedy placement would need {format_size(g_ev.cpu_total)} of host RAM (over --ram)")
-    result = PlanResult("hybrid", costs, res.placement, ev, solve=res, all_cpu=cpu_ev if cpu_ok else None, notes=notes)
+    placement = without_needless_predictors(costs, res.placement)  # only removes bytes: still within budget
+    ev = evaluate(costs, placement)
+    result = PlanResult("hybrid", costs, placement, ev, solve=res, all_cpu=cpu_ev if cpu_ok else None, notes=notes)
     if req.explain:
         result.greedy = (g, g_ev)
     if cpu_ok and cpu_ev.time_s < ev.time_s:
@@ -174,6 +177,7 @@ def plan_tensors(result: PlanResult) -> dict[str, np.ndarray]:
     t: dict[str, np.ndarray] = {
         "attention_gpu": np.array(p.attn_gpu, np.uint8),
         "predictor_gpu": np.array([le.predictor == "gpu" for le in result.evaluation.layers], np.uint8),
+        "predictor_off": np.array([le.predictor == "off" for le in result.evaluation.layers], np.uint8),
         "lm_head_gpu": np.array([int(p.head_gpu)], np.uint8),
     }
     counts = np.zeros(L, np.int32)

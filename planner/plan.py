@@ -3,6 +3,7 @@
 plan.safetensors (metadata {"fingerprint", "format": "1", "mode"}), L = num_layers:
   attention_gpu              uint8 [L]   1: layer l's attention, KV cache, norms (+ router, shared expert) on the GPU
   predictor_gpu              uint8 [L]   1: layer l's neuron predictor on the GPU (0: on the CPU, or none needed)
+  predictor_off              uint8 [L]   1: no predictor in layer l: its CPU rows are all computed (absent: 0)
   lm_head_gpu                uint8 [1]   1: lm_head (and final norm) on the GPU
   gpu_count                  int32 [L]   GPU neurons (dense/gated layers) or GPU experts (MoE layers) of layer l
   dense/gated layers
@@ -46,10 +47,18 @@ class Plan:
     gpu_neurons: dict[int, np.ndarray] = field(default_factory=dict)
     expert_order: dict[int, np.ndarray] = field(default_factory=dict)
     gpu_experts: dict[int, np.ndarray] = field(default_factory=dict)
+    predictor_off: np.ndarray | None = None  # bool [L]: layers whose CPU rows run without a predictor
 
     @property
     def num_layers(self) -> int:
         return len(self.attention_gpu)
+
+    @property
+    def splits_nothing(self) -> bool:
+        """An all-CPU plan without MoE layers in which no layer asks a predictor: nothing is placed or
+        skipped, so the model runs whole (the dense engine)."""
+        return self.mode == "cpu" and self.predictor_off is not None and all(
+            e.get("kind") != "moe" for e in self.meta.get("layers", [])) and bool(self.predictor_off.all())
 
     @property
     def predicted_tok_per_s(self) -> float:
@@ -116,7 +125,9 @@ def load_plan(path: Path, fingerprint: str | None = None) -> Plan:
                                           meta_path=path.with_name(PLAN_JSON), framework="np")
     plan = Plan(path=path, meta=meta, fingerprint=header.get("fingerprint", ""), mode=header.get("mode", meta.get("mode")),
                 attention_gpu=tensors["attention_gpu"].astype(bool), predictor_gpu=tensors["predictor_gpu"].astype(bool),
-                lm_head_gpu=bool(tensors["lm_head_gpu"][0]), gpu_count=tensors["gpu_count"].astype(np.int64))
+                lm_head_gpu=bool(tensors["lm_head_gpu"][0]), gpu_count=tensors["gpu_count"].astype(np.int64),
+                predictor_off=tensors["predictor_off"].astype(bool) if "predictor_off" in tensors else
+                np.zeros(len(tensors["attention_gpu"]), bool))
     for name, t in tensors.items():
         if name.startswith("layers."):
             _, layer, what = name.split(".", 2)

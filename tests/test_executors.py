@@ -480,6 +480,22 @@ def test_no_predictors_is_dense(folder, hot):
             assert all(f.cold.n == lm.config.intermediate_size for f in eng.layers.values())
 
 
+def test_a_layer_without_its_predictor_computes_every_neuron(folder):
+    """Placement.predictor_off: the layer computes all its neurons (dense) although a predictor exists;
+    the other layers still follow theirs."""
+    ref = reference(folder, "llama")
+    preds = random_predictors(ref)
+    off = {0}
+    toks = tokens(seed=12)
+    with predicted_sparse(ref.model, PredictorSet("test", {l: p for l, p in preds.neurons.items() if l not in off})), \
+            torch.inference_mode():
+        want = ref.model(toks)
+    lm = fresh(folder, "llama")
+    with make_hybrid(lm, random_hot(lm, 0.5, seed=13), preds, cpu_dtype="f32", threads=2, predictor_off=off) as eng:
+        assert eng.layers[0].gpu.mask_fn is None and eng.layers[1].gpu.mask_fn is not None
+        assert_close(decode_logits(lm, toks), want, 1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Storage kinds, prefill regimes
 

@@ -629,6 +629,7 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert list((tmp_path / "home").glob("hardware-*.json"))
     assert load_plan(tmp_path / "tiny.hotcold").mode == "cpu"  # this machine has no CUDA (toy profile)
+    assert "no GPU" in r.output and "VRAM" not in r.output  # --vram 1GiB named no memory this machine has
 
 
 def test_cli_probe_and_error_line(tmp_path, monkeypatch):
@@ -1050,8 +1051,12 @@ def test_open_for_run_notes_host_functions_that_had_to_be_compiled(tmp_path, mon
     torch.manual_seed(0)
     model = tmp_path / "tiny"
     T.AutoModelForCausalLM.from_config(tiny_configs()["llama"]).save_pretrained(model)
-    r = _cli("plan", model, "--uniform", "--vram", "0", "--hardware", "h200", "--out", tmp_path / "p")
+    # a machine without per-call costs: the tiny model's predictors pay, so the plan splits its layers
+    hw_file = tmp_path / "nocalls.json"
+    hw_file.write_text(toy_hw(cpu_bw=0.5e9, call=0.0, handoff=0.0).to_json())
+    r = _cli("plan", model, "--uniform", "--vram", "0", "--hardware", hw_file, "--out", tmp_path / "p")
     assert r.exit_code == 0, r.output
+    assert not load_plan(tmp_path / "p").splits_nothing
     notes = {}
     for limit in (0.0, 1e9):
         monkeypatch.setattr(hn, "_CFUNCS", {})  # built again in this process (from numba's disk cache)
