@@ -47,6 +47,9 @@ def serve(
                                      "experts in place from the file (no repacked copy: faster load, memory "
                                      "shared with the page cache; their kernel ~1.2x slower where the CPU's "
                                      "arithmetic, not memory, bounds it)."),
+    no_sparse: bool = typer.Option(False, "--no-sparse", help="Without the profile's input sparsity (by default "
+                                   "each projection skips the weights of its small inputs where the profile chose "
+                                   "some): the model's exact function."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn
@@ -74,8 +77,9 @@ def serve(
 
     _log_to_console()
     log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
-    engine = ServingEngine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4, map_experts), max_concurrency, ctx,
-                    parallel=parallel, cache_slots=cache_slots)
+    engine = ServingEngine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4, map_experts,
+                                         input_sparse=not no_sparse),
+                           max_concurrency, ctx, parallel=parallel, cache_slots=cache_slots)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
                                            log_level="info", timeout_graceful_shutdown=5))
     engine.start(on_fatal=lambda: setattr(server, "should_exit", True))
@@ -88,13 +92,13 @@ def serve(
 
 
 def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None,
-          gpu_int4: Optional[bool] = None, map_experts: bool = False):
+          gpu_int4: Optional[bool] = None, map_experts: bool = False, input_sparse: bool = True):
     """The model per its plan (hybrid) or dense, saying which in the log: the RunSetup, which the
     server's ServingEngine keeps until it stops (the hybrid engine must outlive the loading)."""
     from hotcold.executors.from_plan import open_for_run
 
     setup = open_for_run(path, plan, not no_plan, device, dtype, quantize=quantize, gpu_int4=gpu_int4,
-                         map_experts=map_experts)
+                         map_experts=map_experts, input_sparse=input_sparse)
     for note in setup.notes:
         log.info("%s", note)
     return setup

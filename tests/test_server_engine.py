@@ -61,3 +61,18 @@ def test_serve_opens_the_whole_setup(tmp_path):
 
     setup = _open(add_tiny_tokenizer(make_tiny("llama", tmp_path)), None, True, "cpu", "float32")
     assert isinstance(setup, RunSetup) and setup.lm.tokenizer is not None
+
+
+def test_serve_no_sparse_turns_the_profiles_input_sparsity_off(tmp_path):
+    """A model whose profile chose input sparsity: served with it by default, exactly with --no-sparse."""
+    from hotcold.server.command import _open
+    from conftest import run_cli
+
+    model = add_tiny_tokenizer(make_tiny("llama", tmp_path))
+    r = run_cli("profile", str(model), "--tokens", "256", "--seq-len", "64", "--heldout-tokens", "256",
+                "--no-predictors", "--ppl-budget", "1.0")
+    assert r.returncode == 0, r.stderr
+    on = _open(model, None, True, "cpu", "float32")
+    off = _open(model, None, True, "cpu", "float32", input_sparse=False)
+    assert any("input sparsity: the profile chose" in n for n in on.notes)
+    assert any("input sparsity off (--no-sparse)" in n for n in off.notes) and off.input_sparsity is None
