@@ -27,11 +27,11 @@ class RunSetup:
     load_times: LoadTimes = field(default_factory=LoadTimes)  # where the load's time went (run --stats)
     input_sparsity: object | None = None  # executors.input_sparse.InputSparsity when the run applies it
 
-    @property
-    def predicted_ms_per_token(self) -> float | None:
+    def predicted_ms_per_token(self, position: float | None = None) -> float | None:
+        """The plan's predicted decode step, at `position` cached positions if given (Plan.predicted_s_at)."""
         if self.plan is None:
             return None
-        return 1000 * self.plan.meta["predicted"]["time_per_token_s"]
+        return 1000 * self.plan.predicted_s_at(position)
 
     def close(self) -> None:
         if self.engine is not None:

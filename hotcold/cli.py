@@ -278,8 +278,11 @@ def _print_stats(setup, gen_stats) -> None:
     if mem is not None:  # weights copied to 4 KiB pages read slower: a low share explains a slow run
         line += (f"; host memory {mem[0] / 2**30:.1f} GiB resident, {mem[1] / 2**30:.1f} GiB anonymous, "
                  f"{mem[2] / max(mem[1], 1):.0%} of that in huge pages")
-    if setup.predicted_ms_per_token is not None:
-        line += f"; plan predicted {setup.predicted_ms_per_token:.2f} ms/token"
+    # the steps timed read on average this many cached positions (the plan assumed half its --ctx)
+    position = gen_stats.prompt_tokens + gen_stats.completion_tokens / 2
+    predicted = setup.predicted_ms_per_token(position)
+    if predicted is not None:
+        line += f"; plan predicted {predicted:.2f} ms/token at this context ({position:.0f} positions)"
     print(line, file=sys.stderr)
 
 

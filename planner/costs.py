@@ -146,6 +146,13 @@ class LayerCosts:
     # unit_cpu_s; MoE experts run whole when routed either way)
     unit_all_cpu_s: np.ndarray | None = None
     predictor_allowed: bool = True  # LayerStats.predictor_allowed
+    # the KV cache read: seconds per step per cached position on either side (in attn_*_s for
+    # kv_pos positions: half the planned context, at most the kv_len positions the cache holds), so a
+    # run can set the prediction beside its own context length
+    kv_pos_gpu_s: float = 0.0
+    kv_pos_cpu_s: float = 0.0
+    kv_len: int = 0
+    kv_pos: int = 0
 
     def __post_init__(self):
         if self.unit_host_bytes is None:
@@ -285,7 +292,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         kv_len = _kv_len(cfg, l, ctx)
         kv_elem = 2 * cfg.num_kv_heads * cfg.head_dim * fmt.kv_bytes * B
         kv_bytes = float(kv_elem * kv_len)
-        kv_read = float(kv_elem * min(kv_len, max(1, ctx // 2)))
+        kv_pos = min(kv_len, max(1, ctx // 2))
+        kv_read = float(kv_elem * kv_pos)
         attn_weights = _attention_weights(cfg, l, moe_parts=not has_gpu)
         attn_bytes, attn_host_bytes = attn_weights * fmt.gpu_attn_w, attn_weights * wh
         attn_gpu_s_extra = 0.0
@@ -295,7 +303,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             attn_gpu_s_extra = mb / gbw
             moe_cpu_delta_s += mb / dense_bps - mb / gbw  # an all-CPU plan computes them on the CPU
         attn_gpu_s = (attn_bytes / fmt.gpu_attn_speed + kv_read) / gbw + c.attn_gpu_kernels * launch
-        attn_cpu_s = attn_host_bytes / dense_bps + kv_read / hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16") \
+        kv_cpu_bps = hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16")
+        attn_cpu_s = attn_host_bytes / dense_bps + kv_read / kv_cpu_bps \
             + c.attn_cpu_calls * call
         attn_gpu_s += attn_gpu_s_extra
         attn_cpu_s += attn_gpu_s_extra
@@ -368,7 +377,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             pred_sync_s=(rt + (B * h * tv + mask_bytes) / pcie + handoff) if has_gpu and pred_bytes else 0.0,
             unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes,
             pred_host_bytes=pred_host_bytes, whole_bytes=whole_bytes, whole_gpu_s=whole_gpu_s,
-            unit_all_cpu_s=np.asarray(unit_all_cpu_s, dtype=np.float64), predictor_allowed=st.predictor_allowed))
+            unit_all_cpu_s=np.asarray(unit_all_cpu_s, dtype=np.float64), predictor_allowed=st.predictor_allowed,
+            kv_pos_gpu_s=kv_elem / gbw, kv_pos_cpu_s=kv_elem / kv_cpu_bps, kv_len=int(kv_len), kv_pos=int(kv_pos)))
     # kept as the dtype (often the file's widest type, Q6_K), or int4 (a tied head is the embedding's table)
     head_int4 = fmt.gpu_head_int4 and not cfg.tie_word_embeddings
     head_w, head_speed = (INT4_GPU_BYTES_PER_WEIGHT, INT4_GPU_SPEED) if head_int4 else (w, 1.0)

@@ -221,6 +221,8 @@ def plan_json(result: PlanResult, req: PlanRequest, *, fingerprint: str, model: 
             entry.update(neurons=n_items, gpu_neurons=int(len(ids)), gpu_fraction=round(len(ids) / max(1, n_items), 4),
                          int4_whole=bool(lc.whole_bytes is not None and len(ids) == n_items))
         entry["gpu_activation_share"] = round(_share(lc, p.on_gpu[l]), 4)
+        entry.update(kv_s_per_position=lc.kv_pos_gpu_s if p.attn_gpu[l] else lc.kv_pos_cpu_s,
+                     kv_positions=lc.kv_pos, kv_window=lc.kv_len)
         entry.update(time_us=_us(le.t_s), attention_us=_us(le.attn_s), predictor_us=_us(le.pred_s),
                      ffn_gpu_us=_us(le.ffn_gpu_s), ffn_cpu_us=_us(le.ffn_cpu_s), sync_us=_us(le.sync_s),
                      gpu_bytes=int(round(sum(le.gpu_bytes.values()))), cpu_bytes=int(round(sum(le.cpu_bytes.values()))))

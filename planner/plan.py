@@ -60,6 +60,18 @@ class Plan:
         return self.mode == "cpu" and self.predictor_off is not None and all(
             e.get("kind") != "moe" for e in self.meta.get("layers", [])) and bool(self.predictor_off.all())
 
+    def predicted_s_at(self, position: float | None = None) -> float:
+        """The predicted seconds per decode step; at `position` (the mean number of cached positions
+        a step reads), with the KV cache's read set to that instead of the half context the plan assumed
+        (plans written before the per-layer KV times were recorded: unchanged)."""
+        t = float(self.meta["predicted"]["time_per_token_s"])
+        if position is None:
+            return t
+        for e in self.meta.get("layers", []):
+            if "kv_s_per_position" in e:
+                t += e["kv_s_per_position"] * (min(e["kv_window"], position) - e["kv_positions"])
+        return t
+
     @property
     def predicted_tok_per_s(self) -> float:
         return float(self.meta["predicted"]["tokens_per_s"])

@@ -3,6 +3,7 @@ artifact, and the run that follows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -90,3 +91,27 @@ def test_an_all_cpu_plan_without_predictors_splits_nothing(tmp_path):
     save_file(t, str(tmp_path / "plan.safetensors"), metadata={"fingerprint": "fp", "format": "1", "mode": "cpu"})
     old = load_plan(tmp_path, "fp")
     assert not old.predictor_off.any() and not old.splits_nothing
+
+
+def test_the_prediction_follows_the_runs_context_length(tmp_path):
+    """The plan assumes a step reads half its --ctx of cached positions; `run --stats` compares the
+    measured step with the prediction at the positions its steps read (Plan.predicted_s_at)."""
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=2)
+    hw = toy_hw(cuda=False)
+    stats = _stats(cfg, 0.5, 100)
+    preds = {}
+    for ctx in (64, 128):
+        req = dataclasses.replace(_req(0), ctx=ctx)
+        r = make_plan(cfg, stats, hw, req)
+        meta = plan_json(r, req, fingerprint="fp", model=tmp_path / "m", model_type=cfg.model_type, hw=hw,
+                         hw_file=None, profile_source="test", sparsity=None)
+        (tmp_path / str(ctx)).mkdir()
+        write_plan(tmp_path / str(ctx), plan_tensors(r), meta)
+        preds[ctx] = load_plan(tmp_path / str(ctx), "fp")
+    p64, p128 = preds[64], preds[128]
+    assert p64.predicted_s_at(None) == pytest.approx(p64.meta["predicted"]["time_per_token_s"])
+    assert p64.predicted_s_at(32) == pytest.approx(p64.predicted_s_at(None))  # half of --ctx 64
+    assert p128.predicted_s_at(32) == pytest.approx(p64.predicted_s_at(32))  # the weights cost the same
+    per_pos = sum(e["kv_s_per_position"] for e in p64.meta["layers"])
+    assert per_pos > 0 and p64.predicted_s_at(10) == pytest.approx(p64.predicted_s_at(32) - 22 * per_pos)
+    assert p64.predicted_s_at(1000) == pytest.approx(p64.predicted_s_at(64))  # the cache holds --ctx positions
