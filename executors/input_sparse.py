@@ -84,44 +84,60 @@ def _best_time(f, repeats: int = 5) -> float:
     return best
 
 
+_CALLS = 16  # products per timed jitted loop: one small matrix's product takes a few microseconds,
+# about Python's dispatch of an 11-argument kernel call
+
+
 def input_major_pays(lin, im, sparsity: float) -> bool:
     """Whether lin's one-token product is faster from its input-major copy `im` at `sparsity` than from
-    its own weights, timed here on an input with that share of entries at or below the threshold.
-    The dense kernels of the nibble types dot Q8 activations with integer instructions (VNNI): on a
-    2-core AVX-512 Xeon a Q4_1 matrix's input-major product, in float32, only caught up at ~65%
-    sparsity, Q8_0 at ~50%; float16's at none (float16 rows read at half the rate of its codes)."""
+    its own weights, timed here on an input with that share of entries at or below the threshold
+    (quantised weights: each in a jitted loop, as the fused step calls them). On a 2-core AVX-512
+    VNNI Xeon the integer kernels of Q4_0 / Q4_1 (int8 x, as their dense kernels) break even at
+    ~5-30% sparsity on 4096 x 4096, later on SmolLM2's 576-wide matrices, whose products take a few
+    microseconds and pay the kernel's fixed per-call cost (tools/bench_input_sparse.py); float16's at none."""
     from hotcold.models.quantized import QuantLinear
-    from hotcold.sparse_ops.input_sparse import im_kernel
-    from hotcold.sparse_ops.quant import qgemv
+    from hotcold.sparse_ops.input_sparse import im_repeat, qdense_repeat
+    from hotcold.sparse_ops.quant.formats import XQ_DEFAULT
 
     x = np.random.default_rng(0).standard_normal(im.cols).astype(np.float32)
     x[np.argsort(np.abs(x))[: int(sparsity * im.cols)]] = 0.0  # the inputs the threshold drops
     out = np.empty(im.rows, np.float32)
     args = im.args()
-    t_im = _best_time(lambda: im_kernel(x, out, *args[:7], np.zeros(2, np.int64), args[8]))
+    sparse_args = (*args[:7], np.zeros(2, np.int64), args[8])
     if isinstance(lin, QuantLinear):
-        t_dense = _best_time(lambda: qgemv(lin.qweight, x, out))
-    else:
-        from hotcold.models.layers import project
+        q = lin.qweight
+        if q._all_rows is None:
+            q._all_rows = np.arange(q.rows, dtype=np.int64)
+        dense_args = (q._id, bool(q.interleaved), bool(q.interleaved or q.qtype in XQ_DEFAULT), q.data, q._all_rows)
+        t_im, t_dense = float("inf"), float("inf")
+        for _ in range(2):  # alternating, the best of each
+            t_im = min(t_im, _best_time(lambda: im_repeat(_CALLS, x, out, *sparse_args), 3))
+            t_dense = min(t_dense, _best_time(lambda: qdense_repeat(_CALLS, *dense_args, x, out), 3))
+        return t_im < t_dense
+    from hotcold.models.layers import project
+    from hotcold.sparse_ops.input_sparse import im_kernel
 
-        xt = torch.from_numpy(x).reshape(1, 1, -1).to(lin.weight.dtype)
-        d = lin.__dict__
-        saved = {k: d.pop(k) for k in ("input_threshold", "input_major", "input_counter") if k in d}
-        try:
-            with torch.inference_mode():
-                t_dense = _best_time(lambda: project(lin, xt))
-        finally:
-            d.update(saved)
+    t_im = _best_time(lambda: im_kernel(x, out, *sparse_args))
+    xt = torch.from_numpy(x).reshape(1, 1, -1).to(lin.weight.dtype)
+    d = lin.__dict__
+    saved = {k: d.pop(k) for k in ("input_threshold", "input_major", "input_counter") if k in d}
+    try:
+        with torch.inference_mode():
+            t_dense = _best_time(lambda: project(lin, xt))
+    finally:
+        d.update(saved)
     return t_im < t_dense
 
 
 def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_major: bool = True,
-                         sparsities: dict[int, dict[str, float]] | None = None) -> InputSparsity:
+                         sparsities: dict[int, dict[str, float]] | None = None,
+                         integer: bool | None = None) -> InputSparsity:
     """Set the thresholds on model's projections (see the module docstring). input_major: build the
     input-major copies for the CPU's one-token products (False: threshold and multiply dense).
     sparsities: each group's expected sparsity (the profile's allocation); given, only projections
     whose input-major product `input_major_pays` at it are thresholded, the others stay dense and
-    exact (thresholding them would cost quality and save nothing), and `dense` says why."""
+    exact (thresholding them would cost quality and save nothing), and `dense` says why. integer:
+    quantised weights' input-major kind (sparse_ops.input_sparse.input_major; None: its default)."""
     from hotcold.models.quantized import QuantLinear
     from hotcold.sparse_ops.input_sparse import input_major as make_im
 
@@ -136,7 +152,7 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
             for lin in mods[g]:
                 im, why = None, "not on the CPU"
                 if input_major and isinstance(lin, QuantLinear):
-                    im, why = make_im(lin.qweight, t), f"{lin.qweight.qtype} has no input-major form here"
+                    im, why = make_im(lin.qweight, t, integer), f"{lin.qweight.qtype} has no input-major form here"
                 elif input_major and lin.weight.device.type == "cpu":
                     im = make_im(lin.weight, t)
                     why = f"{str(lin.weight.dtype).removeprefix('torch.')} has no input-major form here"

@@ -19,7 +19,13 @@ per weight (read for every block with a surviving channel); the codes 4 (Q4) or 
 surviving weight. Other types (Q5_0, the K-quants, bf16) have no input-major form here: their
 inputs are still thresholded, multiplied dense (see executors/input_sparse.py).
 
-The kernel (`im_gemv`) selects the surviving channels once, then splits the rows between numba's
+Q4_0 / Q4_1 matrices (Q8_0 on request) are held instead, where the CPU has AVX-512 VNNI, in the
+integer layout of sparse_ops/input_sparse_int.py (kinds QI4_1, QI4_0, QI8_0): the same codes and
+scales in 128-row tiles, the kept input quantised to int8 per 32-block as the dense kernels quantise
+theirs, and integer dot products four channels at a time, 2-3x the float32 kinds' speed
+(tools/bench_input_sparse.py), so that the sparse product pays at the sparsities TEAL reaches.
+
+The float32 kernel (`im_gemv` of the other kinds) selects the surviving channels once, then splits the rows between numba's
 threads; each accumulates code * x over a block's surviving channels in float32 and applies the
 block's d and m once (m times the sum of those inputs). A counter [surviving, total] per matrix
 records the sparsity achieved.
@@ -32,11 +38,17 @@ import torch
 from numba import njit, prange
 
 from hotcold.sparse_ops.cpu import _widen, get_threads
+from hotcold.sparse_ops.quant import qgemv_rows_kernel, qgemv_x8_kernel
+from hotcold.sparse_ops.input_sparse_int import OFFSET, TILE, int_prep, int_task, pack_int, unpack_int
+from hotcold.sparse_ops.input_sparse_int import Q4_0 as INT_Q4_0, Q4_1 as INT_Q4_1, Q8_0 as INT_Q8_0
+from hotcold.sparse_ops.input_sparse_int import available as int_available
 
-__all__ = ["InputMajor", "im_gemv", "input_major", "KINDS", "sparse_linear_torch"]
+__all__ = ["InputMajor", "im_gemv", "input_major", "KINDS", "sparse_linear_torch", "im_repeat", "qdense_repeat"]
 
 F32, F16, Q4, Q8 = 0, 1, 2, 3
-KINDS = {"f32": F32, "f16": F16, "q4": Q4, "q8": Q8}
+QI4_1, QI4_0, QI8_0 = 4 + INT_Q4_1, 4 + INT_Q4_0, 4 + INT_Q8_0  # the integer kinds: 4 + int_task's format
+KINDS = {"f32": F32, "f16": F16, "q4": Q4, "q8": Q8, "qi4_1": QI4_1, "qi4_0": QI4_0, "qi8_0": QI8_0}
+_INT_KINDS = {"Q4_1": QI4_1, "Q4_0": QI4_0, "Q8_0": QI8_0}
 BLOCK = 32  # input channels per scale block of the code kinds
 _CHUNK = 256  # rows (4-bit: row pairs) per parallel task, at least: the inner loops run over a task's rows,
 # and short ones cost more than they save (4096 x 4096 Q4_1, 1 thread: 128-row tasks ran 2x slower than one)
@@ -58,13 +70,15 @@ class InputMajor:
                  codes=_NONE_U8, d=_NONE_I16, m=_NONE_I16, threads: int | None = None):
         if kind == Q4 and rows % 2:
             raise ValueError(f"4-bit input-major codes need an even row count, got {rows}")
-        if kind in (Q4, Q8) and cols % BLOCK:
+        if kind in (Q4, Q8, QI4_1, QI4_0, QI8_0) and cols % BLOCK:
             raise ValueError(f"code kinds need cols to be a multiple of {BLOCK}, got {cols}")
         self.kind, self.rows, self.cols = kind, rows, cols
         self.threshold = np.float32(threshold)
         self.wf, self.wh, self.codes, self.d, self.m = wf, wh, codes, d, m
         self.counter = np.zeros(2, np.int64)
         span = rows // 2 if kind == Q4 else rows  # the kernel splits rows (4-bit: row pairs) into tasks
+        if kind >= QI4_1:  # 128-row tiles (sparse_ops/input_sparse_int.py)
+            span = -(-rows // TILE) * TILE // 2
         self.tasks = max(1, min(threads or get_threads(), span // _CHUNK))
 
     @property
@@ -81,6 +95,14 @@ class InputMajor:
             return self.wf.T.copy()
         if self.kind == F16:
             return self.wh.view(np.float16).astype(np.float32).T.copy()
+        if self.kind >= QI4_1:
+            q = unpack_int(self.codes, self.rows, self.kind != QI8_0).T.astype(np.float32)  # [C, R]
+            d = np.repeat(self.d.view(np.float16)[:, :self.rows].astype(np.float32), BLOCK, axis=0)
+            if self.kind == QI4_1:
+                m = np.repeat(self.m.view(np.float16)[:, :self.rows].astype(np.float32), BLOCK, axis=0)
+            else:  # the file's -8 d / -128 d, rounded to fp16 as _blocks rounds them
+                m = (d * OFFSET[self.kind - 4]).astype(np.float16).astype(np.float32)
+            return (d * q + m).T.copy()
         if self.kind == Q4:
             lo, hi = self.codes & 15, self.codes >> 4
             q = np.concatenate([lo, hi], axis=1).astype(np.float32)  # [C, R]
@@ -119,14 +141,29 @@ def _blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarr
 CODE_TYPES = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8}
 
 
-def input_major(w, threshold: float) -> InputMajor | None:
+def input_major(w, threshold: float, integer: bool | None = None) -> InputMajor | None:
     """W (a QuantMatrix, or a float32/float16 [R, C] tensor or array) input-major, or None where it has
-    no exact input-major form here (other GGUF types, bfloat16, an odd row count with 4-bit codes)."""
+    no exact input-major form here (other GGUF types, bfloat16, an odd row count with 4-bit float codes).
+    integer: for the code types, the integer kinds (sparse_ops/input_sparse_int.py: x quantised to int8
+    per 32-block) rather than the float32 ones. None: where the CPU has AVX-512 VNNI and the dense
+    kernel of w quantises x too (Q4_0 / Q4_1, `formats.XQ_DEFAULT`, or an interleaved matrix), so
+    that both products round x alike; Q8_0 rows keep float x (int8 x would add ~40% to its error)."""
     from hotcold.sparse_ops.quant import QuantMatrix
 
     if isinstance(w, QuantMatrix):
         kind = CODE_TYPES.get(w.qtype)
-        if kind is None or (kind == Q4 and w.rows % 2):
+        if kind is None:
+            return None
+        if integer is None:
+            from hotcold.sparse_ops.quant.formats import XQ_DEFAULT
+
+            integer = int_available() and (w.qtype in XQ_DEFAULT or bool(w.interleaved))
+        if integer:
+            q, d, m = _blocks(np.ascontiguousarray(w.row_data()), w.qtype, w.rows, w.cols)
+            codes, db, mb = pack_int(q, d, m, kind == Q4)
+            ik = _INT_KINDS[w.qtype]
+            return InputMajor(ik, w.rows, w.cols, threshold, codes=codes, d=db, m=mb if ik == QI4_1 else _NONE_I16)
+        if kind == Q4 and w.rows % 2:
             return None
         q, d, m = _blocks(np.ascontiguousarray(w.row_data()), w.qtype, w.rows, w.cols)
         qt = np.ascontiguousarray(q.T)  # [C, R]
@@ -242,11 +279,28 @@ def _code_span(nibbles, codes, d, m, x, idx, n, lo, hi, out):
 def im_kernel(x, out, kind, thr, wf, wh, codes, d, m, counter, tasks):
     """out = W s(x) for an InputMajor's arguments (see InputMajor.args). x float32 [C]; out float32 [R]."""
     C = x.shape[0]
+    R = out.shape[0]
+    if kind >= QI4_1:
+        nb = C // 32
+        qidx, qxb = np.empty(C, np.int64), np.empty(C, np.int8)
+        bstart, bid, bxs = np.empty(nb + 1, np.int64), np.empty(nb, np.int64), np.empty(2 * nb, np.float32)
+        n, nkb = int_prep(x, thr, qidx, qxb, bstart, bid, bxs)
+        counter[0] += n
+        counter[1] += C
+        facc = np.zeros(d.shape[1], np.float32)
+        tiles = d.shape[1] // TILE
+        if tasks == 1:  # no parallel region: its launch costs microseconds, a small matrix's whole product
+            int_task(kind - 4, codes, d, m, qidx, qxb, bstart, bid, bxs, nkb, 0, tiles, facc)
+        else:
+            for t in prange(tasks):
+                int_task(kind - 4, codes, d, m, qidx, qxb, bstart, bid, bxs, nkb, tiles * t // tasks,
+                         tiles * (t + 1) // tasks, facc)
+        out[:] = facc[:R]
+        return
     idx = np.empty(C, np.int64)
     n = _select(x, thr, idx)
     counter[0] += n
     counter[1] += C
-    R = out.shape[0]
     span = R // 2 if kind == Q4 else R  # the parallel loop's range: rows, or row pairs
     for t in prange(tasks):
         lo, hi = span * t // tasks, span * (t + 1) // tasks
@@ -256,6 +310,23 @@ def im_kernel(x, out, kind, thr, wf, wh, codes, d, m, counter, tasks):
             _float_span(wh, x, idx, n, lo, hi, out)
         else:
             _code_span(kind == Q4, codes, d, m, x, idx, n, lo, hi, out)
+
+
+@njit(nogil=True, cache=True)
+def im_repeat(n, x, out, kind, thr, wf, wh, codes, d, m, counter, tasks):
+    """n calls of im_kernel in one jitted loop (for timing it as decode calls it, without Python's dispatch)."""
+    for _ in range(n):
+        im_kernel(x, out, kind, thr, wf, wh, codes, d, m, counter, tasks)
+
+
+@njit(nogil=True, cache=True)
+def qdense_repeat(n, qt, interleaved, xq, data, rows, x, out):
+    """n dense products of a QuantMatrix's arguments as the fused step calls them (models/cpu_step.py _gemv)."""
+    for _ in range(n):
+        if interleaved:
+            qgemv_x8_kernel(qt, data, x, out)
+        else:
+            qgemv_rows_kernel(qt, data, rows, x, xq, out)
 
 
 def im_gemv(im: InputMajor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

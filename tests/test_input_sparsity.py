@@ -39,15 +39,16 @@ def _x(cols: int) -> np.ndarray:
 @pytest.mark.parametrize("rows, cols", [(64, 96), (600, 256), (1030, 64)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_quantised_kernel_equals_the_dense_product(qtype, rows, cols, packed):
-    """Exact weights (the file's codes, scales and offsets, read back whole) and the product of the
-    thresholded input within float32 summation noise, for any threshold; the counter counts the kept inputs."""
+    """The float32 kinds: exact weights (the file's codes, scales and offsets, read back whole) and the
+    product of the thresholded input within float32 summation noise, for any threshold; the counter
+    counts the kept inputs. (The integer kinds: tests/test_input_sparse_int.py.)"""
     m = QuantMatrix.quantize(RNG.standard_normal((rows, cols)).astype(np.float32), qtype)
     if packed:
         m = pack_rows(m, xq=True)
     w = m.dequantize().astype(np.float64)
     x = _x(cols)
     for thr in (0.0, 0.3, float(np.quantile(np.abs(x), 0.7)), 1e9):
-        im = input_major(m, thr)
+        im = input_major(m, thr, integer=False)
         assert np.array_equal(im.dense(), m.dequantize())
         xs = np.where(np.abs(x) > thr, x, 0.0)
         want = w @ xs
@@ -75,7 +76,7 @@ def test_formats_without_an_input_major_form():
     assert input_major(m, 0.1) is None
     assert input_major(torch.randn(8, 32, dtype=torch.bfloat16), 0.1) is None
     odd = QuantMatrix.quantize(RNG.standard_normal((63, 64)).astype(np.float32), "Q4_0")
-    assert input_major(odd, 0.1) is None  # 4-bit codes pair rows
+    assert input_major(odd, 0.1, integer=False) is None  # 4-bit float32-kind codes pair rows
     assert input_major(QuantMatrix.quantize(RNG.standard_normal((63, 64)).astype(np.float32), "Q8_0"), 0.1) is not None
 
 
@@ -201,9 +202,10 @@ def test_thresholded_model_equals_hf_with_inputs_zeroed(tmp_path, family):
 @pytest.mark.parametrize("kind, im", [("q4_0", True), ("q8_0", True), ("q8_0", False)])
 def test_fused_quantised_step_equals_the_thresholded_module_path(tmp_path, kind, im):
     """The fused one-token block step (models/cpu_step.py) of a quantised, thresholded model against
-    the profiler's thresholded forward (hooks) on the same weights dequantised: the input-major kernels
-    (Q4_0, Q8_0), and the threshold-then-dense path that types without that form take (im=False; with
-    Q8_0, whose dense kernel takes float x: a Q4 one's Q8 activations would add their own noise)."""
+    the profiler's thresholded forward (hooks) on the same weights dequantised: the float32 input-major
+    kernels (Q4_0, Q8_0), and the threshold-then-dense path that types without that form take (im=False;
+    with Q8_0, whose dense kernel takes float x: a Q4 one's Q8 activations would add their own noise).
+    The integer kernels: test_integer_input_major_step_equals_threshold_then_dense."""
     lm = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
     quantize_model(lm.model, kind)
     th = _thresholds(lm.model, 1)
@@ -216,7 +218,7 @@ def test_fused_quantised_step_equals_the_thresholded_module_path(tmp_path, kind,
     with torch.inference_mode(), thresholded(ref, th):
         ref(toks)
     want = seen["want"][0]
-    applied = apply_input_sparsity(lm.model, th, input_major=im)
+    applied = apply_input_sparsity(lm.model, th, input_major=im, integer=False)
     assert applied.input_major == (7 * len(lm.model.layers) if im else 0)
     calls = []
     orig = transformer.block_step
@@ -230,6 +232,53 @@ def test_fused_quantised_step_equals_the_thresholded_module_path(tmp_path, kind,
         transformer.block_step = orig
     got = torch.cat(seen["got"], 1)
     assert calls and all(calls)  # every block took the fused step
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert 0.05 < applied.achieved() < 0.95
+
+
+@pytest.mark.parametrize("kind", ["q4_0"])  # (Q4_1 and Q8_0 kernels: tests/test_input_sparse_int.py)
+def test_integer_input_major_step_equals_the_thresholded_quantised_input(tmp_path, kind):
+    """Decode through the fused step with the integer input-major kernels against the same weights
+    dequantised, each projection's input zeroed at or below its threshold and then rounded to int8 per
+    32-block by the dense kernels' quantiser (hooks): what the kernels compute, up to float32
+    summation order (compared before the LM head, as above)."""
+    from hotcold.profiler.input_sparsity import group_modules
+    from hotcold.sparse_ops.input_sparse_int import available
+    from hotcold.sparse_ops.quant.activations import _quantize_x
+
+    if not available():
+        pytest.skip("the integer kernel needs AVX-512 VNNI")
+    lm = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    quantize_model(lm.model, kind)
+    th = _thresholds(lm.model, 1)
+    toks = torch.randint(3, 160, (1, 10), generator=torch.Generator().manual_seed(4))
+    ref = dequantize_model(copy.deepcopy(lm.model), "cpu", torch.float32)
+
+    def zero_and_round(t):  # the dense kernels' own int8 rounding of each token's thresholded input
+        def hook(mod, args):
+            x = (args[0] * (args[0].abs() > t)).reshape(-1, args[0].shape[-1]).numpy()
+            rows = []
+            for r in x:
+                xq, xd = _quantize_x(np.ascontiguousarray(r, np.float32))
+                rows.append(xq.reshape(-1, 32).astype(np.float32) * xd[0::2, None])
+            return (torch.from_numpy(np.stack(rows).reshape(args[0].shape)),)
+        return hook
+
+    for l, per in th.items():
+        for g, mods in group_modules(ref.layers[l]).items():
+            for m in mods:
+                m.register_forward_pre_hook(zero_and_round(per[g]))
+    seen = {"got": [], "want": []}
+    ref.norm.register_forward_pre_hook(lambda mod, args: seen["want"].append(args[0]))
+    lm.model.norm.register_forward_pre_hook(lambda mod, args: seen["got"].append(args[0]))
+    applied = apply_input_sparsity(lm.model, th, integer=True)
+    assert applied.input_major == 7 * len(lm.model.layers)
+    with torch.inference_mode():
+        ref(toks)
+        cache = KVCache(lm.config, 16)
+        for i in range(10):
+            lm.model(toks[:, i:i + 1], i, cache)
+    got, want = torch.cat(seen["got"], 1), seen["want"][0]
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
     assert 0.05 < applied.achieved() < 0.95
 
