@@ -142,6 +142,7 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
     from hotcold.sparse_ops.input_sparse import input_major as make_im
 
     out = InputSparsity()
+    timed: dict[tuple, bool] = {}  # input_major_pays per (matrix type, shape, kind, sparsity): timed once
     for l, per in thresholds.items():
         block = model.layers[l]
         mods = group_modules(block)
@@ -156,7 +157,7 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
                 elif input_major and lin.weight.device.type == "cpu":
                     im = make_im(lin.weight, t)
                     why = f"{str(lin.weight.dtype).removeprefix('torch.')} has no input-major form here"
-                if im is not None and sparsities is not None and not input_major_pays(lin, im, sparsities[l][g]):
+                if im is not None and sparsities is not None and not _pays(lin, im, sparsities[l][g], timed):
                     im, why = None, f"its dense kernel is faster at {sparsities[l][g]:.0%} sparsity"
                 if im is None and input_major:
                     out.dense.append(f"layer {l} {g}: {why}")
@@ -179,6 +180,17 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
             for key in ("_cpu_step", "_cpu_args"):
                 m.__dict__.pop(key, None)
     return out
+
+
+def _pays(lin, im, sparsity: float, timed: dict) -> bool:
+    # input_major_pays, timed once per kind of matrix and sparsity (a model's layers repeat a few
+    # shapes: SmolLM2's 210 projections are 4 shapes at 3 sparsities)
+    w = getattr(lin, "qweight", None)
+    key = (type(lin).__name__, w.qtype if w is not None else str(lin.weight.dtype), im.kind, im.rows, im.cols,
+           round(float(sparsity), 4))
+    if key not in timed:
+        timed[key] = input_major_pays(lin, im, sparsity)
+    return timed[key]
 
 
 def _rows(lin) -> int:
