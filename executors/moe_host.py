@@ -13,7 +13,7 @@ import torch
 from hotcold.executors.stats import now
 from hotcold.executors.weights import ColdFFN
 from hotcold.sparse_ops.cpu import ffn_rows, ffn_rows_batch
-from hotcold.sparse_ops.quant import qexpert_batch, qexperts_tokens, qexperts_trusted
+from hotcold.sparse_ops.quant import qexpert_batch, qexperts_routed, qexperts_tokens, qexperts_trusted
 from hotcold.sparse_ops.quant.ops import GEMM_BF16
 
 
@@ -108,11 +108,15 @@ class MoEJob:
         self.input_wait_s, self.cpu_s = t1 - t0, now() - t1
 
     def _run_whole(self) -> None:
-        """Quantised experts (ColdFFN.down): one token's routed CPU experts in one `qexperts` call;
+        """Quantised experts (ColdFFN.down): one token's routed CPU experts in one `qexperts_routed` call;
         several tokens' in one `qexperts_tokens` call, but for an expert routed by at least
         EXPERT_BATCH_TOKENS of them, decoded once for all of them instead (`qexpert_batch`)."""
         c = self.cold
-        if len(self.x) == 1:  # decode: the routed host experts straight from the routing, one call
+        if len(self.x) == 1 and not self.skip:  # decode: selection and kernel in one call
+            self.pairs = qexperts_routed(self.x[0], self.ids[0], self.weights[0], self.pos, c.gate, c.up, c.down, c.act,
+                                         self.out[0])
+            return
+        if len(self.x) == 1:  # decode, some experts found in the expert cache: the rest in one call
             p = self.pos[self.ids[0]]  # [k] positions, -1 on the fast tier
             here = p >= 0
             if self.skip:

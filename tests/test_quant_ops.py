@@ -472,6 +472,26 @@ def test_qexperts_one_token(gtype, dtype, packed):
     assert np.array_equal(empty, out0)
 
 
+@pytest.mark.parametrize("gtype,dtype,packed", [("Q4_0", "Q4_0", True), ("Q4_K", "Q6_K", True), ("Q5_0", "Q5_1", False)])
+def test_qexperts_routed(gtype, dtype, packed):
+    """The decode step's call (selection and kernel in one) equals `qexperts` over the routed experts
+    held here, in routing order; experts elsewhere (-1) are skipped; out is overwritten; none held
+    leaves out zero."""
+    plain = expert_stacks(gtype, dtype)
+    gate, up, down = (quant.pack_rows(m) for m in plain) if packed else plain
+    x = np.random.default_rng(33).standard_normal(gate.cols).astype(np.float32)
+    pos = np.array([-1, 4, -1, 0, 2, -1, 1, 3], np.int64)  # 8 experts, 5 of them here
+    ids, w = np.array([6, 0, 4, 1, 3], np.int64), np.array([0.3, 0.25, 0.2, 0.15, 0.1], np.float32)
+    want = np.zeros(gate.cols, np.float32)  # ids 6, 4, 1, 3 are here, at positions 1, 2, 4, 0
+    quant.qexperts(x, np.array([1, 2, 4, 0]), np.array([0.3, 0.2, 0.15, 0.1], np.float32), gate, up, down, "silu",
+                   out=want)
+    out = np.full(gate.cols, 7.0, np.float32)
+    assert quant.qexperts_routed(x, ids, w, pos, gate, up, down, "silu", out) == 4
+    assert np.array_equal(out, want)
+    assert quant.qexperts_routed(x, np.array([0, 2], np.int64), w[:2], pos, gate, up, down, "silu", out) == 0
+    assert not out.any()
+
+
 @pytest.mark.parametrize("gtype,dtype", EXPERT_TYPES)
 @pytest.mark.parametrize("packed", [False, True])
 def test_qexperts_tokens(gtype, dtype, packed):

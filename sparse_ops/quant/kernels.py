@@ -1,5 +1,6 @@
 """The numba kernels over a selection of rows: spans dispatched by type, GEMV / axpy over rows, the
-fused one-token FFN, whole experts (one token and several) and the dequantisation."""
+fused one-token FFN, whole experts (the spans of one expert, several tokens over GGUF rows) and the
+dequantisation."""
 
 from __future__ import annotations
 
@@ -223,54 +224,11 @@ def _expert_down_span(qd, down, d_x8, first, k, D, lo, hi, I, h, hs, hq, hd, xq_
 
 
 @njit(**_JIT)
-def qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I, act, xq_up, xq_down, out):
-    # One token through n whole experts (MoE decode). Expert k's gate / up rows are [first[k] I,
-    # (first[k] + 1) I) of gate / up (type qu); its W_down, as GGUF stores it (blocks along the neuron
-    # axis), rows [first[k] D, (first[k] + 1) D) of down (type qd). gu_x8 / d_x8: the matrices are
-    # interleaved (pack_rows; Q8 activations). Two parallel phases (each a fork/join of the thread
-    # team): (1) per task, 32 rows of one expert: g, u, h = act(g) u coef[k], and h's sums of 16 and
-    # Q8 blocks (when xq_down); (2) per task, a span of output rows d: part[k D + d] = W_down_k[d] .
-    # h_k for every expert k over its own blocks, then out[d] += their sum (in k order).
-    n, D = first.shape[0], x.shape[0]
-    K = n * I
-    xs = _sums16(x)
-    if xq_up:
-        xq, xd = _quantize_x(x)
-    else:
-        xq, xd = np.empty(0, np.int8), np.empty(0, np.float32)
-    g = np.empty(K, np.float32)
-    u = np.empty(K, np.float32)
-    h = np.empty(K, np.float32)
-    hs = np.empty(K // 16, np.float32)  # I is a multiple of 32: no block straddles two experts
-    hq = np.empty(K if xq_down else 0, np.int8)
-    hd = np.empty(K // 16 if xq_down else 0, np.float32)
-    step = 4 * _BLOCK  # rows per task: a multiple of X8 and of the 32 of a Q8 block
-    ni = (I + step - 1) // step
-    for t in prange(n * ni):
-        k, c = t // ni, t % ni
-        lo, hi = c * step, min(I, (c + 1) * step)
-        _expert_h_span(qu, gate, up, gu_x8, first, k, I, lo, hi, x, xs, xq, xd, xq_up, coef, act, xq_down, g, u, h, hs,
-                       hq, hd)
-    part = np.empty(n * D, np.float32)
-    sd = 2 * _BLOCK  # output rows per task (a multiple of X8)
-    nd = (D + sd - 1) // sd
-    for c in prange(nd):
-        lo, hi = c * sd, min(D, (c + 1) * sd)
-        for k in range(n):
-            _expert_down_span(qd, down, d_x8, first, k, D, lo, hi, I, h, hs, hq, hd, xq_down, part)
-        for d in range(lo, hi):
-            acc = np.float32(0.0)
-            for k in range(n):
-                acc += part[k * D + d]
-            out[d] += acc
-
-
-@njit(**_JIT)
 def _qexperts_pairs_kernel(X, tok, first, coef, starts, qu, gate, up, gu_x8, qd, down, d_x8, I, act, xq_up, xq_down,
                            out):
     # Several tokens through whole experts (MoE prefill): pair j is token tok[j] through the expert at
     # position first[j] with weight coef[j]; the pairs are grouped by expert, group k = pairs
-    # [starts[k], starts[k+1]). qexperts_one_kernel's two phases over pairs instead of experts:
+    # [starts[k], starts[k+1]). experts_one.qexperts_one_kernel's two phases over pairs instead of experts:
     # (1) per task, 32 rows of one expert for each of its pairs (the rows stay in cache across the
     # pairs: each expert's gate/up is read once per call, not once per token); (2) per span of output
     # rows, every pair's down rows, summed per token in pair order into out[tok[j]] (+=).

@@ -9,8 +9,9 @@ from hotcold.sparse_ops.selection import ACTS, as_rows, batch_input, get_threads
 from . import formats
 from .formats import _XQ_TYPES, QTYPES, X8
 from .interleaved import _interleave, _x8_dequant_kernel, qgemv_x8_kernel
+from .experts_one import qexperts_one_kernel, qexperts_routed_kernel
 from .kernels import (_qaxpy_rows_kernel, _qdequant_bf16_kernel, _qexperts_pairs_kernel, qdequant_kernel,
-                      qexperts_one_kernel, qffn_one_kernel, qgemv_rows_kernel)
+                      qffn_one_kernel, qgemv_rows_kernel)
 from .matrix import QuantMatrix, _check_m
 from .tiles import qexperts_tiles
 
@@ -243,7 +244,8 @@ def qexperts(x: np.ndarray, experts: np.ndarray, coef: np.ndarray, gate: QuantMa
     expert's W_down as GGUF stores it (blocks along I; rows [e*D, (e+1)*D)): read in place, no
     transposed copy. Q8 activations where the type is in `formats.XQ_DEFAULT` (x for gate/up, each expert's h
     for down). One call, two parallel phases: the experts' gate/up rows with the activation, then
-    the down GEMVs, summed per span of output rows."""
+    the down GEMVs, summed per span of output rows in the experts' order (over interleaved stacks
+    with silu, bit for bit what `qexperts_tokens` gives the token for its experts in that order)."""
     e, i, d = check_expert_stacks(gate, up, down, act)
     x = _as_f32(x, (d,), "x")
     experts = as_rows(experts, e)
@@ -272,6 +274,18 @@ def qexperts_trusted(x: np.ndarray, experts: np.ndarray, coef: np.ndarray, gate:
                              down.interleaved, down.cols, ACTS[act], up.interleaved or up.qtype in formats.XQ_DEFAULT,
                              down.interleaved or down.qtype in formats.XQ_DEFAULT, out)
     return out
+
+
+def qexperts_routed(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, pos: np.ndarray, gate: QuantMatrix,
+                    up: QuantMatrix, down: QuantMatrix, act: str, out: np.ndarray) -> int:
+    """One decode token's routed experts held here, selected and computed in one kernel call, without
+    argument checks (as `qexperts_trusted`): out = sum_j weights[j] * expert pos[ids[j]] (x) over the j
+    with pos[ids[j]] >= 0, in routing order (out overwritten). ids int64 [k] in range of pos, weights
+    float32 [k], pos int64 [E] (positions in the stacks, -1 elsewhere). Returns the experts computed.
+    The MoE executor's decode step: the selection in numpy cost ~5 µs a layer."""
+    return qexperts_routed_kernel(x, ids, weights, pos, up._id, gate.data, up.data, up.interleaved, down._id, down.data,
+                                  down.interleaved, down.cols, ACTS[act], up.interleaved or up.qtype in formats.XQ_DEFAULT,
+                                  down.interleaved or down.qtype in formats.XQ_DEFAULT, out)
 
 
 def qexperts_tokens(X: np.ndarray, experts: np.ndarray, coef: np.ndarray, gate: QuantMatrix, up: QuantMatrix,
