@@ -34,7 +34,8 @@ gives the median, p10 and p90 µs of a call; MB / call = distinct routed experts
 the calls) x the engine's weight bytes of one expert (gate + up + down) in its own format: Q4_0 18
 bytes per 32 weights (ours and LLAMAFILE), AMXINT4 / AMXINT8 4 / 8 bits a weight plus an fp32
 scale per row; GB/s = MB / call over the median. ours / theirs = their median / ours (> 1: ours is
-faster).
+faster). A last table puts ours beside the fastest kt-kernel method at each thread count and
+token count.
 
 Check: on the first routing of layer 0, each engine's output against a float64 reference computed
 from the dequantised Q4_0 weights (gguf-py's decoder) on the same bfloat16-rounded input: relative
@@ -244,6 +245,30 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[Row]) -> str:
+    """Per (threads, tokens): ours against the fastest kt-kernel method of the same run (its median),
+    the ratio their µs / ours (> 1: ours faster) and each one's GB/s of expert weights."""
+    head = "| threads | tokens | ours µs | best kt µs | best kt      | ours / best kt | ours GB/s | kt GB/s |"
+    lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
+    for key in dict.fromkeys((r.threads, r.tokens) for r in rows):
+        got = [r for r in rows if (r.threads, r.tokens) == key and r.calls]
+        ours = next((r for r in got if r.engine == "ours"), None)
+        theirs = sorted((r for r in got if r.engine != "ours"), key=lambda r: r.us)
+        if ours is None or not theirs:
+            continue
+        kt = theirs[0]
+        lines.append(f"| {key[0]:>7} | {key[1]:>6} | {ours.us:>7.0f} | {kt.us:>10.0f} | {kt.engine:<12} | "
+                     f"{kt.us / ours.us:>13.2f}x | {ours.gb_s:>9.1f} | {kt.gb_s:>7.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _print_summary(rows: list[Row]) -> None:
+    text = summary(rows)
+    if text:
+        print("\nours against the fastest kt-kernel method:\n")
+        print(text)
+
+
 def _as_dict(r: Row) -> dict:
     d = {k: v for k, v in r.__dict__.items() if k != "times"}
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in d.items()}
@@ -378,6 +403,7 @@ def parent(argv: list[str], args, kt) -> int:
             status = max(status, rc)
     print("\nall thread counts:\n")
     print(table([_row(r) for r in rows]))
+    _print_summary([_row(r) for r in rows])
     _footer(failures)
     if args.json:
         with open(args.json, "w") as f:
@@ -479,6 +505,7 @@ def _run(args, kt, T_threads: int) -> int:
                 e.close()
         if workdir is not None and args.kt_dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    _print_summary(rows)
     _footer(failures)
     if args.json:
         with open(args.json, "w") as f:

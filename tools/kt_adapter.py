@@ -102,10 +102,11 @@ class Kt:
             from kt_kernel.utils.llamafile import LlamafileMoEWrapper
 
             LlamafileMoEWrapper._gguf_loader_instance = _Blocks(layers, args.qtype)  # (its loader singleton)
+        chunk = -(-max(args.tokens) // 32) * 32  # the AMX methods' buffers: a multiple of their M_STEP (32)
         for n, layer in enumerate(layers):
             kw = dict(layer_idx=n, num_experts=E, num_experts_per_tok=k, hidden_size=D, moe_intermediate_size=I,
                       gpu_experts_mask=None, cpuinfer_threads=threads, threadpool_count=args.kt_pools,
-                      weight_path=str(path), chunked_prefill_size=max(args.tokens), method=method)
+                      weight_path=str(path), chunked_prefill_size=chunk, method=method)
             try:
                 with _unpinned(torch):
                     wrapper = kt.KTMoEWrapper(**kw)
