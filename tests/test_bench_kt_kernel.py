@@ -209,10 +209,19 @@ def test_kt_half_against_a_stand_in_kt_kernel(tmp_path, monkeypatch, capsys):
     assert bk.main(["--threads", "2", "--tokens", "1,16", "--experts", "16", "--hidden", "256", "--inter", "256",
                     "--layers", "3", "--repeats", "1", "--burst", "1", "--gap-ms", "0",
                     "--kt-dir", str(tmp_path / "kt"), "--json", str(out)]) == 0  # (LLAMAFILE needs the intermediate size a multiple of 256)
-    text = capsys.readouterr().out
+    text, best = capsys.readouterr().out.split("ours against the fastest kt-kernel method:")
     rows = table_rows(text)
     engines = ["ours", "kt LLAMAFILE", "kt AMXINT4", "kt AMXINT8"]
     assert [(r[1], r[2]) for r in rows] == [(t, e) for t in ("1", "16") for e in engines]
+    # the summary: per token count, ours beside the fastest kt method of the same run, ratio theirs / ours
+    summary = [r for r in table_rows(best) if r[1] != "tokens"]
+    assert [r[1] for r in summary] == ["1", "16"]
+    for s, t in zip(summary, ("1", "16")):
+        mine = [r for r in rows if r[1] == t]
+        kt = min(mine[1:], key=lambda r: float(r[3]))
+        assert s[4] == kt[2] and float(s[3]) == pytest.approx(float(kt[3]), abs=0.51)
+        assert float(s[2]) == pytest.approx(float(mine[0][3]), abs=0.51)
+        assert float(s[5].rstrip("x")) == pytest.approx(float(kt[3]) / float(mine[0][3]), rel=0.02, abs=0.01)
     for r in rows:
         assert float(r[8]) < 0.03  # the stand-in computes in float: the same function, bfloat16 rounding aside
         assert (r[9] == "") == (r[2] == "ours") and (r[2] == "ours" or float(r[9].rstrip("x")) > 0)
@@ -220,7 +229,8 @@ def test_kt_half_against_a_stand_in_kt_kernel(tmp_path, monkeypatch, capsys):
     assert float(rows[2][6]) == pytest.approx(8 * (3 * 256 * 256 / 2 + 4 * (2 * 256 + 256)) / 1e6, abs=0.006)
     assert len(made) == 3 * 3  # three layers, three methods
     assert {(m["method"], m["layer_idx"]) for m in made} == {(m, n) for m in bk.KT_METHODS for n in range(3)}
-    assert all(m["cpuinfer_threads"] == 2 and m["chunked_prefill_size"] == 16 and m["gpu_experts_mask"] is None
+    # (the chunk: the most tokens, rounded up to the AMX methods' M_STEP of 32 rows)
+    assert all(m["cpuinfer_threads"] == 2 and m["chunked_prefill_size"] == 32 and m["gpu_experts_mask"] is None
                for m in made)
     data = json.loads(out.read_text())
     assert data["failures"] == [] and data["settings"]["kt_kernel"] == "0.6.1"

@@ -62,6 +62,7 @@ CALLS = [
     (hybrid.HybridFFN, "_receive", "receive"),
     (moe_host.MoEJob, "run", "job.run"),
     (ColdJob, "run", "job.run"),
+    (moe_host, "qexperts_routed", "qexperts"),  # one token's routed experts (decode)
     (moe_host, "qexperts_trusted", "qexperts"),
 ]
 if torch.cuda.is_available():
