@@ -47,7 +47,7 @@ from numba.np.ufunc.parallel import _launch_threads
 
 from hotcold.sparse_ops.cpu import ACTS, HostMatrix, _ffn_one_kernel
 from hotcold.sparse_ops import quant as block_quant  # its XQ_DEFAULT read when a node is built (tests patch it)
-from hotcold.sparse_ops.quant import QuantMatrix, qexperts_one_kernel, qffn_one_kernel
+from hotcold.sparse_ops.quant import QuantMatrix, held_experts, qexperts_one_kernel, qffn_one_kernel
 
 # the control block: int64 [N_CTL]; every node's starts with THREADS, STATUS, CALLS, BUSY_NS
 THREADS, STATUS, CALLS, BUSY_NS = range(4)
@@ -135,23 +135,12 @@ def _host_experts(user):
     up = numba.carray(_void_ptr(ctl[UP]), (ctl[UP_R], ctl[UP_C]), np.uint8)
     down = numba.carray(_void_ptr(ctl[DOWN]), (ctl[DOWN_R], ctl[DOWN_C]), np.uint8)
     out[:] = 0.0
-    n = 0
-    for j in range(ids.shape[0]):
-        e = ids[j]
-        if e < 0 or e >= pos.shape[0]:
+    for j in range(ids.shape[0]):  # a router's id outside the table: the step fails, nothing is read
+        if ids[j] < 0 or ids[j] >= pos.shape[0]:
             ctl[STATUS] = -1
             return
-        if pos[e] >= 0:
-            n += 1
-    first = np.empty(n, np.int64)
-    coef = np.empty(n, np.float32)
-    n = 0
-    for j in range(ids.shape[0]):
-        p = pos[ids[j]]
-        if p >= 0:
-            first[n] = p
-            coef[n] = w[j]
-            n += 1
+    first, coef = held_experts(ids, w, pos)
+    n = first.shape[0]
     if n:
         qexperts_one_kernel(x, first, coef, ctl[QU], gate, up, ctl[GU_X8] != 0, ctl[QD], down, ctl[D_X8] != 0,
                              ctl[HIDDEN], ctl[ACT], ctl[XQ_UP] != 0, ctl[XQ_DOWN] != 0, out)

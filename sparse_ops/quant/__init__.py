@@ -26,14 +26,14 @@ Settings read at call time live in their module, where tests patch them: `format
 from . import jit_cache # noqa: F401 before any kernel is defined
 from .formats import DOWN_T_DEFAULT, PACK_DEFAULT, QTYPES, X8, X8_FIELDS, qtype_name
 from .interleaved import qgemv_x8_kernel
-from .experts_one import qexperts_one_kernel
+from .experts_one import held_experts, qexperts_one_kernel
 from .kernels import qffn_one_kernel, qgemv_rows_kernel
 from .matrix import QuantMatrix, random_matrix, transpose_quantized
 from .ops import (check_expert_stacks, gemm_operands, gemm_scratch, pack_rows, qaxpy_rows, qdequantize, qexpert_batch,
                   qexperts, qexperts_routed, qexperts_tokens, qexperts_trusted, qffn_rows, qffn_rows_batch, qgemv, qgemv_rows)
 from .quantise import dequantize_rows, quantize_rows
 
-__all__ = ["jit_cache", "QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize",
+__all__ = ["jit_cache", "held_experts", "QuantMatrix", "qgemv_rows", "qgemv", "qaxpy_rows", "qffn_rows", "qffn_rows_batch", "qdequantize",
            "qexperts", "qexperts_routed", "qexperts_trusted", "qexperts_tokens", "check_expert_stacks", "qexpert_batch", "gemm_operands",
            "gemm_scratch", "transpose_quantized", "quantize_rows", "dequantize_rows", "random_matrix", "pack_rows",
            "QTYPES", "DOWN_T_DEFAULT", "PACK_DEFAULT", "X8", "X8_FIELDS", "qtype_name", "qgemv_rows_kernel",

@@ -221,10 +221,9 @@ def qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I, 
 
 
 @njit(nogil=True, cache=True)
-def qexperts_routed_kernel(x, ids, w, pos, qu, gate, up, gu_x8, qd, down, d_x8, I, act, xq_up, xq_down, out):
-    # One token's routed experts that this host holds (MoE decode): out = the sum over j, in routing
-    # order, of w[j] * expert pos[ids[j]] (x) for the j with pos[ids[j]] >= 0 (-1: computed elsewhere);
-    # the selection and the kernel in one call. Returns how many experts were computed.
+def held_experts(ids, w, pos):
+    # One token's routed experts that this host holds, in routing order: (their positions in the
+    # stack, their routing weights) for the j with pos[ids[j]] >= 0 (-1: computed elsewhere).
     n = 0
     for j in range(ids.shape[0]):
         if pos[ids[j]] >= 0:
@@ -238,6 +237,16 @@ def qexperts_routed_kernel(x, ids, w, pos, qu, gate, up, gu_x8, qd, down, d_x8, 
             first[n] = p
             coef[n] = w[j]
             n += 1
+    return first, coef
+
+
+@njit(nogil=True, cache=True)
+def qexperts_routed_kernel(x, ids, w, pos, qu, gate, up, gu_x8, qd, down, d_x8, I, act, xq_up, xq_down, out):
+    # One token's routed experts that this host holds (MoE decode): out = the sum over j, in routing
+    # order, of w[j] * expert pos[ids[j]] (x) over `held_experts`; the selection and the kernel in one
+    # call. Returns how many experts were computed.
+    first, coef = held_experts(ids, w, pos)
+    n = first.shape[0]
     out[:] = 0.0
     if n:
         qexperts_one_kernel(x, first, coef, qu, gate, up, gu_x8, qd, down, d_x8, I, act, xq_up, xq_down, out)
