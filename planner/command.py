@@ -56,7 +56,9 @@ def plan(
     ram: Optional[str] = typer.Option(None, "--ram", help="Host memory hotcold may use (default: available RAM)."),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=1, help="Context length the KV cache must hold "
                                                                  "(default: the model's, up to 4096)."),
-    batch: int = typer.Option(1, "--batch", min=1, help="Sequences decoded together."),
+    batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Sequences decoded together: the budget "
+                                        "holds their KV caches (--ctx each) and `hotcold serve` decodes as many "
+                                        "together by default (default: 1, and serve's own default)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight storage at run time: bf16, f16, f32 or i8."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="profile.safetensors or its folder "
                                                                    "(default: the model's own)."),
@@ -158,7 +160,7 @@ def plan(
         constants = dataclasses.replace(constants, workspace_bytes=sizes["--workspace"])
     if expert_cache is not None:
         constants = dataclasses.replace(constants, expert_cache_bytes=sizes["--expert-cache"])
-    req = PlanRequest(vram=vram_b, ram=ram_b, ctx=ctx_n, fmt=fmt, batch=batch, block_size=block, solver=solver,
+    req = PlanRequest(vram=vram_b, ram=ram_b, ctx=ctx_n, fmt=fmt, batch=batch or 1, block_size=block, solver=solver,
                       time_limit=time_limit, gap=gap, threads=threads, explain=explain, constants=constants)
     result, req, choice, line = _plan_gpu_weights(cfg, stats, hw, req, int4, gpu_int4, measured)
     if line and not as_json:
@@ -166,6 +168,7 @@ def plan(
     meta = plan_json(result, req, fingerprint=info.fingerprint, model=info.path, model_type=cfg.model_type, hw=hw,
                      hw_file=hw_file, profile_source=source, sparsity=sparsity)
     meta["weights"]["gpu_int4_choice"] = choice
+    meta["budget"]["batch_set"] = batch is not None  # serve's --parallel default follows a chosen batch only
     if pred_off_reason and any(le["predictor"] == "off" for le in meta["layers"]):
         meta["predictors_off_reason"] = pred_off_reason
     folder = artifact_dir(info.path, info.fingerprint, out)

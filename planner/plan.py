@@ -73,6 +73,12 @@ class Plan:
         return t
 
     @property
+    def batch(self) -> int | None:
+        """The sequences whose KV caches the budget holds, where `plan --batch N` chose them (None:
+        planned for one sequence by default)."""
+        return planned_batch(self.meta)
+
+    @property
     def predicted_tok_per_s(self) -> float:
         return float(self.meta["predicted"]["tokens_per_s"])
 
@@ -91,6 +97,23 @@ class Plan:
         """Whether W_down's hot columns are requantised to int4 too (None: the plan does not say)."""
         v = self.meta.get("weights", {}).get("gpu_int4_down")
         return None if v is None else bool(v)
+
+
+def planned_batch(meta: dict) -> int | None:
+    """plan.json's batch where `plan --batch` set it, else None (plans without the record: None)."""
+    budget = meta.get("budget", {})
+    return int(budget["batch"]) if budget.get("batch_set") and budget.get("batch") else None
+
+
+def read_plan_json(path: Path) -> dict | None:
+    """plan.json beside plan.safetensors (or in the folder `path`), without the tensors; None when
+    it is missing or unreadable (loading the plan reports that)."""
+    path = Path(path).expanduser()
+    folder = path if path.is_dir() else path.parent
+    try:
+        return json.loads((folder / PLAN_JSON).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def write_plan(folder: Path, tensors: dict[str, np.ndarray], meta: dict) -> list[Path]:

@@ -23,8 +23,9 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     max_concurrency: int = typer.Option(8, "--max-concurrency", min=1,
                                         help="Most requests admitted (running + waiting); more get 429."),
-    parallel: int = typer.Option(4, "--parallel", min=1, help="Requests decoded together (continuous batching, on "
-                                 "the CPU; a model on a GPU runs one at a time)."),
+    parallel: Optional[int] = typer.Option(None, "--parallel", min=1, help="Requests decoded together (continuous "
+                                           "batching, on the CPU; a model on a GPU runs one at a time). Default: "
+                                           "the plan's batch (`hotcold plan --batch N`), else 4."),
     cache_slots: Optional[int] = typer.Option(None, "--cache-slots", min=1, help="KV slots of --ctx tokens kept "
                                               "as a prefix cache, running ones included (default: 2 x --parallel; "
                                               "memory is committed as they fill)."),
@@ -58,8 +59,10 @@ def serve(
     from hotcold.server.app import create_app
     from hotcold.server.engine import ServingEngine
 
+    from hotcold.planner.plan import find_plan, read_plan_json
+
     path = (model if model is not None else default_model_path()).expanduser()
-    describe_model(path)  # a missing, foreign or cut-off model file, said before the server starts
+    info = describe_model(path)  # a missing, foreign or cut-off model file, said before the server starts
     resolve_dtype(dtype, resolve_device(device))  # bad options fail before the server starts
     if plan is not None:
         from hotcold.planner.plan import check_plan_path
@@ -72,10 +75,14 @@ def serve(
 
         if quantize not in QUANTIZE_TYPES:  # before the server starts
             raise HotcoldError(f"--quantize: unknown type '{quantize}' (use {', '.join(QUANTIZE_TYPES)})")
+    plan_path = None if no_plan else find_plan(info.path, info.fingerprint, plan)
+    parallel, warning = resolve_parallel(parallel, read_plan_json(plan_path) if plan_path is not None else None)
     name = model_name or (path.stem if path.is_file() else path.name)
     sock = _listen(host, port)
 
     _log_to_console()
+    if warning:
+        log.warning("%s", warning)
     log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
     engine = ServingEngine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4, map_experts,
                                          input_sparse=not no_sparse),
@@ -89,6 +96,29 @@ def serve(
         engine.close()
     if engine.load_error:
         raise HotcoldError(engine.load_error)
+
+
+def resolve_parallel(parallel: Optional[int], plan_meta: Optional[dict]) -> tuple[int, Optional[str]]:
+    """(sequences decoded together, a warning or None): --parallel where given, else the batch the
+    plan was made for (`plan --batch N`), else DEFAULT_PARALLEL. The plan's budget holds the KV caches
+    of its batch only (one sequence when made without --batch): a --parallel beyond it is warned of."""
+    from hotcold.planner.plan import planned_batch
+    from hotcold.server.engine import DEFAULT_PARALLEL
+
+    if plan_meta is None:
+        return parallel or DEFAULT_PARALLEL, None
+    planned = planned_batch(plan_meta)
+    if parallel is None:
+        return planned or DEFAULT_PARALLEL, None
+    held = planned or int(plan_meta.get("budget", {}).get("batch", 1))
+    if parallel <= held:
+        return parallel, None
+    kv = f"the plan's budget holds the KV cache{'s' if held > 1 else ''} of {held} sequence{'s' if held > 1 else ''}"
+    if plan_meta.get("mode") == "cpu":
+        return parallel, (f"--parallel {parallel}: {kv}; {parallel} may not fit its RAM (`hotcold plan --batch "
+                          f"{parallel}` accounts them)")
+    return parallel, (f"--parallel {parallel}: {kv} in VRAM, so {parallel} may not fit there (`hotcold plan --batch "
+                      f"{parallel}` accounts them); a model on a GPU runs one sequence at a time so far")
 
 
 def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None,

@@ -162,7 +162,8 @@ class ServingEngine:
         log.info("model %s ready (context %d, %s)", lm.name, self.generator.max_context,
                  f"{self.parallel} sequences at a time, {self._cache_slots} KV slots of "
                  f"{self.slots.cache.slot_nbytes() / 2**20:.0f} MiB each (committed as they fill)" if batched
-                 else "one sequence at a time")
+                 else "one sequence at a time: a model on a GPU or split by its plan does not batch yet, "
+                 "whatever --parallel says")
         try:
             self._serve_batched() if batched else self._serve()
         finally:
