@@ -160,7 +160,10 @@ def decode_rows(model, tokens: list[int], positions: list[int], cache: SlotCache
     B = len(tokens)
     views = [cache.view(s) for s in slots]
     pos_t = [torch.tensor([p]) for p in positions]
-    x = torch.cat([model.embed_tokens(torch.tensor([[t]]), p) for t, p in zip(tokens, pos_t)])  # [B, 1, D]
+    if hasattr(model, "project_in"):  # a matrix product, whose rounding may depend on the rows it is given
+        x = torch.cat([model.embed_tokens(torch.tensor([[t]]), p) for t, p in zip(tokens, pos_t)])  # [B, 1, D]
+    else:  # one lookup for all rows (a table row each, scaled, plus its position's row where learned)
+        x = model.embed_tokens(torch.tensor(tokens).reshape(B, 1), torch.tensor(positions).reshape(B, 1))
     slots_np, pos_np = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
     tables: dict = {}  # rotary key -> (cos, sin) for this step
     for i, block in enumerate(model.layers):

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,6 +30,23 @@ from hotcold.server.batching import Sequence, Slots
 log = logging.getLogger("hotcold.server")
 DEFAULT_CTX = 4096  # without --ctx: the model's context up to this (the KV cache grows to it)
 DEFAULT_PARALLEL = 4  # sequences decoded together on the CPU
+
+
+@contextmanager
+def one_torch_thread():
+    """torch's own operations on one thread within: a token's sampling operations are small (the
+    largest: over the vocabulary's logits), each one an OpenMP region on the cores whose numba kernel
+    threads have just run; 2 cores, SmolLM2's 49k logits, a busy machine: sampling a
+    token took 5-8 ms on 2 threads against 0.3-0.6 ms on one. (The numba kernels keep their threads.)"""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class Busy(Exception):
@@ -228,7 +246,8 @@ class ServingEngine:
                 if seq.prefilling:
                     self._guarded(seq.job, seq.prefill_chunk, seq)
                 if not seq.done and seq.logits is not None:  # (a prompt just prefilled samples at once)
-                    event = self._guarded(seq.job, seq.sample, seq)
+                    with one_torch_thread():
+                        event = self._guarded(seq.job, seq.sample, seq)
                     if event is not None:
                         seq.job._put(event)
                         if seq.done:

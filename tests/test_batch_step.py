@@ -49,16 +49,29 @@ def test_float_models_batch_row_by_row_exactly(family, tiny_dir):
     _compare(load_model(make_tiny(family, tiny_dir), "cpu", "float32"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral"])
-def test_quantised_blocks_batch_in_one_call_exactly(family, tiny_dir):
+@pytest.mark.parametrize("family, packed", [("llama", False), ("qwen3", False), ("gemma3", False), ("mistral", False),
+                                            ("llama", True), ("gemma3", True)])
+def test_quantised_blocks_batch_in_one_call_exactly(family, packed, tiny_dir):
+    """packed: the matrices interleaved as a dense load leaves them (pack_for_decode), which the
+    batched GEMV dots in tiles of rows."""
+    from hotcold.models.quantized import pack_for_decode
+
     lm = load_model(make_tiny(family, tiny_dir), "cpu", "float32", quantize="q4_0")
+    if packed:
+        assert pack_for_decode(lm.model) > 0
     with torch.inference_mode():  # the fused batched block runs
         assert all(batch_step._fused_args(b) is not None for b in lm.model.layers)
     _compare(lm)
 
 
-def test_smollm2_batches_exactly(smollm2_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_smollm2_batches_exactly(smollm2_path, packed):
+    from hotcold.models.quantized import pack_for_decode
+
     lm = load_model(smollm2_path, "cpu")
+    if packed:  # as `hotcold serve` loads it: interleaved matrices, the tied Q8_0 head too
+        pack_for_decode(lm.model)
+        assert lm.model.embed.qweight.interleaved
     assert batch_step._head_matrix(lm.model) is not None  # the quantised head in one batched GEMV too
     prompts = [lm.tokenizer.encode(t) for t in ("Once upon a time", "The capital of France is",
                                                 "def fibonacci(n):", "1, 2, 3, 4,")]
@@ -79,17 +92,19 @@ def test_copy_prefix_and_views(tiny_dir):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_batched_gemv_rows_equal_one_token_gemv(qtype, packed):
-    """Each row of qgemv_batch is qgemv's for that row, bit for bit."""
+@pytest.mark.parametrize("rows", [1, 2, 7, 9, 17])
+def test_batched_gemv_rows_equal_one_token_gemv(qtype, packed, rows):
+    """Each row of qgemv_batch is qgemv's for that row, bit for bit (an interleaved matrix with more
+    than 8 rows: in tiles of near-equal sizes; 104 weight rows: 13 groups, the last one alone)."""
     from hotcold.models.batch_gemv import qgemv_batch
     from hotcold.sparse_ops.quant import pack_rows, qgemv, random_matrix
     from hotcold.sparse_ops.quant.formats import PACK_DEFAULT
 
-    m = random_matrix(qtype, (96, 256), seed=2)
+    m = random_matrix(qtype, (104, 256), seed=2)
     if packed:
         if qtype not in PACK_DEFAULT:
             pytest.skip(f"{qtype} is not interleaved")
         m = pack_rows(m)
-    X = torch.randn(7, 256).numpy()
+    X = torch.randn(rows, 256).numpy()
     ref = np.stack([qgemv(m, x) for x in X])
     assert np.array_equal(qgemv_batch(m, X), ref)
