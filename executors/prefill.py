@@ -146,7 +146,13 @@ PIN_MIN_BYTES = 1 << 20  # smaller matrices may share pages with other allocatio
 def pin_host(cold: ColdFFN) -> list[int]:
     """Page-lock the cold matrices in place (cudaHostRegister) so streaming copies run at pinned
     speed; returns the registered pointers. Where registering is unavailable or fails, copies still
-    work (at pageable speed)."""
+    work (at pageable speed).
+
+    Read-only arrays (a model file's or a layout cache's mapping, as `--map-experts` and the split
+    cache give) are left pageable: cudaHostRegister refuses read-only pages without a flag not every
+    device supports, and a refused registration leaves an error behind that the next kernel launch
+    raises as its own ("CUDA error: invalid argument"); pinning them would also hold the file's
+    pages in the page cache."""
     try:
         cudart = torch.cuda.cudart()
         register = cudart.cudaHostRegister
@@ -155,7 +161,7 @@ def pin_host(cold: ColdFFN) -> list[int]:
     done = []
     for m in cold.mats:
         ptr = m.data.ctypes.data
-        if m.data.nbytes >= PIN_MIN_BYTES and int(register(ptr, m.data.nbytes, 0)) == 0:
+        if m.data.nbytes >= PIN_MIN_BYTES and m.data.flags.writeable and int(register(ptr, m.data.nbytes, 0)) == 0:
             done.append(ptr)
     cold.pinned = True  # (tried: a second registration would fail)
     return done

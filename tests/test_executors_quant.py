@@ -908,3 +908,27 @@ def test_grouped_int4_fast_experts_in_prefill(folder, monkeypatch):
     assert rel_err(got, want) < TOL["q4_0"]
     assert decoded and all(isinstance(s, slice) for s in decoded)  # whole groups, no expert on its own
     assert st["experts_gpu"] + st["experts_cpu"] == toks.shape[1] * lm.config.top_k * len(eng.moe)
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_pinning_leaves_read_only_mappings_pageable(tmp_path, monkeypatch):
+    """A model file's read-only mapping (--map-experts, the split cache) is not page-locked: a refused
+    cudaHostRegister leaves an error that the next kernel launch raised as its own; writable cold
+    matrices are pinned and unpinned as before."""
+    from types import SimpleNamespace
+
+    from hotcold.executors import prefill
+
+    monkeypatch.setattr(prefill, "PIN_MIN_BYTES", 0)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, 1 << 16, dtype=np.uint8).tobytes())
+    mapped = np.memmap(path, np.uint8, mode="r")  # PROT_READ pages, as a GGUF's mapping
+    writable = np.zeros(1 << 16, np.uint8)
+    ptrs = prefill.pin_host(SimpleNamespace(mats=[SimpleNamespace(data=mapped), SimpleNamespace(data=writable)],
+                                            pinned=False))
+    assert ptrs == [writable.ctypes.data]
+    x = torch.arange(8, device="cuda", dtype=torch.float32)
+    assert float((x * 2).sum()) == 56.0  # a kernel launch after the registrations raises nothing
+    prefill.unpin_host(ptrs)
+    assert ptrs == []
