@@ -34,9 +34,11 @@ from hotcold.executors.moe_parts import MoEParts, check_experts, split_moe
 from hotcold.executors.options import EngineOptions, Placement
 from hotcold.executors.prefill import (STREAM_SLOTS_BYTES, ColdStreamer, PrefillCosts, measure_cpu_flops,
                                       pin_host, unpin_host)
+from hotcold.executors.split_cache import open_split_memo
 from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn, whole_int4, whole_int4_reason
+from hotcold.models.gguf_loader import drop_file_pages
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.load_times import LoadTimes
 from hotcold.models.loader import LoadedModel
@@ -45,6 +47,7 @@ from hotcold.models.quantized import (HalfEmbedding, QuantEmbedding, QuantLinear
 from hotcold.predictors.artifact import PredictorSet
 from hotcold.sparse_ops.cpu import torch_view
 from hotcold.sparse_ops.gpu_quant import INT4_DOWN_DEFAULT
+from hotcold.sparse_ops.quant import QuantMatrix
 
 
 class HybridEngine:
@@ -256,7 +259,11 @@ def _split_dense(b: _Build, predictors) -> tuple[dict[int, tuple[GPUExecutor, ob
     o, device, dtype = b.options, b.tier.device, b.tier.dtype
     act = b.lm.config.activation
     parts, whole = {}, {}
-    for l in _layers_of(b.lm, DenseFFN, GatedFFN):
+    layers = _layers_of(b.lm, DenseFFN, GatedFFN)
+    # the CPU tier's parts of a quantised FFN from (or, on a first load, into) the split cache
+    quantized = any(isinstance(b.model.layers[l].ffn.up, QuantLinear) for l in layers)
+    memo = open_split_memo(b.lm, b.placement.hot, predictors) if quantized else None
+    for l in layers:
         ffn = b.model.layers[l].ffn
         n = ffn.up.out_features  # I (a QuantLinear's weight property would decode it all)
         hot_idx = check_hot(b.placement.hot.get(l, torch.zeros(0, dtype=torch.int64)), n)
@@ -278,15 +285,22 @@ def _split_dense(b: _Build, predictors) -> tuple[dict[int, tuple[GPUExecutor, ob
             mask_fn = LearnedMask(predictors.neurons[l], perm, "cpu" if on_cpu else device, predictor_dtype(dtype),
                                   host_threads=b.threads if on_cpu or not b.tier.cuda else None,
                                   host_qtype=None if o.cpu_dtype == "f32" else HOST_PREDICTOR_QTYPE,
-                                  worker=b.cpu if on_cpu else None, book=b.book)
+                                  worker=b.cpu if on_cpu else None, book=b.book,
+                                  memo=memo if memo is not None and memo.predictors else None,
+                                  name=f"layers.{l}.predictor")
         else:
             mask_fn = None
         hot_part, cold_part, down_bias = split_ffn(ffn, hot_idx, act, device, dtype, o.cpu_dtype, b.int4_hot,
-                                                   b.placement.int4_down)
-        drop_module_pages(ffn)  # a GGUF's blocks were copied into the parts: one copy in RAM
+                                                   b.placement.int4_down, memo, f"layers.{l}.cold")
+        kept = {id(m.data) for m in cold_part.mats if isinstance(m, QuantMatrix)}  # the file's own rows
+        for m in ffn.modules():  # a GGUF's blocks were copied into the parts: one copy in RAM
+            if isinstance(m, QuantLinear) and id(m.qweight.data) not in kept:
+                drop_file_pages(m.qweight.data)
         b.model.layers[l].ffn = nn.Identity()  # the original FFN's parameters go with the last reference
         del ffn
         parts[l] = (GPUExecutor(hot_part, down_bias, mask_fn, act, b.lm.config.hidden_size), cold_part)
+    if memo is not None:
+        memo.save()
     return parts, whole
 
 

@@ -44,8 +44,8 @@ def predictor_dtype(dtype: torch.dtype) -> torch.dtype:
 HOST_PREDICTOR_QTYPE = "Q8_0"  # block type of a predictor on the CPU (see LearnedMask)
 
 
-def _host_predictor(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, threads: int,
-                    qtype: str | None = HOST_PREDICTOR_QTYPE):
+def _host_predictor(w1: torch.Tensor, b1: torch.Tensor, w2, b2: torch.Tensor, threads: int,
+                    qtype: str | None = HOST_PREDICTOR_QTYPE, memo=None, name: str = ""):
     """The two layers of a CPU predictor as HostLinear (numba's kernels for one token). w1: [r, D],
     w2: [I, r] -> (l1, l2): float32 for qtype None or D not a multiple of its block size; else blocks
     of qtype, the rank r padded to a multiple of the block size with zero rows of w1 and zero
@@ -53,7 +53,9 @@ def _host_predictor(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: to
     their count allows. Q8_0 holds half a half-precision predictor's bytes; on a 4-layer 7B shape's
     FFN inputs 0.06-0.09% of its decisions differ from float32's with float x (bfloat16:
     0.03-0.05%), 0.11-0.15% interleaved with Q8 x, with the same active fraction to 4 digits; the
-    interleaved pair runs in 224 instead of 400 us per layer (1 thread, [352, 4096] and [11008, 352])."""
+    interleaved pair runs in 224 instead of 400 us per layer (1 thread, [352, 4096] and [11008, 352]).
+    w2: a tensor, or a function returning it (only called where it is needed). memo: an
+    executors.split_cache.SplitMemo serving and keeping the two block matrices, named after `name`."""
     from hotcold.executors.host_attention import HostLinear
     from hotcold.models.quantized import QuantLinear
     from hotcold.sparse_ops.quant import QTYPES, QuantMatrix, pack_rows
@@ -63,15 +65,20 @@ def _host_predictor(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: to
         lin.weight, lin.bias = (nn.Parameter(_plain(t, "cpu", torch.float32), requires_grad=False) for t in (w, b))
         return lin
 
+    w2_of = w2 if callable(w2) else (lambda: w2)
     if qtype is None or w1.shape[1] % QTYPES[qtype][1]:
-        return HostLinear(linear(w1, b1), threads), HostLinear(linear(w2, b2), threads)
+        return HostLinear(linear(w1, b1), threads), HostLinear(linear(w2_of(), b2), threads)
     pad = -w1.shape[0] % QTYPES[qtype][1]
-    w1 = F.pad(w1.float(), (0, 0, 0, pad))  # [r', D]
     b1 = F.pad(b1.float(), (0, pad))  # [r']
-    w2 = F.pad(w2.float(), (0, pad))  # [I, r']
-    return tuple(HostLinear(QuantLinear(pack_rows(QuantMatrix.quantize(w.detach().numpy(), qtype), xq=True),
-                                        _plain(b, "cpu")), threads)
-                 for w, b in ((w1, b1), (w2, b2)))
+
+    def blocks(part: str, w):  # w(): the float matrix, its rank padded
+        def build():
+            return pack_rows(QuantMatrix.quantize(w().detach().numpy(), qtype), xq=True)
+        return build() if memo is None else memo.matrix(f"{name}.{part}.{qtype}", build)
+
+    m1 = blocks("w1", lambda: F.pad(w1.float(), (0, 0, 0, pad)))  # [r', D]
+    m2 = blocks("w2", lambda: F.pad(w2_of().float(), (0, pad)))  # [I, r']
+    return tuple(HostLinear(QuantLinear(m, _plain(b, "cpu")), threads) for m, b in ((m1, b1), (m2, b2)))
 
 
 class LearnedMask:
@@ -81,15 +88,17 @@ class LearnedMask:
     the planner assumes."""
 
     def __init__(self, pred: NeuronPredictor, perm: torch.Tensor, device, dtype: torch.dtype = torch.float32,
-                 host_threads: int | None = None, worker=None, book=None, host_qtype: str | None = HOST_PREDICTOR_QTYPE):
+                 host_threads: int | None = None, worker=None, book=None, host_qtype: str | None = HOST_PREDICTOR_QTYPE,
+                 memo=None, name: str = ""):
         if pred.w2.out_features != len(perm):
             raise ValueError(f"predictor predicts {pred.w2.out_features} neurons, the FFN has {len(perm)}")
         p = perm.to(pred.w2.weight.device)
-        weights = (pred.w1.weight, pred.w1.bias, pred.w2.weight[p], pred.w2.bias[p])  # w1 [r, D], b1, w2 [I, r], b2
-        if host_threads:
+        if host_threads:  # (the permuted w2 gathered only where its blocks are not in the memo)
             self.device, self.dtype = torch.device("cpu"), torch.float32
-            self.l1, self.l2 = _host_predictor(*weights, host_threads, host_qtype)
+            self.l1, self.l2 = _host_predictor(pred.w1.weight, pred.w1.bias, lambda: pred.w2.weight[p],
+                                               pred.w2.bias[p], host_threads, host_qtype, memo, name)
         else:
+            weights = (pred.w1.weight, pred.w1.bias, pred.w2.weight[p], pred.w2.bias[p])  # w1 [r, D], b1, w2 [I, r], b2
             self.device, self.dtype = torch.device(device), dtype
             self.l1, self.l2 = nn.Linear(1, 1), nn.Linear(1, 1)
             for lin, (w, b) in ((self.l1, weights[:2]), (self.l2, weights[2:])):

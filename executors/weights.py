@@ -173,14 +173,18 @@ def check_hot(hot_idx, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype, cpu_kind: str = "bf16",
-              int4: bool = False, int4_down: bool = INT4_DOWN_DEFAULT) -> tuple[HotFFN, ColdFFN, torch.Tensor | None]:
+              int4: bool = False, int4_down: bool = INT4_DOWN_DEFAULT,
+              memo=None, name: str = "") -> tuple[HotFFN, ColdFFN, torch.Tensor | None]:
     """Split an FFN into (hot part on device, cold part in host memory, down bias on device or None).
 
     A quantised FFN (`ffn.up` a QuantLinear) keeps its cold part quantised (see `_split_quantized`;
     cpu_kind does not apply). int4: keep 4-bit hot up/gate rows 4-bit on device, int4_down: W_down's
     hot columns requantised to int4 too (see `_hot_int4`; where it cannot, the hot part is expanded
     and HotFFN.int4_skipped says why). The caller drops `ffn` afterwards; the returned parts share no
-    memory with it (except a cold f32 part of an f32 CPU model, which is a fresh compacted copy too)."""
+    memory with it (except a cold f32 part of an f32 CPU model, which is a fresh compacted copy too,
+    and a quantised FFN's cold up/gate when they are all its rows: its own matrices, see
+    `_split_quantized`). memo: an executors.split_cache.SplitMemo that serves and keeps the cold
+    part's built matrices, named after `name` (a quantised FFN's only)."""
     if cpu_kind not in CPU_KINDS:
         raise ValueError(f"cpu_dtype must be one of {tuple(CPU_KINDS)}, got {cpu_kind!r}")
     n = ffn.up.out_features  # I
@@ -190,7 +194,7 @@ def split_ffn(ffn: DenseFFN | GatedFFN, hot_idx, act: str, device, dtype, cpu_ki
     cold = torch.nonzero(~is_hot).flatten()
     gated = isinstance(ffn, GatedFFN)
     if isinstance(ffn.up, QuantLinear):
-        hot_part, cold_part = _split_quantized(ffn, hot, cold, gated, act, device, dtype, int4, int4_down)
+        hot_part, cold_part = _split_quantized(ffn, hot, cold, gated, act, device, dtype, int4, int4_down, memo, name)
     else:
         hot_part, cold_part = _split_float(ffn, hot, cold, gated, act, device, dtype, cpu_kind)
         hot_part.int4_skipped = "its weights are not quantised" if int4 and hot.numel() else None
@@ -220,17 +224,31 @@ def _split_float(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, act: s
 
 
 def _split_quantized(ffn, hot: torch.Tensor, cold: torch.Tensor, gated: bool, act: str, device, dtype,
-                     int4: bool = False, int4_down: bool = INT4_DOWN_DEFAULT) -> tuple[HotFFN, ColdFFN]:
-    """A QuantLinear FFN: the hot part per `_hot_quantized`; cold rows of up/gate copied in their
-    blocks (gate requantised to up's type if it differs, as the fused kernel needs one type), cold
-    columns of W_down transposed to DOWN_T_DEFAULT."""
+                     int4: bool = False, int4_down: bool = INT4_DOWN_DEFAULT, memo=None,
+                     name: str = "") -> tuple[HotFFN, ColdFFN]:
+    """A QuantLinear FFN: the hot part per `_hot_quantized`; cold rows of up/gate in their blocks
+    (gate requantised to up's type if it differs, as the fused kernel needs one type): every row cold
+    (a CPU plan), the matrix itself, whose rows are the cold rows in their order; else a copy of the
+    cold rows. Cold columns of W_down transposed to DOWN_T_DEFAULT. memo (see split_ffn) serves
+    the copies and W_down's columns."""
     lins = {"up": ffn.up, "gate": ffn.gate if gated else None}
     qtype = ffn.up.qweight.qtype
     c = cold.numpy().astype(np.int64)
+
+    def built(part: str, build):
+        return build() if memo is None else memo.matrix(f"{name}.{part}", build)
+
+    def rows(part: str, m):
+        w = getattr(m, "qweight", None)
+        if isinstance(w, QuantMatrix) and not w.interleaved and w.qtype == qtype and len(c) == w.rows \
+                and (not len(c) or c[-1] == len(c) - 1):  # ascending and unique: 0 .. n-1
+            return w
+        return built(part, lambda: _cold_quant_rows(m, c, qtype))
+
     cold_part = ColdFFN(
         idx=c,
-        **{k: None if m is None else _cold_quant_rows(m, c, qtype) for k, m in lins.items()},
-        down_t=_cold_quant_down_t(ffn.down, c),
+        **{k: None if m is None else rows(k, m) for k, m in lins.items()},
+        down_t=built("down_t", lambda: _cold_quant_down_t(ffn.down, c)),
         up_bias=None if gated else ffn.up.bias[cold].float().numpy().copy(),
         act=act,
     )

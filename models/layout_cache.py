@@ -39,7 +39,7 @@ def packed_for_decode(lm: "LoadedModel") -> int:
     path = Path(lm.path)
     if not path.is_file():  # an HF folder: its matrices are not blocks of a file
         return pack_for_decode(lm.model)
-    key, model = layout_key(path, lm.fingerprint), _model_version(path, lm.fingerprint)
+    key, model = layout_key(path, lm.fingerprint), model_version(path, lm.fingerprint)
     cache = cache_dir("layout") / f"{digest(os.path.realpath(path))}.safetensors"
     try:
         got = read_cache_info(cache, key)
@@ -58,15 +58,16 @@ def packed_for_decode(lm: "LoadedModel") -> int:
     if tensors:
         try:
             write_cache(cache, key, tensors, json.dumps({"model": model, "layout": layout}))
-            _prune(cache.parent)
+            prune_missing(cache.parent)
         except OSError:
             pass  # a read-only home: the next load packs again
     return done
 
 
-def _prune(folder: Path) -> None:
-    """Remove the layout files of model files that no longer exist (a file each is about the size of
-    its model's matrices; models in temporary folders would leave theirs behind). Reads headers only."""
+def prune_missing(folder: Path) -> None:
+    """Remove the cache files in `folder` whose info names (as "model", a `model_version`) a model file
+    that no longer exists (a layout file is about the size of its model's matrices; models in
+    temporary folders would leave theirs behind). Reads headers only."""
     for f in folder.glob("*.safetensors"):
         try:
             with open(f, "rb") as fh:
@@ -80,7 +81,7 @@ def _prune(folder: Path) -> None:
 
 
 def layout_key(path: Path, fingerprint: str) -> str:
-    """What the cached layout depends on: the model file's version (`_model_version`), the packing
+    """What the cached layout depends on: the model file's version (`model_version`), the packing
     code and its settings."""
     from hotcold.models import quantized
     from hotcold.sparse_ops import quant
@@ -89,10 +90,10 @@ def layout_key(path: Path, fingerprint: str) -> str:
     code_files = sorted(Path(quant.__file__).parent.glob("*.py")) + [Path(quantized.__file__)]
     # (settings tests patch: formats' defaults are read at call time)
     settings = repr((quantized.HEAD_XQ, sorted(formats.XQ_DEFAULT), sorted(formats.PACK_DEFAULT), formats.X8))
-    return digest("layout-1", _model_version(path, fingerprint), settings, *(f.read_bytes() for f in code_files))
+    return digest("layout-1", model_version(path, fingerprint), settings, *(f.read_bytes() for f in code_files))
 
 
-def _model_version(path: Path, fingerprint: str) -> str:
+def model_version(path: Path, fingerprint: str) -> str:
     """The model file as far as the cache can tell without reading it: real path, size, mtime, inode
     and the fingerprint of its headers."""
     st = os.stat(path)

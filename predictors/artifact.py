@@ -26,6 +26,9 @@ class PredictorSet:
     fingerprint: str
     neurons: dict[int, NeuronPredictor] = field(default_factory=dict)
     lookahead: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the file read (models/layout_cache.py model_version: path, size, mtime, inode, fingerprint), for
+    # caches of what is built from these predictors (executors/split_cache.py); None: built in memory
+    source: str | None = None
 
     def to(self, device) -> "PredictorSet":
         for p in self.neurons.values():
@@ -52,12 +55,16 @@ def load_predictors(path: Path, fingerprint: str | None = None) -> PredictorSet:
     if not path.is_file():
         raise ArtifactError(f"{path}: no predictors here; run `hotcold profile MODEL` (without --no-predictors)")
     header, tensors, _ = read_artifact(path, "predictors", FORMAT, fingerprint, "re-run `hotcold profile`")
-    preds = PredictorSet(header["fingerprint"])
+    from hotcold.models.layout_cache import model_version
+
+    preds = PredictorSet(header["fingerprint"], source=model_version(path, header["fingerprint"]))
     layers = sorted({int(n.split(".")[1]) for n in tensors if n.startswith("layers.")})
     for l in layers:
         w1, w2 = tensors[f"layers.{l}.w1.weight"], tensors[f"layers.{l}.w2.weight"]
-        p = NeuronPredictor(w1.shape[1], w2.shape[0], w1.shape[0])
-        p.load_state_dict({k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{l}.")})
+        with torch.device("meta"):  # no random initialisation of weights about to be replaced
+            p = NeuronPredictor(w1.shape[1], w2.shape[0], w1.shape[0])
+        p.load_state_dict({k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{l}.")},
+                          assign=True)
         preds.neurons[l] = p.eval()
     for n, t in tensors.items():
         if n.startswith("lookahead."):

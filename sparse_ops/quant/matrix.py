@@ -60,6 +60,17 @@ class QuantMatrix:
         return cls(quantize_rows(w, name), name, w.shape)
 
     @property
+    def type_id(self) -> int:
+        """The ggml type id the block kernels dispatch on."""
+        return self._id
+
+    def all_rows(self) -> np.ndarray:
+        """int64 [R]: every row's index, made once (for kernels that take a row list, reading all rows)."""
+        if self._all_rows is None:
+            self._all_rows = np.arange(self.rows, dtype=np.int64)
+        return self._all_rows
+
+    @property
     def rows(self) -> int:
         return self.shape[0]
 
