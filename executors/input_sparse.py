@@ -17,9 +17,12 @@ input-major copy alone).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import json
+import os
+import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,9 +109,7 @@ def input_major_pays(lin, im, sparsity: float) -> bool:
     sparse_args = (*args[:7], np.zeros(2, np.int64), args[8])
     if isinstance(lin, QuantLinear):
         q = lin.qweight
-        if q._all_rows is None:
-            q._all_rows = np.arange(q.rows, dtype=np.int64)
-        dense_args = (q._id, bool(q.interleaved), bool(q.interleaved or q.qtype in XQ_DEFAULT), q.data, q._all_rows)
+        dense_args = (q.type_id, bool(q.interleaved), bool(q.interleaved or q.qtype in XQ_DEFAULT), q.data, q.all_rows())
         t_im, t_dense = float("inf"), float("inf")
         for _ in range(2):  # alternating, the best of each
             t_im = min(t_im, _best_time(lambda: im_repeat(_CALLS, x, out, *sparse_args), 3))
@@ -131,18 +132,20 @@ def input_major_pays(lin, im, sparsity: float) -> bool:
 
 def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_major: bool = True,
                          sparsities: dict[int, dict[str, float]] | None = None,
-                         integer: bool | None = None) -> InputSparsity:
+                         integer: bool | None = None, timed: dict | None = None) -> InputSparsity:
     """Set the thresholds on model's projections (see the module docstring). input_major: build the
     input-major copies for the CPU's one-token products (False: threshold and multiply dense).
     sparsities: each group's expected sparsity (the profile's allocation); given, only projections
     whose input-major product `input_major_pays` at it are thresholded, the others stay dense and
     exact (thresholding them would cost quality and save nothing), and `dense` says why. integer:
-    quantised weights' input-major kind (sparse_ops.input_sparse.input_major; None: its default)."""
+    quantised weights' input-major kind (sparse_ops.input_sparse.input_major; None: its default).
+    timed: input_major_pays's answers by (matrix type, shape, kind, sparsity) (`_pays`), given and
+    extended (see `open_input_sparsity`: kept per machine, model and code)."""
     from hotcold.models.quantized import QuantLinear
     from hotcold.sparse_ops.input_sparse import input_major as make_im
 
     out = InputSparsity()
-    timed: dict[tuple, bool] = {}  # input_major_pays per (matrix type, shape, kind, sparsity): timed once
+    timed = {} if timed is None else timed  # input_major_pays per (matrix type, shape, kind, sparsity): timed once
     for l, per in thresholds.items():
         block = model.layers[l]
         mods = group_modules(block)
@@ -234,7 +237,10 @@ def open_input_sparsity(lm, enabled: bool = True) -> tuple[InputSparsity | None,
     if lm.device.type != "cpu":
         return None, f"{head}; not applied on {lm.device.type}: no sparse kernel there yet (thresholds alone cost " \
                      "quality and save nothing)"
-    applied = apply_input_sparsity(lm.model, thresholds, sparsities=sparsities_from_profile(profile))
+    decisions = PaysCache.open(lm)
+    applied = apply_input_sparsity(lm.model, thresholds, sparsities=sparsities_from_profile(profile),
+                                   timed=decisions.timed)
+    decisions.save()
     total = applied.input_major + len(applied.dense)
     if not applied.counters:
         remove_input_sparsity(lm.model)
@@ -245,3 +251,86 @@ def open_input_sparsity(lm, enabled: bool = True) -> tuple[InputSparsity | None,
             f"faster here, the others stay dense" + (f" ({applied.dense[0]}, ...)" if applied.dense else ""))
     return applied, note
 
+
+
+class PaysCache:
+    """`input_major_pays`'s answers for one model on this machine, kept from load to load: timing them
+    took most of SmolLM2's load (0.37 -> ~1.0 s). One file per model file under
+    `$HOTCOLD_HOME/cache/input_major/` (models/build_cache.py, the answers in its info string),
+    keyed by this machine (host, CPU, numba's thread count), the model file's version and the source
+    of the kernels timed, so another machine, model or kernel times them again. Answers timed on a
+    busy machine (load average at least half its CPUs, as the hardware probe counts it) are timed
+    again once it is idle."""
+
+    KIND = "input_major"
+
+    def __init__(self, path: Path | None, key: str, timed: dict, busy: bool):
+        self.path, self.key, self.timed, self.busy = path, key, timed, busy
+        self._known = dict(timed)
+
+    @classmethod
+    def open(cls, lm) -> "PaysCache":
+        from hotcold.models.build_cache import CacheInvalid, CacheStale, cache_dir, digest, read_cache_info
+        from hotcold.models.layout_cache import model_version
+
+        busy = _busy()
+        path = Path(lm.path) if lm.path is not None else None
+        if path is None or not path.is_file():  # an HF folder: no file version to key by
+            return cls(None, "", {}, busy)
+        key = digest("input-major-1", _machine(), model_version(path, lm.fingerprint), *_code())
+        cache = cache_dir(cls.KIND) / f"{digest(os.path.realpath(path))}.safetensors"
+        timed: dict = {}
+        try:
+            got = read_cache_info(cache, key)
+            if got is not None:
+                info = json.loads(got[1])
+                if not (info["busy"] and not busy):
+                    timed = {tuple(k): bool(v) for k, v in info["pays"]}
+        except CacheStale:
+            pass  # another machine, model version or kernel: timed again
+        except (CacheInvalid, OSError, ValueError, KeyError, TypeError) as e:
+            print(f"note: the input-sparsity cache {cache} {e}; timing again", file=sys.stderr, flush=True)
+        return cls(cache, key, timed, busy)
+
+    def save(self) -> None:
+        """Write the answers when this load timed any (a home that cannot be written: timed next load)."""
+        from hotcold.models.build_cache import write_cache
+
+        if self.path is None or self.timed == self._known:
+            return
+        try:
+            write_cache(self.path, self.key, {}, json.dumps({"busy": self.busy,
+                                                             "pays": [[list(k), v] for k, v in self.timed.items()]}))
+        except OSError:
+            pass
+
+
+def _busy() -> bool:
+    cpus = os.cpu_count() or 1
+    return hasattr(os, "getloadavg") and os.getloadavg()[0] >= 0.5 * cpus
+
+
+def _machine() -> str:
+    """This machine as far as the kernels' speed goes: host, CPU model and count, numba's threads."""
+    import platform
+    import socket
+
+    from hotcold.sparse_ops.cpu import get_threads
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return json.dumps([socket.gethostname(), platform.machine(), model or platform.processor(), os.cpu_count(),
+                       get_threads()])
+
+
+def _code() -> list[bytes]:
+    """The source of the kernels input_major_pays times and of the timing itself."""
+    from hotcold.sparse_ops import input_sparse, input_sparse_int, quant
+
+    files = [Path(__file__), Path(input_sparse.__file__), Path(input_sparse_int.__file__),
+             *sorted(Path(quant.__file__).parent.glob("*.py"))]
+    return [f.read_bytes() for f in files]

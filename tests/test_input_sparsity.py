@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -326,6 +327,63 @@ def test_timed_choice_thresholds_only_where_the_sparse_product_pays(tmp_path):
     with torch.inference_mode():
         got, want = lm.model(toks), ref(toks)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_timed_choices_are_kept_per_machine_model_and_code(tmp_path, monkeypatch, capsys):
+    """input_major_pays's answers are timed on a model's first load and read back on the next (no
+    timing: the same projections thresholded); another machine, a changed model file or answers timed
+    on a busy machine now idle are timed again, quietly; a damaged file with one line."""
+    from types import SimpleNamespace
+
+    from hotcold.executors import input_sparse as isp
+
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(isp, "_busy", lambda: False)
+    base = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    quantize_model(base.model, "q8_0")
+    th = _thresholds(base.model, 2)
+    sparsities = {l: {g: 0.5 for g in GROUPS} for l in th}
+    file = tmp_path / "model.gguf"  # the model file the answers are kept for
+    file.write_bytes(b"a model")
+    lm = SimpleNamespace(path=file, fingerprint="f")
+    capsys.readouterr()  # (make_tiny's progress bar)
+    calls = []
+    real = isp.input_major_pays
+    monkeypatch.setattr(isp, "input_major_pays", lambda *a: calls.append(1) or real(*a))
+
+    def load() -> tuple[list[str], int]:
+        calls.clear()
+        model = copy.deepcopy(base.model)
+        cache = isp.PaysCache.open(lm)
+        apply_input_sparsity(model, th, sparsities=sparsities, timed=cache.timed)
+        cache.save()
+        chosen = sorted(n for n, m in model.named_modules() if "input_major" in m.__dict__)
+        return chosen, len(calls)
+
+    first, timed = load()
+    assert timed > 0
+    assert load() == (first, 0)  # read back: nothing timed
+    monkeypatch.setattr(isp, "_machine", lambda: "another machine")
+    assert load()[1] == timed
+    assert load()[1] == 0
+    st = file.stat()
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new version of the model file
+    assert load()[1] == timed
+    assert load()[1] == 0  # answers timed on an idle machine serve a busy one
+    monkeypatch.setattr(isp, "_machine", lambda: "a third machine, busy")
+    monkeypatch.setattr(isp, "_busy", lambda: True)
+    assert load()[1] == timed
+    assert load()[1] == 0  # still busy: kept
+    monkeypatch.setattr(isp, "_busy", lambda: False)
+    monkeypatch.setattr(isp, "input_major_pays", lambda *a: calls.append(1) or real(*a))
+    assert load()[1] == timed  # idle now: timed again
+    assert capsys.readouterr().err == ""
+    (path,) = (tmp_path / "home" / "cache" / "input_major").iterdir()
+    path.write_bytes(path.read_bytes()[:-3])
+    assert load()[1] == timed
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "input-sparsity cache" in err and "timing again" in err, err
+    assert load()[1] == 0
 
 
 @pytest.mark.cuda
