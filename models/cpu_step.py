@@ -1,28 +1,33 @@
-"""A quantised block's one-token decode step on the CPU as one numba call.
+"""A block's one-token decode step on the CPU as one numba call.
 
 The module path of a decode step on the CPU (norm, q/k/v, attention, o, norm, gate, up, down) calls
 the same numba kernels but goes through ~10 torch modules and ~30 tensor conversions a layer: on
 SmolLM2-135M (30 layers, 2 cores) 6 ms of a 10.5 ms token were Python and torch around 4.4 ms of
-kernels. Here a block whose weights are GGUF blocks (QuantLinear) runs its whole step in one call of
+kernels. Here a block whose weights are host matrices runs its whole step in one call of
 `_block_step`, which calls those kernels in order over preallocated float32 buffers:
 
     x ─ attn_norm ─ q, k, v (one GEMV when fused) ─ (q/k norm) ─ rotary, cache write, attention ─ o
       ─ (post_attn_norm) ─ + x = r ─ ffn_norm ─ act(gate) * up ─ down ─ (post_ffn_norm) ─ + r
 
-It applies to pre-norm blocks with RMSNorm, Attention and a GatedFFN whose projections are all
-QuantLinear without biases but q/k/v's, float32 activations, a float32 or float16 KV cache, and no
-hooks on any of the block's modules (the look-ahead's residual hook on ffn_norm and the sparse
-forward see the module path). Where the FFN is another module (MoE, a hybrid split) or has hooks (the
-profiler's probes), the attention half (to f_in = ffn_norm(r)) is one call and the FFN runs as its
-module. `block_step` returns None where it does not apply (tests patch it out for the module path). The
-kernels are the module path's own; what differs is the activation's float32 rounding (numba's
-SiLU/GELU against torch's): a block's output within ~1e-7 of the module path's
-(tests/test_cpu_step.py checks 1e-5), which Q8 activations can turn into a flipped rounding
-and ~1% of the logits after 30 layers, as any reordering of float32 sums can. On 2 cores SmolLM2
+Host matrices are GGUF blocks (QuantLinear, the block kernels) or float32 / float16 / bfloat16 CPU
+nn.Linear weights, read in place by `cpu`'s row kernel (sparse_ops/float_rows.py; a half model's
+fused q/k/v rows, fuse_qkv, as one matrix); each matrix's kernel is chosen by its type at compile
+time. It applies to pre-norm blocks with RMSNorm, Attention and a GatedFFN whose projections are all
+host matrices without biases but q/k/v's, float32 / float16 / bfloat16 activations (computed in
+float32 inside the step, the output rounded to the input's dtype once), a float32 or float16 KV
+cache, and no hooks on any of the block's modules (the look-ahead's residual hook on ffn_norm and the
+sparse forward see the module path). Where the FFN is another module (MoE, a hybrid split) or has
+hooks (the profiler's probes), the attention half (to f_in = ffn_norm(r)) is one call and the FFN
+runs as its module. `block_step` returns None where it does not apply (tests patch it out for the
+module path). The kernels are the module path's own; what differs is the activation's float32
+rounding (numba's SiLU/GELU against torch's): a quantised block's output within ~1e-7 of the module
+path's (tests/test_cpu_step.py checks 1e-5), which Q8 activations can turn into a flipped rounding
+and ~1% of the logits after 30 layers, as any reordering of float32 sums can. A half model's module
+path rounds every part's output to its dtype; the step does not, so it is closer to the float32
+computation over the same weights (the test checks the output's own rounding). On 2 cores SmolLM2
 decodes about 1.4x as fast this way as through the modules; Gemma 3 270M, whose 262k-token head
 dominates, about 1.15x.
 """
-
 from __future__ import annotations
 
 import weakref
@@ -30,11 +35,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
+from torch import nn
 
 from hotcold.models.layers import Attention, GatedFFN, RMSNorm
 from hotcold.models.quantized import QuantLinear
 from hotcold.sparse_ops.attention import _decode_attention
+from hotcold.sparse_ops.cpu import HostMatrix, _gemv_rows_kernel
 from hotcold.sparse_ops.selection import ACTS, activate
 from hotcold.sparse_ops.input_sparse import F32, InputMajor, im_kernel
 from hotcold.sparse_ops.norm import _rms_norm
@@ -42,10 +50,30 @@ from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.quant import QuantMatrix, qgemv_rows_kernel, qgemv_x8_kernel
 
 
+def _dense_mv(m, x, out):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_dense_mv, inline="always")
+def _dense_mv_impl(m, x, out):
+    """out = the matrix m (as _gemv takes it) times x, without input sparsity: GGUF blocks (data uint8)
+    by the block kernels, float storage by `cpu`'s row kernel; chosen by m's type at compile time."""
+    if m.types[3].dtype == types.uint8:
+        def blocks(m, x, out):
+            if m[1]:
+                qgemv_x8_kernel(m[0], m[3], x, out)
+            else:
+                qgemv_rows_kernel(m[0], m[3], m[4], x, m[2], out)
+        return blocks
+    return lambda m, x, out: _gemv_rows_kernel(m[3], m[0], m[4], x, out)
+
+
 @njit(nogil=True, cache=True)
 def _gemv(m, x, out):
-    # m: (type id, interleaved, Q8 activations, data uint8 [R, B], rows int64 [R], input sparsity); x [cols]
-    # -> out [R]. Input sparsity (executors/input_sparse.py): InputMajor.args(), with kind >= 0 the
+    # m: (type id, interleaved, Q8 activations, data uint8 [R, B], rows int64 [R], input sparsity) for
+    # GGUF blocks, or (row scales float32 [R], False, False, float storage [R, cols] as HostMatrix holds
+    # it, rows, input sparsity) for float weights; x [cols] -> out [R]. Input sparsity
+    # (executors/input_sparse.py): InputMajor.args(), with kind >= 0 the
     # input-major kernel's; kind -2: x zeroed at or below the threshold sp[1], then the dense kernel
     # (sp[7] counts the inputs kept); kind -1: none
     sp = m[5]
@@ -62,10 +90,7 @@ def _gemv(m, x, out):
         sp[7][0] += kept
         sp[7][1] += x.shape[0]
         x = xs
-    if m[1]:
-        qgemv_x8_kernel(m[0], m[3], x, out)
-    else:
-        qgemv_rows_kernel(m[0], m[3], m[4], x, m[2], out)
+    _dense_mv(m, x, out)
 
 
 @njit(nogil=True, cache=True)
@@ -157,6 +182,11 @@ def _block_step(x, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
 
 
 def _mat(lin) -> tuple:
+    """A matrix as _gemv takes it: a QuantLinear's or QuantMatrix's blocks, or a float nn.Linear's weight
+    or a fused float q/k/v tensor (its memory, as a HostMatrix)."""
+    if isinstance(lin, (nn.Linear, torch.Tensor)):
+        hm = HostMatrix.from_torch((lin.weight if isinstance(lin, nn.Linear) else lin).detach())
+        return (hm._s, False, False, hm._w, np.arange(hm.shape[0], dtype=np.int64), _sparsity(lin))
     m = lin.qweight if isinstance(lin, QuantLinear) else lin  # a QuantMatrix
     if m._all_rows is None:
         m._all_rows = np.arange(m.rows, dtype=np.int64)
@@ -166,7 +196,7 @@ def _mat(lin) -> tuple:
 
 def _sparsity(lin) -> tuple:
     """The input-sparsity member of a matrix's kernel arguments (see _gemv)."""
-    d = getattr(lin, "__dict__", {})
+    d = getattr(lin, "__dict__", {}) if not isinstance(lin, torch.Tensor) else {}
     im = d.get("input_major")
     if im is not None:
         return im.args()
@@ -207,7 +237,20 @@ class _Plan:
     heads: tuple[int, int, int]
     scale: np.float32
     window: int | None
-    ffn: bool  # the FFN is a GatedFFN of QuantLinears: in the same call (else its module runs between)
+    ffn: bool  # the FFN is a GatedFFN of host matrices: in the same call (else its module runs between)
+    blocks: bool  # every matrix of the step is a QuantLinear's (models/batch_step.py takes only those)
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _host_linear(lin) -> bool:
+    """Whether the step multiplies by lin itself: a QuantLinear, or an nn.Linear whose weight is a
+    float32 / float16 / bfloat16 CPU tensor (read in place through `cpu`'s row kernel)."""
+    if type(lin) is QuantLinear:
+        return True
+    return (type(lin) is nn.Linear and lin.weight.device.type == "cpu" and lin.weight.dtype in _FLOATS
+            and (lin.bias is None or lin.bias.dtype in _FLOATS))
 
 
 def _plan(block) -> _Plan | None:
@@ -219,24 +262,27 @@ def _plan(block) -> _Plan | None:
     qk_norm = hasattr(a, "q_norm")
     if qk_norm and not (type(a.q_norm) is RMSNorm and type(a.k_norm) is RMSNorm):
         return None
-    if any(n.weight.dtype != torch.float32 for n in norms + ([a.q_norm, a.k_norm] if qk_norm else [])):
+    if any(n.weight.dtype not in _FLOATS for n in norms + ([a.q_norm, a.k_norm] if qk_norm else [])):
         return None
     kinds = {(n.eps, n.plus_one) for n in norms + ([a.q_norm, a.k_norm] if qk_norm else [])}
     if len(kinds) != 1:
         return None
     eps, plus_one = kinds.pop()
-    if not all(type(lin) is QuantLinear for lin in (a.q, a.k, a.v, a.o)) or a.o.bias is not None:
+    if not all(_host_linear(lin) for lin in (a.q, a.k, a.v, a.o)) or a.o.bias is not None:
         return None
-    biased = [lin.bias is not None and lin.bias.dtype == torch.float32 for lin in (a.q, a.k, a.v)]
+    biased = [lin.bias is not None for lin in (a.q, a.k, a.v)]
     if any(biased) and not all(biased):
         return None
     qkv = getattr(a, "qkv", None)
-    if qkv is not None and not isinstance(qkv, QuantMatrix):
+    if qkv is not None and not (isinstance(qkv, QuantMatrix) or isinstance(qkv, torch.Tensor)
+                                and qkv.device.type == "cpu" and qkv.dtype in _FLOATS and qkv.is_contiguous()):
         return None
     ffn = (type(f) is GatedFFN and getattr(f, "act_name", None) in ACTS
-           and all(type(lin) is QuantLinear and lin.bias is None for lin in (f.gate, f.up, f.down)))
+           and all(_host_linear(lin) and lin.bias is None for lin in (f.gate, f.up, f.down)))
+    blocks = all(type(lin) is QuantLinear for lin in (a.q, a.k, a.v, a.o) + ((f.gate, f.up, f.down) if ffn else ()))
     return _Plan(np.float32(eps), bool(plus_one), bool(block.sandwich), qk_norm, qkv is not None, all(biased),
-                 ACTS[f.act_name] if ffn else 0, (a.n_heads, a.n_kv, a.head_dim), np.float32(a.scale), a.window, ffn)
+                 ACTS[f.act_name] if ffn else 0, (a.n_heads, a.n_kv, a.head_dim), np.float32(a.scale), a.window, ffn,
+                 blocks)
 
 
 def _scratch(block, key: str, need: int) -> np.ndarray:
@@ -247,13 +293,20 @@ def _scratch(block, key: str, need: int) -> np.ndarray:
 
 
 def _weights(module) -> np.ndarray:
-    return module.weight.detach().numpy()
+    """A norm's weight as float32 numpy: its own memory, or (float16 / bfloat16) a copy kept on the module."""
+    w = module.weight
+    if w.dtype == torch.float32:
+        return w.detach().numpy()
+    kept = module.__dict__.get("_f32_weight")
+    if kept is None or kept[0] != (w.data_ptr(), w._version):
+        kept = module.__dict__["_f32_weight"] = ((w.data_ptr(), w._version), w.detach().float().numpy())
+    return kept[1]
 
 
 def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None) -> torch.Tensor | None:
     """block(x, positions, cache_kv, start) for one token on the CPU as one numba call, or None where
     the fused step does not apply (then the caller runs the module path). x: [1, 1, D] -> [1, 1, D]."""
-    if (x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype != torch.float32
+    if (x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype not in _FLOATS
             or cache_kv is None or cache_kv[0].dtype not in (torch.float32, torch.float16) or torch.is_grad_enabled()):
         return None
     mods, parts = _parts(block)
@@ -277,19 +330,19 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
         w = _weights(block.attn_norm)
         aa = a.__dict__["_cpu_args"] = (
             _mat(a.qkv) if plan.fused else q, q, k, v, _mat(a.o),
-            tuple(lin.bias.detach().numpy() for lin in (a.q, a.k, a.v)) if plan.has_bias else (w, w, w),
+            tuple(lin.bias.detach().float().numpy() for lin in (a.q, a.k, a.v)) if plan.has_bias else (w, w, w),
             (_weights(a.q_norm), _weights(a.k_norm)) if plan.qk_norm else (w, w))
     pos = int(positions[0]) if start is None else start
     H, Hkv, Dh = plan.heads
     if a.rotary is not None:
-        cos, sin = (t[0].numpy() for t in a.rotary(positions, start))
+        cos, sin = (t[0].float().numpy() for t in a.rotary(positions, start))
     else:
         cos = sin = np.zeros(Dh, np.float32)
     kc, vc = cache_kv[0][0].numpy(), cache_kv[1][0].numpy()
     if kc.dtype == np.float16:
         kc, vc = kc.view(np.int16), vc.view(np.int16)
     lo = max(0, pos - plan.window + 1) if plan.window else 0
-    xv = np.ascontiguousarray(x.detach().reshape(-1).numpy())
+    xv = np.ascontiguousarray(x.detach().reshape(-1).float().numpy())
     d = xv.shape[0]
     w = _weights(block.attn_norm)
     norm_w = (w, _weights(block.ffn_norm), *((_weights(block.post_attn_norm), _weights(block.post_ffn_norm))
@@ -301,14 +354,14 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
             abuf)
     if not whole:  # the attention half in one call, then the FFN's module (MoE, hybrid, hooked)
         _attn_half(*args, r, f_in)
-        h = f(torch.from_numpy(f_in).reshape(x.shape))
+        h = f(torch.from_numpy(f_in).reshape(x.shape).to(x.dtype))
         if plan.sandwich:
             h = block.post_ffn_norm(h)
-        return torch.from_numpy(r).reshape(x.shape) + h
+        return (torch.from_numpy(r).reshape(x.shape) + h).to(x.dtype)
     fa = f.__dict__.get("_cpu_args")
     if fa is None:
         fa = f.__dict__["_cpu_args"] = (_mat(f.gate), _mat(f.up), _mat(f.down))
     fbuf = _scratch(block, "_cpu_ffn_buf", 2 * fa[0][4].shape[0] + d)
     y = np.empty_like(xv)
     _block_step(*args, fa[0], fa[1], fa[2], plan.act, fbuf, r, f_in, y)
-    return torch.from_numpy(y).reshape(x.shape)
+    return torch.from_numpy(y).reshape(x.shape).to(x.dtype)

@@ -1,4 +1,5 @@
-"""A quantised block's one-token CPU step as one numba call (models/cpu_step.py) against the module path."""
+"""A block's one-token CPU step as one numba call (models/cpu_step.py) against the module path: GGUF
+blocks and float weights."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def test_block_step_equals_the_module_path(tiny_dir, family, kind, fused):
 
 def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
     """Decoding through the model uses the fused step in every block (float32, quantised) and its
-    logits stay within Q8-activation noise of the module path's; float weights keep the module path."""
+    logits stay within Q8-activation noise of the module path's."""
     lm = _quantised(tiny_dir, "llama", "q8_0")
     toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(2))
 
@@ -110,9 +111,44 @@ def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
         want = decode(KVCache(lm.config, 16))
     assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
-    floats = load_model(make_tiny("llama", tiny_dir), "cpu", "float32")
-    x = torch.zeros(1, 1, floats.config.hidden_size)
-    assert block_step(floats.model.layers[0], x, torch.tensor([0]), KVCache(floats.config, 4).layers[0], 0) is None
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("qwen2", "float16"), ("gemma3", "bfloat16"),
+                                           ("qwen3", "float16")])
+def test_float_block_step_equals_the_float32_module_path(tiny_dir, family, dtype):
+    """Blocks of float weights (nn.Linear float32 / float16 / bfloat16, read in place by the row kernel;
+    a half model's q/k/v fused into one matrix by fuse_qkv) take the fused step, and each block's output
+    is the float32 module path's over the same weight values, within the rounding of the output and of a
+    half model's float16 cache, at every position of a decode (biases: qwen2; QK-norm: qwen3, gemma3;
+    sandwich norms and GeGLU: gemma3)."""
+    lm = load_model(make_tiny(family, tiny_dir), "cpu", dtype)
+    half = dtype != "float32"
+    if half:
+        fuse_qkv(lm.model)
+        assert all(isinstance(getattr(b.attn, "qkv", None), torch.Tensor) for b in lm.model.layers)
+    ref = load_model(make_tiny(family, tiny_dir), "cpu", "float32")
+    params = dict(ref.model.named_parameters())
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            params[name].copy_(p.float())
+    ca = KVCache(lm.config, 32, dtype=torch.float16 if half else torch.float32)
+    cb = KVCache(ref.config, 32)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
+    toks = torch.randint(3, 160, (1, 14), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        with _module_path():
+            lm.model(toks[:, :4], 0, ca)
+            ref.model(toks[:, :4], 0, cb)
+        for p in range(4, 14):
+            pos = torch.tensor([p])
+            x = ref.model.embed_tokens(toks[:, p:p + 1], pos)
+            for i, (blk, rblk) in enumerate(zip(lm.model.layers, ref.model.layers)):
+                got = block_step(blk, x.to(getattr(torch, dtype)), pos, ca.layers[i], p)
+                assert got is not None and got.dtype == getattr(torch, dtype)
+                with _module_path():
+                    want = rblk(x, pos, cb.layers[i], p)
+                assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol, (family, dtype, p, i)
+                x = want
 
 
 def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
@@ -143,9 +179,13 @@ def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
         blk.ffn.down = copy.deepcopy(blk.ffn.down)
         assert isinstance(blk.ffn.down, QuantLinear)
         assert block_step(blk, x, pos, cache, 0) is not None and blk.__dict__["_cpu_step"] is not old
+        blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=True)
+        assert block_step(blk, x, pos, cache, 0) is None  # a biased o projection: the module path
         blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=False)
-        assert block_step(blk, x, pos, cache, 0) is None  # float attention weights: the module path
-        assert block_step(blk, x.to(torch.bfloat16), pos, cache, 0) is None  # float32 activations only
+        got = block_step(blk, x, pos, cache, 0)  # a float o projection: seen, and read in place
+        with _module_path():
+            want = blk(x, pos, cache, 0)
+        assert got is not None and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
         # what the block remembers holds no reference to its modules: a replaced FFN is freed
         gone = weakref.ref(blk.ffn)
         blk.ffn = torch.nn.Identity()
@@ -155,14 +195,14 @@ def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
 
 @pytest.mark.parametrize("family, kind", [("qwen3_moe", "q4_0"), ("qwen2_moe", "q8_0"), ("llama", "q8_0")])
 def test_attention_half_before_an_ffn_module(tiny_dir, family, kind):
-    """A block whose FFN is not a GatedFFN of QuantLinears (MoE layers here; the llama FFN's down left
-    float) runs its attention half as one call and its FFN as a module: the block's output equals
+    """A block whose FFN is not a GatedFFN of host matrices without biases (MoE layers here; the llama
+    FFN's down given a bias) runs its attention half as one call and its FFN as a module: the block's output equals
     the module path's at every position of a decode."""
     lm = _quantised(tiny_dir, family, kind)
     m = lm.model
     if family == "llama":
         for blk in m.layers:
-            blk.ffn.down = torch.nn.Linear(blk.ffn.down.in_features, blk.ffn.down.out_features, bias=False)
+            blk.ffn.down = torch.nn.Linear(blk.ffn.down.in_features, blk.ffn.down.out_features, bias=True)
     ca, cb = KVCache(lm.config, 24), KVCache(lm.config, 24)
     toks = torch.randint(3, 160, (1, 14), generator=torch.Generator().manual_seed(3))
     for p, i, blk, got, want in _each_block(lm, toks, 4, ca, cb):
