@@ -117,7 +117,7 @@ def _fused_args(block):
                                                   _plan(block))
     plan = cached[1]
     hooked = lambda ms: any(m._forward_hooks or m._forward_pre_hooks for m in ms)  # noqa: E731
-    if plan is None or not plan.ffn or not plan.blocks or hooked(mods[0]) or hooked(mods[1]):
+    if plan is None or not plan.ffn or hooked(mods[0]) or hooked(mods[1]):
         return None
     a, f = block.attn, block.ffn
     q, k, v = _mat(a.q), _mat(a.k), _mat(a.v)

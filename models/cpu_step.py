@@ -238,7 +238,7 @@ class _Plan:
     scale: np.float32
     window: int | None
     ffn: bool  # the FFN is a GatedFFN of host matrices: in the same call (else its module runs between)
-    blocks: bool  # every matrix of the step is a QuantLinear's (models/batch_step.py takes only those)
+    blocks: bool  # every matrix of the step a QuantLinear's, norms and biases float32 (what batch_step takes)
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -254,6 +254,13 @@ def _host_linear(lin) -> bool:
 
 
 def _plan(block) -> _Plan | None:
+    """The block's _Plan where every matrix of the step is GGUF blocks and its norms and biases float32
+    (models/batch_step.py's several-token step takes only those), else None."""
+    plan = _host_plan(block)
+    return plan if plan is not None and plan.blocks else None
+
+
+def _host_plan(block) -> _Plan | None:
     """The block's _Plan, or None where the fused step does not apply (see the module docstring)."""
     a, f = block.attn, block.ffn
     norms = [block.attn_norm, block.ffn_norm] + ([block.post_attn_norm, block.post_ffn_norm] if block.sandwich else [])
@@ -279,7 +286,9 @@ def _plan(block) -> _Plan | None:
         return None
     ffn = (type(f) is GatedFFN and getattr(f, "act_name", None) in ACTS
            and all(_host_linear(lin) and lin.bias is None for lin in (f.gate, f.up, f.down)))
-    blocks = all(type(lin) is QuantLinear for lin in (a.q, a.k, a.v, a.o) + ((f.gate, f.up, f.down) if ffn else ()))
+    blocks = (all(type(lin) is QuantLinear for lin in (a.q, a.k, a.v, a.o) + ((f.gate, f.up, f.down) if ffn else ()))
+              and all(n.weight.dtype == torch.float32 for n in norms + ([a.q_norm, a.k_norm] if qk_norm else []))
+              and not (any(biased) and any(lin.bias.dtype != torch.float32 for lin in (a.q, a.k, a.v))))
     return _Plan(np.float32(eps), bool(plus_one), bool(block.sandwich), qk_norm, qkv is not None, all(biased),
                  ACTS[f.act_name] if ffn else 0, (a.n_heads, a.n_kv, a.head_dim), np.float32(a.scale), a.window, ffn,
                  blocks)
@@ -314,7 +323,7 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
     if cached is None or len(cached[0]) != len(parts) or any(
             (r() if r is not None else None) is not p for r, p in zip(cached[0], parts)):
         cached = block.__dict__["_cpu_step"] = (tuple(None if p is None else weakref.ref(p) for p in parts),
-                                                _plan(block))
+                                                _host_plan(block))
         for m in (block.attn, block.ffn):
             m.__dict__.pop("_cpu_args", None)
     plan = cached[1]

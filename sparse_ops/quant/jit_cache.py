@@ -8,6 +8,17 @@ machine code in use, built from the old block arithmetic (a checkout that pulled
 the old one). The locator below gives every numba function of the kernel sources (sparse_ops and
 the modules that define numba functions) one stamp, the hash of all of them, so an edit of one
 recompiles the kernels (once) and never runs stale code. Imported by `hotcold.sparse_ops` before any kernel is defined.
+
+A cached build of a function that calls a parallel (prange) kernel needs numba's threading layer
+started before its machine code is linked into a process: that build records "start the threading
+layer" (its reload_init) and numba's cache loader runs it first. numba (0.68) records it only when the
+parallel callee was compiled in the same process; when the callee came from the cache, the caller's
+build records nothing (numba issues 8578, 9938). A later process that loads that caller first, before
+anything has started the threads, leaves the threading layer's symbols unresolved in it and calls a
+null pointer: the fused one-token step of a float model, compiled by a test process whose parallel
+GEMV kernels were cached by an earlier one, segfaulted every later `hotcold run` that loaded it.
+`_keep_reload_init` gives a library loaded from the cache the reload_init it was saved with, so that a
+caller compiled against it inherits it, as it does from a callee compiled in-process.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import hashlib
 import re
 import os
 
-from numba.core import caching
+from numba.core import caching, compiler
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))  # where hotcold's subpackages lie (sparse_ops, models, ...)
@@ -70,3 +81,20 @@ class PackageCacheLocator(caching.InTreeCacheLocator):
 
 if PackageCacheLocator not in caching.CacheImpl._locator_classes:
     caching.CacheImpl._locator_classes.insert(0, PackageCacheLocator)
+
+
+def _keep_reload_init(rebuild):
+    """numba's CompileResult._rebuild that also records the result's reload_init on its library (where
+    a caller's library inherits it when it links this one in; see the module docstring)."""
+
+    def rebuilt(cls, target_context, *payload):
+        cres = rebuild(cls, target_context, *payload)
+        cres.library._reload_init.update(cres.reload_init or ())
+        return cres
+
+    rebuilt._keeps_reload_init = True
+    return rebuilt
+
+
+if not getattr(compiler.CompileResult._rebuild, "_keeps_reload_init", False):
+    compiler.CompileResult._rebuild = classmethod(_keep_reload_init(compiler.CompileResult._rebuild.__func__))
