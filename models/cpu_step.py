@@ -312,6 +312,39 @@ def _weights(module) -> np.ndarray:
     return kept[1]
 
 
+_ROTARY: dict = {}  # (rotary's key, position) -> (cos, sin) float32 [Dh]: this step's tables, shared by layers
+
+
+def _rotary_tables(rotary, positions: torch.Tensor, start: int | None, pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rotary's cos and sin rows at `pos` as float32 numpy, made once a step for all layers of one
+    rotary kind (a layer's own would cost ~8 us: the module call and two conversions)."""
+    key = (rotary._key, pos)
+    got = _ROTARY.get(key)
+    if got is None:
+        if len(_ROTARY) >= 8:  # a new step: the previous ones are not needed again
+            _ROTARY.clear()
+        got = _ROTARY[key] = tuple(t[0].float().numpy() for t in rotary(positions, start))
+    return got
+
+
+def _norm_weights(block, plan: _Plan, aa: tuple) -> tuple:
+    """(attn, ffn, post-attn, post-ffn, q, k) norm weights as float32 numpy (see _attn_half), kept on
+    the block while its norms' float32 weights are the same tensors (a float32 weight is read in place,
+    so an in-place update shows; a half one is converted by _weights, which tracks its version)."""
+    bm = block._modules
+    names = ("attn_norm", "ffn_norm") + (("post_attn_norm", "post_ffn_norm") if plan.sandwich else ())
+    params = tuple(bm[n]._parameters["weight"] for n in names)
+    kept = block.__dict__.get("_cpu_norms")
+    if kept is not None and kept[1] is aa and all(p is q for p, q in zip(kept[0], params)):
+        return kept[2]
+    w = _weights(bm["attn_norm"])
+    norm_w = (w, _weights(bm["ffn_norm"]), *((_weights(bm["post_attn_norm"]), _weights(bm["post_ffn_norm"]))
+                                            if plan.sandwich else (w, w)), *aa[6])
+    if all(p.dtype == torch.float32 for p in params):
+        block.__dict__["_cpu_norms"] = (params, aa, norm_w)
+    return norm_w
+
+
 def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None) -> torch.Tensor | None:
     """block(x, positions, cache_kv, start) for one token on the CPU as one numba call, or None where
     the fused step does not apply (then the caller runs the module path). x: [1, 1, D] -> [1, 1, D]."""
@@ -344,18 +377,19 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
     pos = int(positions[0]) if start is None else start
     H, Hkv, Dh = plan.heads
     if a.rotary is not None:
-        cos, sin = (t[0].float().numpy() for t in a.rotary(positions, start))
+        cos, sin = _rotary_tables(a.rotary, positions, start, pos)
     else:
         cos = sin = np.zeros(Dh, np.float32)
-    kc, vc = cache_kv[0][0].numpy(), cache_kv[1][0].numpy()
+    kc, vc = cache_kv[0].numpy()[0], cache_kv[1].numpy()[0]  # (numpy's indexing: a third of torch's time)
     if kc.dtype == np.float16:
         kc, vc = kc.view(np.int16), vc.view(np.int16)
     lo = max(0, pos - plan.window + 1) if plan.window else 0
-    xv = np.ascontiguousarray(x.detach().reshape(-1).float().numpy())
+    if x.dtype == torch.float32 and x.is_contiguous():
+        xv = x.detach().numpy().reshape(-1)
+    else:
+        xv = np.ascontiguousarray(x.detach().reshape(-1).float().numpy())
     d = xv.shape[0]
-    w = _weights(block.attn_norm)
-    norm_w = (w, _weights(block.ffn_norm), *((_weights(block.post_attn_norm), _weights(block.post_ffn_norm))
-                                            if plan.sandwich else (w, w)), *aa[6])
+    norm_w = _norm_weights(block, plan, aa)
     abuf = _scratch(block, "_cpu_attn_buf", 2 * d + 2 * H * Dh + 2 * Hkv * Dh + H * (pos + 1))
     r, f_in = np.empty_like(xv), np.empty_like(xv)
     args = (xv, norm_w, plan.eps, plan.plus_one, plan.sandwich, aa[0], aa[1], aa[2], aa[3], plan.fused, aa[5],
@@ -373,4 +407,5 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
     fbuf = _scratch(block, "_cpu_ffn_buf", 2 * fa[0][4].shape[0] + d)
     y = np.empty_like(xv)
     _block_step(*args, fa[0], fa[1], fa[2], plan.act, fbuf, r, f_in, y)
-    return torch.from_numpy(y).reshape(x.shape).to(x.dtype)
+    out = torch.from_numpy(y.reshape(1, 1, d))
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

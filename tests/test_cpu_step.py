@@ -193,6 +193,31 @@ def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
         assert gone() is None
 
 
+def test_block_step_sees_new_and_updated_norm_weights(tiny_dir):
+    """The norm weights a block keeps between steps: a new weight tensor is taken, an in-place update
+    of a float32 one is read where it lies; each step equals the module path's."""
+    lm = _quantised(tiny_dir, "llama", "q8_0")
+    blk = lm.model.layers[0]
+    cache = KVCache(lm.config, 8).layers[0]
+    x, pos = torch.randn(1, 1, lm.config.hidden_size), torch.tensor([0])
+
+    def step_and_check():
+        with torch.inference_mode():
+            got = block_step(blk, x, pos, cache, 0)
+            with _module_path():
+                want = blk(x, pos, cache, 0)
+        assert got is not None and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+        return got
+
+    first = step_and_check()
+    blk.ffn_norm.weight = torch.nn.Parameter(blk.ffn_norm.weight.detach() * 3)
+    second = step_and_check()
+    with torch.no_grad():
+        blk.attn_norm.weight.mul_(0.25)
+    third = step_and_check()
+    assert not torch.allclose(first, second) and not torch.allclose(second, third)
+
+
 @pytest.mark.parametrize("family, kind", [("qwen3_moe", "q4_0"), ("qwen2_moe", "q8_0"), ("llama", "q8_0")])
 def test_attention_half_before_an_ffn_module(tiny_dir, family, kind):
     """A block whose FFN is not a GatedFFN of host matrices without biases (MoE layers here; the llama
