@@ -140,7 +140,12 @@ def plan(
                                "(or plan with an assumed sparsity: --uniform --assume-sparsity 0.9)")
         stats, prof_meta = read_profile(prof, cfg, info.fingerprint)
         source, sparsity = str(prof), None
-        if not predictors_within_budget(prof_meta):
+        if not prof_meta.get("predictors") and not (prof.parent / "predictors.safetensors").is_file():
+            for st in stats:  # nothing to place on the CPU: a split would compute every cold row anyway
+                st.predictor_allowed = False
+            pred_off_reason = ("the profile has no predictors (profiled with --no-predictors): every CPU neuron is "
+                               f"computed, exactly (`hotcold profile {info.path}` trains them)")
+        elif not predictors_within_budget(prof_meta):
             pm = prof_meta["predictors"]
             pred_off_reason = (f"the profile's predictors raise held-out perplexity {pm['heldout_ppl_rise']:+.2%}, over "
                                f"its {prof_meta['ppl_budget']:.0%} budget: every CPU neuron is computed, exactly "

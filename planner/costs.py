@@ -34,7 +34,11 @@ Python thread hand-off; it is paid once per CPU segment of a layer, only when th
     chooses: on the GPU it takes GPU memory but no round trip, since the FFN's input is back there).
   * KV cache: 2 x kv_heads x head_dim x ctx (or the sliding window) x B values per layer, stored
     with the attention; a step reads on average half of the context.
-  * All-CPU plans (no CUDA, or --vram 0) pay no sync; all-GPU plans need no predictors.
+  * All-CPU plans (no CUDA, or --vram 0) pay no sync; all-GPU plans need no predictors. Their layers
+    run the one-token CPU step, whose fixed costs the probe measures (planner/probe_step.py): per
+    layer (`cpu_layer_s`, in place of counted calls and the layer overhead) and per matrix product
+    read whole (`cpu_matrix_fixed_s`: q/k/v and o, each FFN matrix when every row is computed, the head),
+    and they sample each token on the CPU (`cpu_sample_s` + vocabulary x `cpu_sample_logit_s`, in fixed_s).
 
 Every constant is in `Constants` below, with its unit; the runtime compares predicted and measured
 times against these (plan.json records them).
@@ -145,6 +149,7 @@ class LayerCosts:
     # [K] seconds per step when the CPU computes every row of the unit, no predictor asked (None:
     # unit_cpu_s; MoE experts run whole when routed either way)
     unit_all_cpu_s: np.ndarray | None = None
+    all_cpu_fixed_s: float = 0.0  # extra seconds when every CPU row is computed: its products' fixed costs
     predictor_allowed: bool = True  # LayerStats.predictor_allowed
     # the KV cache read: seconds per step per cached position on either side (in attn_*_s for
     # kv_pos positions: half the planned context, at most the kv_len positions the cache holds), so a
@@ -276,6 +281,14 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     pred_bps = hw.cpu_dense("q8_0")  # a CPU predictor's Q8_0 blocks (profiles without q8_0 rates: their float one)
     call = hw.cpu_call_s
     handoff = hw.thread_handoff_s
+    # an all-CPU plan's layers run the one-token CPU step: its measured fixed costs per layer and per
+    # matrix product replace the counts of calls (None: not measured, the counts apply)
+    layer_fixed = hw.cpu_layer_s if not has_gpu else None
+    matrix_fixed = (hw.cpu_matrix_fixed_s or 0.0) if layer_fixed is not None else 0.0
+    # an all-CPU plan samples each token on the CPU too, over the whole vocabulary (a GPU's sampling
+    # overlaps its next step)
+    sample_s = (hw.cpu_sample_s + cfg.vocab_size * hw.cpu_sample_logit_s) \
+        if layer_fixed is not None and hw.cpu_sample_s is not None and hw.cpu_sample_logit_s is not None else 0.0
     tv = c.transfer_bytes_per_value
     if not block_size:
         block_size = auto_block_size(cfg.num_layers, cfg.intermediate_size)
@@ -305,7 +318,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
         attn_gpu_s = (attn_bytes / fmt.gpu_attn_speed + kv_read) / gbw + c.attn_gpu_kernels * launch
         kv_cpu_bps = hw.cpu_dense("f32" if fmt.kv_bytes == 4 else "bf16")
         attn_cpu_s = attn_host_bytes / dense_bps + kv_read / kv_cpu_bps \
-            + c.attn_cpu_calls * call
+            + (c.attn_cpu_calls * call if layer_fixed is None else layer_fixed + 2 * matrix_fixed)
         attn_gpu_s += attn_gpu_s_extra
         attn_cpu_s += attn_gpu_s_extra
         attn_sync_s = rt + 2 * B * h * tv / pcie + handoff
@@ -327,7 +340,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             unit_freq = f_sorted.copy()
             pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = c.moe_gpu_kernels * launch
-            ffn_cpu_fixed_s = 0.0
+            ffn_cpu_fixed_s = all_cpu_fixed_s = 0.0
             mask_bytes = B * cfg.top_k * 8
         else:
             n_items = len(freq)
@@ -362,6 +375,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
                 pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = c.ffn_gpu_kernels * launch
             ffn_cpu_fixed_s = c.ffn_cpu_calls * call
+            all_cpu_fixed_s = n_mats * matrix_fixed  # every row computed: one product per matrix
             mask_bytes = n_items * c.mask_bytes_per_neuron
             if fmt.whole_int4(l):  # every matrix at int4's bytes and speed
                 whole_bytes = n_items * (n_mats * h * INT4_GPU_BYTES_PER_WEIGHT + extra)
@@ -377,7 +391,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             pred_sync_s=(rt + (B * h * tv + mask_bytes) / pcie + handoff) if has_gpu and pred_bytes else 0.0,
             unit_host_bytes=np.asarray(unit_host_bytes, dtype=np.float64), attn_host_bytes=attn_host_bytes,
             pred_host_bytes=pred_host_bytes, whole_bytes=whole_bytes, whole_gpu_s=whole_gpu_s,
-            unit_all_cpu_s=np.asarray(unit_all_cpu_s, dtype=np.float64), predictor_allowed=st.predictor_allowed,
+            unit_all_cpu_s=np.asarray(unit_all_cpu_s, dtype=np.float64), all_cpu_fixed_s=all_cpu_fixed_s,
+            predictor_allowed=st.predictor_allowed,
             kv_pos_gpu_s=kv_elem / gbw, kv_pos_cpu_s=kv_elem / kv_cpu_bps, kv_len=int(kv_len), kv_pos=int(kv_pos)))
     # kept as the dtype (often the file's widest type, Q6_K), or int4 (a tied head is the embedding's table)
     head_int4 = fmt.gpu_head_int4 and not cfg.tie_word_embeddings
@@ -399,13 +414,14 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,
         head_gpu_s=head_bytes / head_speed / gbw + c.head_gpu_kernels * launch,
-        head_cpu_s=head_host_bytes / dense_bps + c.head_cpu_calls * call, head_host_bytes=head_host_bytes,
+        head_cpu_s=head_host_bytes / dense_bps + c.head_cpu_calls * call + matrix_fixed, head_host_bytes=head_host_bytes,
         head_sync_s=(rt + B * h * tv / pcie + handoff) if has_gpu else 0.0,
         tied=bool(cfg.tie_word_embeddings), embed_bytes=embed_bytes, workspace_bytes=float(workspace),
         moe_gpu_bytes=moe_gpu_bytes, moe_cpu_delta_s=moe_cpu_delta_s,
         expert_cache_bytes=float(c.expert_cache_bytes) if has_gpu and moe_gpu_bytes else 0.0,
         host_reserve_bytes=float(c.host_reserve_bytes),
-        fixed_s=c.step_overhead_s + cfg.num_layers * c.layer_overhead_s,
+        fixed_s=c.step_overhead_s + cfg.num_layers * (c.layer_overhead_s if layer_fixed is None else 0.0)
+        + sample_s,
         has_gpu=has_gpu, constants=c, block_size=block_size, batch=B, ctx=ctx, fmt=fmt)
 
 
@@ -518,7 +534,8 @@ def evaluate(costs: ModelCosts, p: Placement) -> Evaluation:
             else:
                 h["predictors"] = lc.pred_host_bytes
         ffn_gpu = (lc.whole_gpu_s if whole else float(lc.unit_gpu_s[on].sum())) + (lc.ffn_gpu_fixed_s if has_gpu else 0.0)
-        ffn_cpu = float((lc.unit_all_cpu_s if off else lc.unit_cpu_s)[~on].sum()) + (lc.ffn_cpu_fixed_s if has_cpu else 0.0)
+        ffn_cpu = float((lc.unit_all_cpu_s if off else lc.unit_cpu_s)[~on].sum()) + (lc.ffn_cpu_fixed_s if has_cpu else 0.0) \
+            + (lc.all_cpu_fixed_s if off else 0.0)
         if has_cpu and hybrid:
             ffn_gpu += lc.hybrid_gpu_s
             ffn_cpu += lc.ffn_sync_s

@@ -27,19 +27,19 @@ import dataclasses
 import itertools
 import json
 import os
-import queue
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotcold.errors import HotcoldError
+from hotcold.planner.probe_step import handoff_s, layer_step_s, matrix_fixed_s, sample_costs
 from hotcold.planner.timing import _call_time, _median_time, _rate
 
-FORMAT = "6"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices;
+FORMAT = "7"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices;
 # 4: dense rates of Q4_0 / Q4_K over their interleaved layout, as run time reads them (pack_rows);
-# 5: whole MoE experts' rates (cpu_expert_Bps); 6: AVX2 machines' Q8-activation kernels ~1.8x faster
+# 5: whole MoE experts' rates (cpu_expert_Bps); 6: AVX2 machines' Q8-activation kernels ~1.8x faster;
+# 7: a CPU layer's and a small matrix product's fixed costs (cpu_layer_s, cpu_matrix_fixed_s), sampling
 KINDS = ("f32", "bf16", "f16", "i8")
 EXPERTS_PER_CALL = 4  # CPU experts per qexperts call in the probe: a token's top-8 with about half on the GPU
 # GGUF block types the CPU kernels compute on (sparse_ops/quant/), measured as the runtime uses them:
@@ -71,6 +71,14 @@ class HardwareProfile:
     cpu_expert_Bps: dict[str, float] = field(default_factory=dict)  # whole MoE experts (qexperts), by block kind
     cpu_call_s: float = 5e-6  # one small kernel call from Python
     thread_handoff_s: float = 30e-6  # main -> worker thread -> main round trip
+    # a CPU layer's one-token step beyond its weights' bytes (the fused block call, kernel set-ups,
+    # norms, a short attention), and a small matrix product's beyond its bytes at the dense rate
+    # (planner/probe_step.py); None: not measured (the cost model counts calls instead)
+    cpu_layer_s: float | None = None
+    cpu_matrix_fixed_s: float | None = None
+    # sampling a token on the CPU: seconds + seconds per logit of the vocabulary (probe_step.sample_costs)
+    cpu_sample_s: float | None = None
+    cpu_sample_logit_s: float | None = None
     # --- GPU (None without CUDA)
     cuda: bool = False
     gpu_name: str | None = None
@@ -174,7 +182,10 @@ class HardwareProfile:
                              f"{bw(self.cpu_gather_Bps[k])} ({self.cpu_gather_rows_per_s.get(k, 0) / 1e6:.2f} M rows/s)"
                              f" / {bw(self.cpu_ffn_Bps.get(k))} / {bw(self.cpu_dense_Bps.get(k))}"
                              + (f"; experts {bw(self.cpu_expert_Bps[k])}" if k in self.cpu_expert_Bps else "")))
-        rows += [("CPU call / thread hand-off", f"{us(self.cpu_call_s)} / {us(self.thread_handoff_s)}")]
+        rows += [("CPU call / thread hand-off", f"{us(self.cpu_call_s)} / {us(self.thread_handoff_s)}"),
+                 ("CPU layer step / small product, beyond bytes", f"{us(self.cpu_layer_s)} / {us(self.cpu_matrix_fixed_s)}"),
+                 ("CPU sampling a token (default settings)", f"{us(self.cpu_sample_s)} + "
+                  f"{'-' if self.cpu_sample_logit_s is None else f'{self.cpu_sample_logit_s * 1e9:.2f} ns'} a logit")]
         if not self.cuda:
             rows.append(("GPU", "none (CUDA not available): plans are all-CPU"))
             return rows
@@ -358,6 +369,12 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
             m1 = next(pool)
             hw.cpu_call_s = _call_time(lambda: cpu.gemv_rows(m1, one, x, out1), 200 if quick else 2000)
     _probe_quant(hw, raw, rows_n, d, sels, x, min_time, log)
+    hw.cpu_matrix_fixed_s = matrix_fixed_s(raw, hw.cpu_dense_Bps["q4_0"], hw.cpu_call_s, min_time)
+    hw.cpu_layer_s = layer_step_s(min_time)
+    hw.cpu_sample_s, hw.cpu_sample_logit_s = sample_costs(min_time)
+    if log:
+        log(f"CPU fixed costs: {'-' if hw.cpu_layer_s is None else f'{hw.cpu_layer_s * 1e6:.1f}'} µs a layer, "
+            f"{hw.cpu_matrix_fixed_s * 1e6:.1f} µs a small product")
 
 
 def _probe_quant(hw: HardwareProfile, raw, rows_n: int, d: int, sels: list, x, min_time: float, log) -> None:
@@ -491,29 +508,6 @@ def _llc_bytes() -> int:
     return total
 
 
-def _probe_handoff(hw: HardwareProfile, quick: bool) -> None:
-    """Round trip main thread -> worker -> main through two queues (the executors' hand-off)."""
-    to_w, to_m = queue.SimpleQueue(), queue.SimpleQueue()
-
-    def worker():
-        while True:
-            item = to_w.get()
-            if item is None:
-                return
-            to_m.put(item)
-
-    th = threading.Thread(target=worker, daemon=True)
-    th.start()
-
-    def trip():
-        to_w.put(1)
-        to_m.get()
-
-    hw.thread_handoff_s = _call_time(trip, 50 if quick else 400)
-    to_w.put(None)
-    th.join()
-
-
 def _probe_cuda(hw: HardwareProfile, quick: bool, log) -> None:
     import torch
 
@@ -588,7 +582,7 @@ def probe(quick: bool = False, log=None) -> HardwareProfile:
     hw = HardwareProfile(hostname=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                          load_before=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
     _probe_cpu(hw, quick, log)
-    _probe_handoff(hw, quick)
+    hw.thread_handoff_s = handoff_s(quick)
     try:
         _probe_cuda(hw, quick, log)
     except Exception as e:  # e.g. a GPU already full: say so rather than plan as if there were none

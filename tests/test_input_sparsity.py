@@ -304,6 +304,15 @@ def test_profile_then_run_with_and_without_input_sparsity(tmp_path):
         ("not applied: no projection's sparse product is faster" in r.stderr and "inputs skipped" not in r.stderr)
     r2 = run_cli(*args, "--no-sparse")
     assert r2.returncode == 0 and "input sparsity off (--no-sparse)" in r2.stderr and "inputs skipped" not in r2.stderr
+    # a profile without predictors plans no predictor (a split would compute every cold row), says
+    # why, and its plan runs the model whole
+    r3 = run_cli("plan", str(model), "--vram", "0")
+    assert r3.returncode == 0, r3.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    assert all(le["predictor"] == "off" for le in plan["layers"])
+    assert "--no-predictors" in plan["predictors_off_reason"]
+    r4 = run_cli(*args)
+    assert r4.returncode == 0 and "the model runs whole on the CPU" in r4.stderr, r4.stderr
 
 
 def test_timed_choice_thresholds_only_where_the_sparse_product_pays(tmp_path):

@@ -434,6 +434,37 @@ def test_cost_model_details():
     assert cs.layers[0].kv_bytes == lc.kv_bytes * 16 / 64
 
 
+def test_all_cpu_plans_charge_the_measured_fixed_costs():
+    """An all-CPU plan charges a layer the probe's measured step cost and each matrix product read
+    whole its fixed cost, in place of counted calls and the layer overhead, and each token its sampling
+    over the vocabulary; a GPU plan keeps the counts and samples on the GPU."""
+    cfg = tiny_cfg("llama_relu", num_hidden_layers=2)
+    stats = [LayerStats("gated", np.full(32, 0.1)) for _ in range(2)]
+    consts = dataclasses.replace(TOY_CONSTANTS, layer_overhead_s=15e-6, step_overhead_s=100e-6)
+    fmt = weight_format("bf16")
+    plain = toy_hw(cuda=False)
+    measured = dataclasses.replace(plain, cpu_layer_s=40e-6, cpu_matrix_fixed_s=3e-6, cpu_sample_s=50e-6,
+                                   cpu_sample_logit_s=2e-9)
+    c0 = build_costs(cfg, stats, plain, fmt, ctx=64, block_size=8, constants=consts)
+    c1 = build_costs(cfg, stats, measured, fmt, ctx=64, block_size=8, constants=consts)
+    a0, a1 = c0.layers[0], c1.layers[0]
+    calls = consts.attn_cpu_calls * plain.cpu_call_s
+    assert a1.attn_cpu_s == pytest.approx(a0.attn_cpu_s - calls + 40e-6 + 2 * 3e-6)  # q/k/v and o
+    assert a0.all_cpu_fixed_s == 0 and a1.all_cpu_fixed_s == pytest.approx(3 * 3e-6)  # gate, up, down
+    assert c0.fixed_s == pytest.approx(100e-6 + 2 * 15e-6)
+    assert c1.fixed_s == pytest.approx(100e-6 + 50e-6 + cfg.vocab_size * 2e-9)
+    assert c1.head_cpu_s == pytest.approx(c0.head_cpu_s + 3e-6)
+    p = Placement.all_cpu(c1)
+    off = evaluate(c1, dataclasses.replace(p, pred_off=[True, True]))
+    on = evaluate(c1, p)
+    assert off.layers[0].ffn_cpu_s == pytest.approx(float(a1.unit_all_cpu_s.sum()) + a1.ffn_cpu_fixed_s + 9e-6)
+    assert on.layers[0].ffn_cpu_s == pytest.approx(float(a1.unit_cpu_s.sum()) + a1.ffn_cpu_fixed_s)
+    gpu = build_costs(cfg, stats, dataclasses.replace(toy_hw(), cpu_layer_s=40e-6, cpu_matrix_fixed_s=3e-6,
+                                                      cpu_sample_s=50e-6, cpu_sample_logit_s=2e-9), fmt,
+                      ctx=64, block_size=8, constants=consts)
+    assert gpu.layers[0].all_cpu_fixed_s == 0 and gpu.fixed_s == pytest.approx(100e-6 + 2 * 15e-6)
+
+
 # ------------------------------------------------------------------------------------------- artifacts
 def test_plan_artifact_roundtrip(tmp_path):
     rng = np.random.default_rng(8)
@@ -495,6 +526,10 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
         assert hw.cpu_gather_Bps[kind] > 0 and hw.cpu_ffn_Bps[kind] > 0 and hw.cpu_dense_Bps[kind] > 0
         assert hw.cpu_gather_rows_per_s[kind] > 0
     assert set(hw.cpu_expert_Bps) == set(QKINDS) and min(hw.cpu_expert_Bps.values()) > 0
+    # fixed costs: a layer's step over its bytes, a small product's over its bytes at the dense rate
+    # (None: a machine too busy to tell the two depths apart; the cost model then counts calls)
+    assert (hw.cpu_layer_s is None or 0 < hw.cpu_layer_s < 0.05) and 0 <= hw.cpu_matrix_fixed_s < 0.05
+    assert 0 <= hw.cpu_sample_s < 0.05 and 0 <= hw.cpu_sample_logit_s < 1e-6
     import torch
 
     assert hw.cuda == torch.cuda.is_available()
