@@ -81,9 +81,7 @@ def matrix_args(m) -> tuple:
     """A QuantMatrix as _gemv_batch's argument (as models/cpu_step._mat builds it)."""
     from hotcold.sparse_ops.quant import formats
 
-    if m._all_rows is None:
-        m._all_rows = np.arange(m.rows, dtype=np.int64)
-    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in formats.XQ_DEFAULT), m.data, m._all_rows)
+    return (m.type_id, bool(m.interleaved), bool(m.interleaved or m.qtype in formats.XQ_DEFAULT), m.data, m.all_rows())
 
 
 def qgemv_batch(m, X: np.ndarray) -> np.ndarray:

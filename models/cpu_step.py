@@ -188,9 +188,7 @@ def _mat(lin) -> tuple:
         hm = HostMatrix.from_torch((lin.weight if isinstance(lin, nn.Linear) else lin).detach())
         return (hm._s, False, False, hm._w, np.arange(hm.shape[0], dtype=np.int64), _sparsity(lin))
     m = lin.qweight if isinstance(lin, QuantLinear) else lin  # a QuantMatrix
-    if m._all_rows is None:
-        m._all_rows = np.arange(m.rows, dtype=np.int64)
-    return (m._id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.formats.XQ_DEFAULT), m.data, m._all_rows,
+    return (m.type_id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.formats.XQ_DEFAULT), m.data, m.all_rows(),
             _sparsity(lin))
 
 

@@ -86,9 +86,7 @@ def qgemv(m: QuantMatrix, x: np.ndarray, out: np.ndarray | None = None, xq: bool
         out = np.empty(m.rows, np.float32) if out is None else _check_out(out, (m.rows,))
         qgemv_x8_kernel(m._id, m.data, x, out)
         return out
-    if m._all_rows is None:
-        m._all_rows = np.arange(m.rows, dtype=np.int64)
-    return qgemv_rows(m, m._all_rows, x, out, xq)
+    return qgemv_rows(m, m.all_rows(), x, out, xq)
 
 
 def qaxpy_rows(m: QuantMatrix, rows: np.ndarray, coeff: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -365,9 +363,7 @@ def qdequantize(m: QuantMatrix, rows: np.ndarray | None = None, out: np.ndarray 
     C-contiguous array of that dtype and shape; it is overwritten."""
     _check_m(m, whole=True)
     if rows is None:
-        if m._all_rows is None:
-            m._all_rows = np.arange(m.rows, dtype=np.int64)
-        rows = m._all_rows
+        rows = m.all_rows()
     rows = as_rows(rows, m.rows)
     k = rows.shape[0]
     shape, dt = (k, m.cols), (np.uint16 if bf16 else np.float32)
