@@ -56,6 +56,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {
         "tiny-llama": make(root, "tiny-llama", dtype="f32"),
         "tiny-llama-f16": make(root, "tiny-llama", "tiny-llama-f16"),
+        "tiny-llama-silu": make(root, "tiny-llama", "tiny-llama-silu", dtype="f32", act="silu"),
         "tiny-moe": make(root, "tiny-moe", dtype="f32"),
         "tiny-qwen3-moe": make(root, "tiny-qwen3-moe", dtype="f32"),
         "tiny-opt": make(root, "tiny-opt", dtype="f32"),
@@ -75,7 +76,7 @@ def token_ids(folder: Path) -> list[int]:
 # ----------------------------------------------------------------------------- the two forms
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-f16", "tiny-moe", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-f16", "tiny-llama-silu", "tiny-moe", "tiny-qwen3-moe"])
 def test_hf_and_gguf_forms_compute_the_same_function(models, name):
     folder = models[name]
     ids = token_ids(folder)
@@ -103,7 +104,7 @@ def test_gguf_q_k_rows_are_permuted_like_llama_cpp(models):
     assert np.array_equal(raw["blk.1.attn_k.weight"], permute_rotary(k, spec.kv_heads))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-qwen3-moe", "tiny-opt"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-silu", "tiny-moe", "tiny-qwen3-moe", "tiny-opt"])
 def test_hf_form_matches_transformers(models, name):
     transformers = pytest.importorskip("transformers")
     folder = models[name] / "hf"
@@ -173,10 +174,11 @@ def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-qwen3-moe", "tiny-opt"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-silu", "tiny-moe", "tiny-qwen3-moe", "tiny-opt"])
 def test_gguf_runs_in_llama_cpp_as_the_same_function(models, name):
     """llama.cpp loads every GGUF form. It computes SiLU for the ReLU llama and GELU for OPT's gpt2
-    form, so hotcold's forward is switched to those activations to compare; MoE experts are SiLU."""
+    form, so hotcold's forward is switched to those activations to compare; MoE experts and the
+    SwiGLU llama are SiLU."""
     import torch.nn.functional as F
 
     folder = models[name]
@@ -195,6 +197,37 @@ def test_gguf_runs_in_llama_cpp_as_the_same_function(models, name):
 
 
 # ----------------------------------------------------------------------------- planted statistics
+
+
+def test_swiglu_llama_has_teal_shaped_projection_inputs(models):
+    """--act silu: a SwiGLU llama (hidden_act silu in both forms, no hotcold activation key) whose
+    projection inputs have the shapes TEAL reports: q/k/v and gate/up Gaussian-like, o and down
+    heavy-tailed (more kurtosis, less energy in the smaller half than a Gaussian's 0.071)."""
+    import gguf
+
+    folder = models["tiny-llama-silu"]
+    assert json.loads((folder / "hf" / "config.json").read_text())["hidden_act"] == "silu"
+    fields = gguf.GGUFReader(str(folder / "model.gguf")).fields
+    assert "hotcold.hidden_act" not in fields and "hotcold.hidden_act" in \
+        gguf.GGUFReader(str(models["tiny-llama"] / "model.gguf")).fields
+    info = json.loads((folder / "make_model.json").read_text())
+    assert info["spec"]["act"] == "silu" and info["targets"] == {} and info["gate_rank"] == 0
+    rows = mm.check(folder / "hf", layers=2, windows=2, length=256, quiet=True)
+    for r in rows:
+        shapes = r["inputs"]
+        for g in ("qkv", "gate/up"):
+            assert abs(shapes[g]["kurtosis"]) < 0.5 and 0.06 < shapes[g]["low_half_energy"] < 0.08, (g, shapes)
+        for g in ("o", "down"):
+            assert shapes[g]["kurtosis"] > 2 and shapes[g]["low_half_energy"] < 0.04, (g, shapes)
+    lm = load_model(folder / "model.gguf", device="cpu", dtype="float32")
+    assert lm.config.activation == "silu"
+
+
+def test_act_flag_applies_to_dense_llamas_only():
+    assert mm.build_spec("llama3-8b").act == "silu" and mm.build_spec("llama-7b").act == "relu"
+    assert mm.build_spec("llama-7b", shape(act="silu")).act == "silu"
+    with pytest.raises(mm.MakeModelError, match="--act silu applies to the dense llama presets only"):
+        mm.build_spec("tiny-opt", shape(act="silu"))
 
 
 def test_firing_probs_and_expert_shares():

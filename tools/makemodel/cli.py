@@ -27,7 +27,9 @@ presets (real shapes, size per form at f16; vocab is always {TOKENIZER_VOCAB}, t
 forms: dense presets are ReLU-fied llamas (ProSparse/ReluLLaMA style): HF model_type llama with
 hidden_act relu; the GGUF is general.architecture llama with the same tensors (q/k permuted as
 convert_hf_to_gguf.py does) plus hotcold.hidden_act = relu (llama.cpp ignores it and computes SiLU,
-which does not change its dense speed). MoE presets keep SiLU experts: mixtral (HF mixtral, GGUF
+which does not change its dense speed). llama3-8b, and any dense preset with --act silu, is a
+SwiGLU llama as trained models are (hidden_act silu, no hotcold key: llama.cpp computes the same
+function). MoE presets keep SiLU experts: mixtral (HF mixtral, GGUF
 llama with stacked experts) and qwen3_moe (HF qwen3_moe, GGUF qwen3moe). OPT presets are written
 as HF opt (read by hotcold) and, for llama.cpp only, as GGUF gpt2 with the same weights (fused qkv,
 positions without OPT's 2 offset rows; llama.cpp computes GELU there): hotcold reads the HF form.
@@ -47,6 +49,15 @@ forward of --calib-tokens tokens of Python's documentation through the layers as
 generated. MoE routers get per-expert biases the same way, so expert popularity follows a Zipf law
 whose top 25% of experts take --expert-skew of all routings. --check measures the result on
 held-out text with hotcold's reference forward.
+
+SwiGLU llamas (--act silu) plant no firing: every neuron is active, and what a sparsity method can
+use is the shape of each projection's input. TEAL (Liu et al., 2024) reports the inputs of q/k/v
+and gate/up (normed hidden states) zero-mean and Gaussian-like, and the inputs of o and down
+Laplacian-like (heavy-tailed, peaked at zero). down's input silu(gate x) * up x is such a product by
+construction; o's input is made Laplacian by giving each v output channel a variance drawn from an
+exponential law (a Gaussian whose variance is exponential is a Laplacian). --check prints each
+input's excess kurtosis (Gaussian 0, Laplacian 3) and the share of its energy in the smallest half
+of its entries (the part a 50% threshold drops: Gaussian 0.071, Laplacian 0.033).
 
 predictability: in real LLMs a small low-rank predictor anticipates which neurons fire (DejaVu,
 PowerInfer): FFN inputs and gate rows share a few dominant directions. Random isotropic gate rows
@@ -116,6 +127,8 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab", type=int, help=f"vocabulary rows (>= {TOKENIZER_VOCAB}, the tokenizer's; default that)")
     g.add_argument("--context", type=int, help="max positions")
     g.add_argument("--rope-theta", type=float, help="rotary base")
+    g.add_argument("--act", choices=["relu", "silu"],
+                   help="dense llama FFN activation: relu (ReLU-fied, planted firing) or silu (SwiGLU)")
     p.add_argument("--calib-tokens", type=int,
                    help="tokens of the planting forward (default 256, MoE 1024; costs 2 FLOPs per token and "
                         "active weight)")
@@ -168,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         tokens = args.check_tokens or (4096 if spec.moe else 1024)
         length = min(CHECK_WINDOW, tokens)
-        check(res.hf, args.check_layers, max(1, tokens // length), length,
-              targets={"sparsity": args.sparsity, "mass80": args.mass80, "expert_skew": args.expert_skew})
+        targets = {"expert_skew": args.expert_skew} if spec.moe else \
+            {"sparsity": args.sparsity, "mass80": args.mass80} if spec.act == "relu" else {}
+        check(res.hf, args.check_layers, max(1, tokens // length), length, targets=targets)
     return 0

@@ -136,11 +136,13 @@ class WeightGenerator:
     def _linear(self, name: str, rows: int, cols: int, std: float, x: torch.Tensor | None, *,
                 zero_col: int = -1, zero_row: int = -1, align: int = 1,
                 plant: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                basis: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Iterator[Chunk]:
+                basis: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                row_scale: torch.Tensor | None = None) -> Iterator[Chunk]:
         """Yield a random [rows, cols] weight in chunks; return y = x @ W^T ([N, rows], or None; written
         into `out` when given).
         basis ([k, cols], orthonormal rows): each row is a random combination of the basis rows
-        carrying 1 - gate_noise of its expected energy, plus isotropic noise carrying the rest."""
+        carrying 1 - gate_noise of its expected energy, plus isotropic noise carrying the rest.
+        row_scale ([rows]): row i multiplied by row_scale[i]."""
         y = None if x is None else (torch.empty(x.shape[0], rows) if out is None else out)
         per = self._rows_per_chunk(rows, cols, align)
         for r0 in range(0, rows, per):
@@ -156,6 +158,9 @@ class WeightGenerator:
                 low = (coef * (std * math.sqrt((1 - self.gate_noise) * cols / k))) @ basis  # [rows, cols]
                 noise = self.pool.normal((r1 - r0, cols), 1.0, self.rng).float() * (std * math.sqrt(self.gate_noise))
                 w = (low + noise).to(self.dtype)
+            if row_scale is not None:
+                w = (w.float() * row_scale[r0:r1, None]).to(self.dtype)
+                w32 = None
             if x is not None and w32 is None:
                 w32 = w.float()
             for m in (w, w32) if w32 is not None else (w,):
@@ -248,7 +253,7 @@ class WeightGenerator:
             resid[sel] += w[ids[sel] - r0].float()
             yield name, r0, w
 
-    def _attention(self, p: str, x: torch.Tensor, resid: torch.Tensor, qk_norm: bool, bias: bool,
+    def _attention(self, p: str, layer: int, x: torch.Tensor, resid: torch.Tensor, qk_norm: bool, bias: bool,
                    names: tuple[str, str, str, str]) -> Iterator[Chunk]:
         s = self.s
         B, T = self.tokens.shape
@@ -257,7 +262,11 @@ class WeightGenerator:
         sqk, sv = self._in_std(x, QK_STD), self._in_std(x)
         q = yield from self._linear(p + names[0], H * Dh, s.hidden, sqk, x, zero_col=c, align=Dh)
         k = yield from self._linear(p + names[1], K * Dh, s.hidden, sqk, x, zero_col=c, align=Dh)
-        v = yield from self._linear(p + names[2], K * Dh, s.hidden, sv, x, zero_col=c)
+        v_scale = None
+        if s.act == "silu":  # o's input Laplacian-like (see the module help): each v channel's variance ~ Exp(1)
+            gen = np.random.default_rng([self.seed, 7, layer])
+            v_scale = torch.from_numpy(np.sqrt(gen.exponential(1.0, K * Dh))).float()
+        v = yield from self._linear(p + names[2], K * Dh, s.hidden, sv, x, zero_col=c, row_scale=v_scale)
         if bias:  # OPT: zero q/k/v biases (written after the three weights: GGUF's fused qkv bias)
             for n in ("q", "k", "v"):
                 yield from self._const(f"{p}self_attn.{n}_proj.bias", H * Dh if n == "q" else K * Dh, 0.0)
@@ -279,7 +288,7 @@ class WeightGenerator:
         p = f"model.layers.{layer}."
         yield from self._const(p + "input_layernorm.weight", s.hidden, 1.0)
         x = rmsnorm(resid, s.norm_eps)
-        yield from self._attention(p, x, resid, s.family == "qwen3_moe", False,
+        yield from self._attention(p, layer, x, resid, s.family == "qwen3_moe", False,
                                    ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                     "self_attn.v_proj.weight", "self_attn.o_proj.weight"))
         yield from self._const(p + "post_attention_layernorm.weight", s.hidden, 1.0)
@@ -318,12 +327,13 @@ class WeightGenerator:
 
     def _gated_ffn(self, p: str, layer: int, x: torch.Tensor, xc: torch.Tensor) -> Iterator[Chunk]:
         s, c = self.s, self.c
-        plant = self._bias_planter(self._neuron_targets(layer), xc)
+        relu = s.act == "relu"  # SwiGLU: no planted firing, isotropic gate rows
+        plant = self._bias_planter(self._neuron_targets(layer), xc) if relu else None
         si = self._in_std(x)
         g = yield from self._linear(p + "mlp.gate_proj.weight", s.ffn, s.hidden, si, x, zero_col=c,
-                                    plant=plant, basis=self._gate_basis(layer))
+                                    plant=plant, basis=self._gate_basis(layer) if relu else None)
         u = yield from self._linear(p + "mlp.up_proj.weight", s.ffn, s.hidden, si, x, zero_col=c)
-        h = torch.relu(g) * u
+        h = (torch.relu(g) if relu else F.silu(g)) * u
         out = yield from self._linear(p + "mlp.down_proj.weight", s.hidden, s.ffn, self._out_std(h), h, zero_row=c)
         return out
 
@@ -333,7 +343,7 @@ class WeightGenerator:
         yield from self._const(p + "self_attn_layer_norm.weight", s.hidden, 1.0)
         yield from self._const(p + "self_attn_layer_norm.bias", s.hidden, 0.0)
         x = F.layer_norm(resid, (s.hidden,), eps=1e-5)
-        yield from self._attention(p, x, resid, False, True,
+        yield from self._attention(p, layer, x, resid, False, True,
                                    ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                     "self_attn.v_proj.weight", "self_attn.out_proj.weight"))
         yield from self._const(p + "final_layer_norm.weight", s.hidden, 1.0)

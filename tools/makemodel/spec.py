@@ -22,7 +22,7 @@ BOS_ID, EOS_ID = 1, 2  # <|im_start|>, <|im_end|> in SmolLM2's vocabulary
 class Spec:
     """Shape and family of the model to write. `ffn` is the per-expert FFN size for MoE families."""
 
-    family: str  # "llama" (ReLU-fied llama), "mixtral", "qwen3_moe", "opt"
+    family: str  # "llama", "mixtral", "qwen3_moe", "opt"
     hidden: int
     ffn: int
     layers: int
@@ -35,6 +35,7 @@ class Spec:
     norm_eps: float = 1e-5
     experts: int = 0
     top_k: int = 0
+    act: str = "relu"  # dense llama FFN: "relu" (ReLU-fied, planted firing) or "silu" (SwiGLU, as trained)
 
     def __post_init__(self):
         if not self.head_dim:
@@ -58,6 +59,8 @@ PRESETS: dict[str, Spec] = {
     "tiny-opt": Spec("opt", hidden=64, ffn=256, layers=2, heads=4, kv_heads=4, context=2048),
     "opt-1.3b": Spec("opt", hidden=2048, ffn=8192, layers=24, heads=32, kv_heads=32, context=2048),
     "llama-7b": Spec("llama", hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32),
+    "llama3-8b": Spec("llama", hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, context=8192,
+                      rope_theta=500000.0, act="silu"),
     "llama-13b": Spec("llama", hidden=5120, ffn=13824, layers=40, heads=40, kv_heads=40),
     "falcon-40b": Spec("llama", hidden=8192, ffn=32768, layers=60, heads=128, kv_heads=8, context=2048),
     "llama-70b": Spec("llama", hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8),
@@ -70,7 +73,7 @@ PRESETS: dict[str, Spec] = {
 OVERRIDES = {  # flag -> Spec field
     "hidden": "hidden", "ffn": "ffn", "layers": "layers", "heads": "heads", "kv_heads": "kv_heads",
     "head_dim": "head_dim", "experts": "experts", "top_k": "top_k", "vocab": "vocab", "context": "context",
-    "rope_theta": "rope_theta",
+    "rope_theta": "rope_theta", "act": "act",
 }
 
 
@@ -112,6 +115,8 @@ def _validate(s: Spec) -> None:
                                                           f"(got {s.experts}, {s.top_k})")
     else:
         need(s.experts == 0, f"preset family {s.family} is dense; --experts applies to MoE presets only")
+    need(s.act in ("relu", "silu"), f"--act {s.act}: use relu or silu")
+    need(s.act == "relu" or s.family == "llama", f"--act {s.act} applies to the dense llama presets only")
 
 
 # ----------------------------------------------------------------------------- planted targets

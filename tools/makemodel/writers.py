@@ -283,7 +283,7 @@ def hf_config(s: Spec, dtype: torch.dtype) -> dict:
         "architectures": [{"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM"}[s.family]],
         "model_type": s.family,
-        "hidden_act": "relu" if s.family == "llama" else "silu",
+        "hidden_act": s.act if s.family == "llama" else "silu",
         "hidden_size": s.hidden,
         "intermediate_size": s.ffn * s.top_k if s.family == "qwen3_moe" else s.ffn,
         "num_hidden_layers": s.layers,
