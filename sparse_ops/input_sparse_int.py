@@ -45,6 +45,7 @@ from hotcold.sparse_ops.quant.vector import _F32, _FAST, _I8, _I16, _I32, _I64, 
 __all__ = ["OFFSET", "ROW_OF_BYTE", "TILE", "available", "pack_int", "unpack_int", "int_prep", "int_task"]
 
 TILE = 128  # rows per tile (8 int32 vectors of 16 lanes)
+PREFETCH_TILES = 8  # a kept channel's bytes this many tiles ahead are prefetched while a tile is dotted
 
 
 def _row_of_byte() -> np.ndarray:
@@ -158,6 +159,13 @@ def _interleave4(bd, a, b, c, d):
     return [words(ab[0], cd[0], 0), words(ab[0], cd[0], 1), words(ab[1], cd[1], 0), words(ab[1], cd[1], 1)]
 
 
+def _prefetch_line(bd, ptr):
+    # the 64-byte line at ptr into the L2 cache (prefetcht1)
+    f = bd.module.declare_intrinsic("llvm.prefetch", [ir.PointerType(_I8)],
+                                    fnty=ir.FunctionType(ir.VoidType(), [ir.PointerType(_I8), _I32, _I32, _I32]))
+    bd.call(f, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+
+
 def _fma(bd, a, b, c):
     name = f"llvm.fma.v{a.type.count}f32"
     f = bd.module.globals.get(name) or ir.Function(bd.module, ir.FunctionType(a.type, [a.type] * 3), name)
@@ -205,6 +213,28 @@ def _make_task(nibbles: bool, offset: int | None):
                     for a in accs:
                         bd.store(_vconst(_I32, 16, 0), a)
                     base = bd.mul(t, ir.Constant(_I64, tile_bytes))
+                    # prefetch what this loop reads PREFETCH_TILES tiles later: this block's kept
+                    # channels at tile t + PREFETCH_TILES, or past the task's last tile the next kept
+                    # block's at its first tiles (a short task's streams would start cold every block)
+                    pt = bd.add(t, ir.Constant(_I64, PREFETCH_TILES))
+                    here = bd.icmp_signed("<", pt, t1_)
+                    has_next = bd.icmp_signed("<", bd.add(kb, one), nkb_)
+                    pk = bd.select(here, kb, bd.select(has_next, bd.add(kb, one), kb))
+                    ptile = bd.select(here, pt, bd.add(t0_, bd.sub(pt, t1_)))
+                    pq0 = bd.load(bd.gep(bsp, [pk]))
+                    pq1 = bd.select(bd.or_(here, has_next), bd.load(bd.gep(bsp, [bd.add(pk, one)])), pq0)
+                    pbase = bd.mul(ptile, ir.Constant(_I64, tile_bytes))
+                    pb = bd.load(bd.gep(bip, [pk]))
+                    for sp_ in (dp, mp) if offset is None else (dp,):
+                        srow = bd.gep(sp_, [bd.add(bd.mul(pb, ds), bd.mul(ptile, ir.Constant(_I64, 256)))])
+                        for h in range(4):  # the tile's 128 scales
+                            _prefetch_line(bd, bd.gep(srow, [ir.Constant(_I64, 64 * h)]))
+                    with cgutils.for_range_slice(bd, pq0, pq1, one) as (pqi, _):
+                        pq4 = bd.mul(pqi, ir.Constant(_I64, 4))
+                        for c in range(4):
+                            ch = bd.gep(cp, [bd.mul(bd.load(bd.gep(qip, [bd.add(pq4, ir.Constant(_I64, c))])), cs)])
+                            for h in range(tile_bytes // 64):  # (past the array's end: prefetch never faults)
+                                _prefetch_line(bd, bd.gep(ch, [bd.add(pbase, ir.Constant(_I64, 64 * h))]))
                     with cgutils.for_range_slice(bd, q0, q1, one) as (qi, _):
                         q4 = bd.mul(qi, ir.Constant(_I64, 4))
                         chans = [bd.gep(cp, [bd.mul(bd.load(bd.gep(qip, [bd.add(q4, ir.Constant(_I64, c))])), cs)])
