@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hotcold.machine import busy as machine_busy, llc_bytes
 from hotcold.profiler.input_sparsity import GROUPS, group_modules
 
 
@@ -77,6 +78,20 @@ def _unfuse_qkv(attn) -> None:
             delattr(attn, name)
 
 
+def _cold_time(f, repeats: int = 5) -> float:
+    """f's best time over `repeats` calls, each after reading a buffer twice the last-level cache's
+    size (its lines evict f's data: f reads from memory, as decode does once a model outgrows it)."""
+    flush = np.ones(max(2 * llc_bytes(), 64 << 20) // 8, np.float64)
+    f()
+    best = float("inf")
+    for _ in range(repeats):
+        flush.sum()
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def _best_time(f, repeats: int = 5) -> float:
     f()
     best = float("inf")
@@ -87,17 +102,27 @@ def _best_time(f, repeats: int = 5) -> float:
     return best
 
 
+# From memory a product must time this much faster from its input-major copy, one call after an
+# evicted cache, to be chosen: in a whole decode step its scattered per-channel reads fare worse than
+# alone. 7B-shaped gated Q4_0 model, 2-core AMD EPYC, every projection thresholded: alone 1.36-1.49x
+# (gate, down, o at 50%), 1.13-1.31x at 40%; the whole step 96.5 ms at 49% of the weights skipped
+# against 80-112 ms dense (the machine's memory rate swung between runs), 126.5 against 77-113 at 38%.
+COLD_MARGIN = 1.5
+
 _CALLS = 16  # products per timed jitted loop: one small matrix's product takes a few microseconds,
 # about Python's dispatch of an 11-argument kernel call
 
 
-def input_major_pays(lin, im, sparsity: float) -> bool:
+def input_major_pays(lin, im, sparsity: float, cold: bool = False) -> bool:
     """Whether lin's one-token product is faster from its input-major copy `im` at `sparsity` than from
-    its own weights, timed here on an input with that share of entries at or below the threshold
-    (quantised weights: each in a jitted loop, as the fused step calls them). On a 2-core AVX-512
-    VNNI Xeon the integer kernels of Q4_0 / Q4_1 (int8 x, as their dense kernels) break even at
-    ~5-30% sparsity on 4096 x 4096, later on SmolLM2's 576-wide matrices, whose products take a few
-    microseconds and pay the kernel's fixed per-call cost (tools/bench_input_sparse.py); float16's at none."""
+    its own weights, timed here on an input with that share of entries at or below the threshold.
+    Quantised weights are timed as the fused step calls them: cache-hot in a jitted loop, or with
+    `cold` (a model whose projections do not fit the last-level cache, so decode reads every matrix
+    from memory) one call at a time after evicting the cache. Cache-hot, the integer kernels of
+    Q4_0 / Q4_1 break even at ~5-40% sparsity on 4096-wide matrices and later on SmolLM2's 576-wide
+    ones, whose products take a few microseconds and pay the kernel's fixed per-call cost
+    (tools/bench_input_sparse.py); from memory, where the dense kernel waits on bytes, earlier
+    (11008 x 4096 Q4_0 on a 2-core AMD EPYC: cache-hot 35%). float16's pays at none."""
     from hotcold.models.quantized import QuantLinear
     from hotcold.sparse_ops.input_sparse import im_repeat, qdense_repeat
     from hotcold.sparse_ops.quant.formats import XQ_DEFAULT
@@ -110,6 +135,9 @@ def input_major_pays(lin, im, sparsity: float) -> bool:
     if isinstance(lin, QuantLinear):
         q = lin.qweight
         dense_args = (q.type_id, bool(q.interleaved), bool(q.interleaved or q.qtype in XQ_DEFAULT), q.data, q.all_rows())
+        if cold:
+            return _cold_time(lambda: im_repeat(1, x, out, *sparse_args)) * COLD_MARGIN < \
+                _cold_time(lambda: qdense_repeat(1, *dense_args, x, out))
         t_im, t_dense = float("inf"), float("inf")
         for _ in range(2):  # alternating, the best of each
             t_im = min(t_im, _best_time(lambda: im_repeat(_CALLS, x, out, *sparse_args), 3))
@@ -132,20 +160,23 @@ def input_major_pays(lin, im, sparsity: float) -> bool:
 
 def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_major: bool = True,
                          sparsities: dict[int, dict[str, float]] | None = None,
-                         integer: bool | None = None, timed: dict | None = None) -> InputSparsity:
+                         integer: bool | None = None, timed: dict | None = None, memo=None) -> InputSparsity:
     """Set the thresholds on model's projections (see the module docstring). input_major: build the
     input-major copies for the CPU's one-token products (False: threshold and multiply dense).
     sparsities: each group's expected sparsity (the profile's allocation); given, only projections
     whose input-major product `input_major_pays` at it are thresholded, the others stay dense and
     exact (thresholding them would cost quality and save nothing), and `dense` says why. integer:
     quantised weights' input-major kind (sparse_ops.input_sparse.input_major; None: its default).
-    timed: input_major_pays's answers by (matrix type, shape, kind, sparsity) (`_pays`), given and
-    extended (see `open_input_sparsity`: kept per machine, model and code)."""
+    timed: input_major_pays's answers by (matrix type, shape, sparsity, from memory) (`_pays`), given
+    and extended (see `open_input_sparsity`: kept per machine, model and code); a projection whose
+    kind of matrix does not pay is not built. memo: an input-major cache (executors/input_major_cache.py)
+    the copies are taken from and kept in."""
     from hotcold.models.quantized import QuantLinear
     from hotcold.sparse_ops.input_sparse import input_major as make_im
 
     out = InputSparsity()
-    timed = {} if timed is None else timed  # input_major_pays per (matrix type, shape, kind, sparsity): timed once
+    timed = {} if timed is None else timed
+    cold = _weight_bytes(model, thresholds) > (llc_bytes() or 32 << 20)  # decode reads them from memory
     for l, per in thresholds.items():
         block = model.layers[l]
         mods = group_modules(block)
@@ -153,15 +184,19 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
         for g, t in per.items():
             if t <= 0:
                 continue
-            for lin in mods[g]:
+            for i, lin in enumerate(mods[g]):
                 im, why = None, "not on the CPU"
-                if input_major and isinstance(lin, QuantLinear):
-                    im, why = make_im(lin.qweight, t, integer), f"{lin.qweight.qtype} has no input-major form here"
-                elif input_major and lin.weight.device.type == "cpu":
-                    im = make_im(lin.weight, t)
-                    why = f"{str(lin.weight.dtype).removeprefix('torch.')} has no input-major form here"
-                if im is not None and sparsities is not None and not _pays(lin, im, sparsities[l][g], timed):
+                quant = isinstance(lin, QuantLinear)
+                key = None if sparsities is None else _pays_key(lin, sparsities[l][g], cold)
+                if input_major and timed.get(key, True) and (quant or lin.weight.device.type == "cpu"):
+                    w = lin.qweight if quant else lin.weight
+                    build = (lambda w=w, t=t: make_im(w, t, integer)) if quant else (lambda w=w, t=t: make_im(w, t))
+                    im = build() if memo is None else memo.get(f"{l}.{g}.{i}", t, build)
+                    why = f"{w.qtype if quant else str(w.dtype).removeprefix('torch.')} has no input-major form here"
+                if key is not None and (im is not None and not _pays(lin, im, key, timed) or timed.get(key) is False):
                     im, why = None, f"its dense kernel is faster at {sparsities[l][g]:.0%} sparsity"
+                    if memo is not None:
+                        memo.used.pop(f"{l}.{g}.{i}", None)
                 if im is None and input_major:
                     out.dense.append(f"layer {l} {g}: {why}")
                 if im is not None or sparsities is None:
@@ -185,15 +220,30 @@ def apply_input_sparsity(model, thresholds: dict[int, dict[str, float]], input_m
     return out
 
 
-def _pays(lin, im, sparsity: float, timed: dict) -> bool:
-    # input_major_pays, timed once per kind of matrix and sparsity (a model's layers repeat a few
-    # shapes: SmolLM2's 210 projections are 4 shapes at 3 sparsities)
+def _pays_key(lin, sparsity: float, cold: bool) -> tuple:
+    """input_major_pays's answer is kept per kind of matrix, sparsity and cache regime (a model's layers
+    repeat a few shapes: SmolLM2's 210 projections are 4 shapes at 3 sparsities)."""
     w = getattr(lin, "qweight", None)
-    key = (type(lin).__name__, w.qtype if w is not None else str(lin.weight.dtype), im.kind, im.rows, im.cols,
-           round(float(sparsity), 4))
+    return (type(lin).__name__, w.qtype if w is not None else str(lin.weight.dtype),
+            *(w.shape if w is not None else lin.weight.shape), round(float(sparsity), 4), cold)
+
+
+def _pays(lin, im, key: tuple, timed: dict) -> bool:
     if key not in timed:
-        timed[key] = input_major_pays(lin, im, sparsity)
+        timed[key] = input_major_pays(lin, im, key[-2], key[-1])
     return timed[key]
+
+
+def _weight_bytes(model, thresholds: dict) -> int:
+    """Bytes of the weights of every projection that `thresholds` names (their row-major form)."""
+    total = 0
+    for l, per in thresholds.items():
+        mods = group_modules(model.layers[l])
+        for g in per:
+            for lin in mods[g]:
+                w = getattr(lin, "qweight", None)
+                total += w.data.nbytes if w is not None else lin.weight.nbytes
+    return total
 
 
 def _rows(lin) -> int:
@@ -237,10 +287,13 @@ def open_input_sparsity(lm, enabled: bool = True) -> tuple[InputSparsity | None,
     if lm.device.type != "cpu":
         return None, f"{head}; not applied on {lm.device.type}: no sparse kernel there yet (thresholds alone cost " \
                      "quality and save nothing)"
-    decisions = PaysCache.open(lm)
+    from hotcold.executors.input_major_cache import open_major_memo
+
+    decisions, memo = PaysCache.open(lm), open_major_memo(lm)
     applied = apply_input_sparsity(lm.model, thresholds, sparsities=sparsities_from_profile(profile),
-                                   timed=decisions.timed)
+                                   timed=decisions.timed, memo=memo)
     decisions.save()
+    memo.save()
     total = applied.input_major + len(applied.dense)
     if not applied.counters:
         remove_input_sparsity(lm.model)
@@ -273,11 +326,11 @@ class PaysCache:
         from hotcold.models.build_cache import CacheInvalid, CacheStale, cache_dir, digest, read_cache_info
         from hotcold.models.layout_cache import model_version
 
-        busy = _busy()
+        busy = machine_busy()
         path = Path(lm.path) if lm.path is not None else None
         if path is None or not path.is_file():  # an HF folder: no file version to key by
             return cls(None, "", {}, busy)
-        key = digest("input-major-1", _machine(), model_version(path, lm.fingerprint), *_code())
+        key = digest("input-major-2", _machine(), model_version(path, lm.fingerprint), *_code())
         cache = cache_dir(cls.KIND) / f"{digest(os.path.realpath(path))}.safetensors"
         timed: dict = {}
         try:
@@ -303,11 +356,6 @@ class PaysCache:
                                                              "pays": [[list(k), v] for k, v in self.timed.items()]}))
         except OSError:
             pass
-
-
-def _busy() -> bool:
-    cpus = os.cpu_count() or 1
-    return hasattr(os, "getloadavg") and os.getloadavg()[0] >= 0.5 * cpus
 
 
 def _machine() -> str:

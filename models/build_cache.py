@@ -26,7 +26,7 @@ import numpy as np
 
 FORMAT = "hotcold-cache-1"
 
-_DTYPES = {"U8": np.uint8, "I32": np.int32, "I64": np.int64, "F32": np.float32, "U16": np.uint16}
+_DTYPES = {"U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F32": np.float32, "U16": np.uint16}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotcold.errors import HotcoldError
+from hotcold.machine import busy, llc_bytes
 from hotcold.planner.probe_step import handoff_s, layer_step_s, matrix_fixed_s, sample_costs
 from hotcold.planner.timing import _call_time, _median_time, _rate
 
@@ -279,7 +280,7 @@ def load_hardware(spec: str | Path | None = None, force: bool = False, quick: bo
 
 def _idle_now(hw: HardwareProfile) -> bool:
     """Whether this machine is idle now by the measure `busy_warning` applies to a profile."""
-    return hasattr(os, "getloadavg") and os.getloadavg()[0] < 0.5 * (hw.cpu_threads or os.cpu_count() or 1)
+    return not busy(hw.cpu_threads)
 
 
 def read_hardware(path: Path) -> HardwareProfile:
@@ -344,7 +345,7 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
     # the cache (the 16-core H200 host's dense rate read 140 GB/s from one 256 MiB matrix, 66-83
     # GB/s as the engine's CPU attention). The quick probe (tests) uses one small matrix.
     f32_bytes = rows_n * d * 4
-    pool_bytes = f32_bytes if quick else max(1 << 30, 4 * _llc_bytes(), 2 * f32_bytes)
+    pool_bytes = f32_bytes if quick else max(1 << 30, 4 * llc_bytes(), 2 * f32_bytes)
     pool_bytes = min(pool_bytes, max(f32_bytes, int(vm.available) // 8))
     raw = np.full(pool_bytes, 0x3C, np.uint8)  # 0x3C3C.. is a normal number as f32, f16 and bf16
     out_rows = np.empty(len(sel), np.float32)
@@ -487,25 +488,6 @@ def _matrix_pool(cpu, raw, kind: str, rows_n: int, d: int) -> list:
     scale = np.ones(rows_n, np.float32) if kind == "i8" else None
     return [cpu.HostMatrix(raw[i * size:(i + 1) * size].view(dt).reshape(rows_n, d), kind, scale)
             for i in range(max(1, len(raw) // size))]
-
-
-def _llc_bytes() -> int:
-    """The CPUs' last-level (L3) cache in bytes, summed over the caches that sysfs lists (0: unknown)."""
-    seen, total = set(), 0
-    for idx in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
-        try:
-            if (idx / "level").read_text().strip() != "3":
-                continue
-            shared = (idx / "shared_cpu_list").read_text().strip()
-            if shared in seen:
-                continue
-            seen.add(shared)
-            size = (idx / "size").read_text().strip().upper()
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-            total += int(size.rstrip("KMG")) * mult
-        except (OSError, ValueError):
-            continue
-    return total
 
 
 def _probe_cuda(hw: HardwareProfile, quick: bool, log) -> None:

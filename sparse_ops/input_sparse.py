@@ -55,6 +55,8 @@ _CHUNK = 256  # rows (4-bit: row pairs) per parallel task, at least: the inner l
 _NONE_F32 = np.zeros((1, 1), np.float32)
 _NONE_I16 = np.zeros((1, 1), np.int16)
 _NONE_U8 = np.zeros((1, 1), np.uint8)
+for _a in (_NONE_F32, _NONE_I16, _NONE_U8):
+    _a.setflags(write=False)
 
 
 class InputMajor:
@@ -75,6 +77,8 @@ class InputMajor:
         self.kind, self.rows, self.cols = kind, rows, cols
         self.threshold = np.float32(threshold)
         self.wf, self.wh, self.codes, self.d, self.m = wf, wh, codes, d, m
+        for a in (wf, wh, codes, d, m):  # read-only, as a cached copy's mapped views are: the kernels
+            a.setflags(write=False)  # compile for one kind of array
         self.counter = np.zeros(2, np.int64)
         span = rows // 2 if kind == Q4 else rows  # the kernel splits rows (4-bit: row pairs) into tasks
         if kind >= QI4_1:  # 128-row tiles (sparse_ops/input_sparse_int.py)

@@ -347,7 +347,7 @@ def test_timed_choices_are_kept_per_machine_model_and_code(tmp_path, monkeypatch
     from hotcold.executors import input_sparse as isp
 
     monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(isp, "_busy", lambda: False)
+    monkeypatch.setattr(isp, "machine_busy", lambda: False)
     base = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
     quantize_model(base.model, "q8_0")
     th = _thresholds(base.model, 2)
@@ -380,10 +380,10 @@ def test_timed_choices_are_kept_per_machine_model_and_code(tmp_path, monkeypatch
     assert load()[1] == timed
     assert load()[1] == 0  # answers timed on an idle machine serve a busy one
     monkeypatch.setattr(isp, "_machine", lambda: "a third machine, busy")
-    monkeypatch.setattr(isp, "_busy", lambda: True)
+    monkeypatch.setattr(isp, "machine_busy", lambda: True)
     assert load()[1] == timed
     assert load()[1] == 0  # still busy: kept
-    monkeypatch.setattr(isp, "_busy", lambda: False)
+    monkeypatch.setattr(isp, "machine_busy", lambda: False)
     monkeypatch.setattr(isp, "input_major_pays", lambda *a: calls.append(1) or real(*a))
     assert load()[1] == timed  # idle now: timed again
     assert capsys.readouterr().err == ""
@@ -393,6 +393,86 @@ def test_timed_choices_are_kept_per_machine_model_and_code(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "input-sparsity cache" in err and "timing again" in err, err
     assert load()[1] == 0
+
+
+def test_input_major_copies_are_built_once_and_mapped_after(tmp_path, monkeypatch, capsys):
+    """The input-major copies are written to a verified cache on a model's first load and mapped on
+    the next (read-only views, nothing built, the same products); a kind of matrix whose product does
+    not pay is built once to be timed, not for every layer; a damaged file is rebuilt with one line."""
+    from types import SimpleNamespace
+
+    from hotcold.executors import input_sparse as isp
+    from hotcold.executors.input_major_cache import open_major_memo
+    from hotcold.sparse_ops import input_sparse as sp_mod
+
+    monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path / "home"))
+    base = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    quantize_model(base.model, "q8_0")
+    th = _thresholds(base.model, 2)
+    sparsities = {l: {g: 0.5 for g in GROUPS} for l in th}
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"a model")
+    lm = SimpleNamespace(path=file, fingerprint="f")
+    capsys.readouterr()
+    builds = []
+    real = sp_mod.input_major
+    monkeypatch.setattr(sp_mod, "input_major", lambda *a: builds.append(1) or real(*a))
+    toks = torch.randint(3, 160, (1, 1), generator=torch.Generator().manual_seed(3))
+
+    model_of = [None]
+
+    def load(timed: dict) -> tuple[torch.Tensor, int, object]:
+        builds.clear()
+        model = model_of[0] = copy.deepcopy(base.model)
+        memo = open_major_memo(lm)
+        applied = apply_input_sparsity(model, th, sparsities=sparsities, timed=timed, memo=memo)
+        memo.save()
+        with torch.inference_mode():
+            out = model(toks, 0, KVCache(base.config, 8))
+        return out, len(builds), applied
+
+    every = {}  # every kind pays: all 14 projections built, then mapped
+    monkeypatch.setattr(isp, "input_major_pays", lambda *a: True)
+    first, built_first, applied = load(every)
+    assert built_first == applied.input_major == 7 * len(base.model.layers)
+    again, built, applied = load(every)
+    assert built == 0 and torch.equal(first, again)
+    ims = [m.__dict__["input_major"] for m in model_of[0].modules() if "input_major" in m.__dict__]
+    assert len(ims) == built_first and all(not im.codes.flags.writeable and not im.codes.flags.owndata for im in ims)
+    (path,) = (tmp_path / "home" / "cache" / "input_major_layout").iterdir()
+    path.write_bytes(path.read_bytes()[:-5])
+    capsys.readouterr()
+    third, built, _ = load(every)
+    err = capsys.readouterr().err
+    assert built == 7 * len(base.model.layers) and torch.equal(first, third)
+    assert err.count("\n") == 1 and "input-major cache" in err and "rebuilding" in err, err
+
+    none = {}  # no kind pays: each kind (type, shape, sparsity) built once, to be timed
+    monkeypatch.setattr(isp, "input_major_pays", lambda *a: False)
+    out, built, applied = load(none)
+    kinds = {isp._pays_key(lin, 0.5, False) for l in th for g in GROUPS for lin in isp.group_modules(base.model.layers[l])[g]}
+    assert applied.input_major == 0 and len(none) == len(kinds) and built <= len(kinds) < 7 * len(base.model.layers)
+
+
+def test_models_outgrowing_the_cache_are_timed_from_memory(tmp_path, monkeypatch):
+    """Projections whose weights together exceed the last-level cache are timed one call at a time
+    after an eviction (decode reads them from memory); smaller ones cache-hot."""
+    from hotcold.executors import input_sparse as isp
+
+    lm = load_model(make_tiny("llama", tmp_path), "cpu", "float32")
+    quantize_model(lm.model, "q8_0")
+    th = _thresholds(lm.model, 2)
+    sparsities = {l: {g: 0.5 for g in GROUPS} for l in th}
+    total = isp._weight_bytes(lm.model, th)
+    assert total == sum(lin.qweight.data.nbytes for b in lm.model.layers for g in GROUPS
+                        for lin in isp.group_modules(b)[g])
+    seen = []
+    monkeypatch.setattr(isp, "input_major_pays", lambda lin, im, sp, cold: seen.append(cold) or True)
+    for llc, cold in ((total + 1, False), (total - 1, True)):
+        seen.clear()
+        monkeypatch.setattr(isp, "llc_bytes", lambda llc=llc: llc)
+        apply_input_sparsity(copy.deepcopy(lm.model), th, sparsities=sparsities, timed={})
+        assert seen and set(seen) == {cold}
 
 
 @pytest.mark.cuda
