@@ -186,10 +186,18 @@ def _mat(lin) -> tuple:
     or a fused float q/k/v tensor (its memory, as a HostMatrix)."""
     if isinstance(lin, (nn.Linear, torch.Tensor)):
         hm = HostMatrix.from_torch((lin.weight if isinstance(lin, nn.Linear) else lin).detach())
-        return (hm._s, False, False, hm._w, np.arange(hm.shape[0], dtype=np.int64), _sparsity(lin))
+        return (_ro(hm._s), False, False, _ro(hm._w), _ro(np.arange(hm.shape[0], dtype=np.int64)), _sparsity(lin))
     m = lin.qweight if isinstance(lin, QuantLinear) else lin  # a QuantMatrix
-    return (m.type_id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.formats.XQ_DEFAULT), m.data, m.all_rows(),
-            _sparsity(lin))
+    return (m.type_id, bool(m.interleaved), bool(m.interleaved or m.qtype in quant.formats.XQ_DEFAULT), _ro(m.data),
+            _ro(m.all_rows()), _sparsity(lin))
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    """A read-only view of a: the file's mapped blocks are read-only, repacked copies not; as views of
+    one kind every matrix has one numba type (one compiled step, and runs of blocks, cpu_run.py)."""
+    v = a.view()
+    v.setflags(write=False)
+    return v
 
 
 def _sparsity(lin) -> tuple:
@@ -343,12 +351,11 @@ def _norm_weights(block, plan: _Plan, aa: tuple) -> tuple:
     return norm_w
 
 
-def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None) -> torch.Tensor | None:
-    """block(x, positions, cache_kv, start) for one token on the CPU as one numba call, or None where
-    the fused step does not apply (then the caller runs the module path). x: [1, 1, D] -> [1, 1, D]."""
-    if (x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype not in _FLOATS
-            or cache_kv is None or cache_kv[0].dtype not in (torch.float32, torch.float16) or torch.is_grad_enabled()):
-        return None
+def prepared(block) -> tuple | None:
+    """(plan, whole, attention's kernel arguments) of a block whose one-token step the fused path takes,
+    or None (see the module docstring). whole: the FFN runs in the same call (else as its module, whose
+    hooks see it). Checked at every step: a hybrid split, input sparsity or a hook may have changed
+    the block since its arguments were made."""
     mods, parts = _parts(block)
     cached = block.__dict__.get("_cpu_step")  # (weak references to the parts, their plan or None)
     if cached is None or len(cached[0]) != len(parts) or any(
@@ -361,8 +368,8 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
     hooked = lambda ms: any(m._forward_hooks or m._forward_pre_hooks for m in ms)  # noqa: E731
     if plan is None or hooked(mods[0]):
         return None
-    whole = plan.ffn and not hooked(mods[1])  # else the FFN runs as a module (its hooks see it)
-    a, f = block.attn, block.ffn
+    whole = plan.ffn and not hooked(mods[1])
+    a = block.attn
     # the weights' kernel arguments, kept on the modules that own them (a replaced FFN takes its own)
     aa = a.__dict__.get("_cpu_args")
     if aa is None:
@@ -372,15 +379,48 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
             _mat(a.qkv) if plan.fused else q, q, k, v, _mat(a.o),
             tuple(lin.bias.detach().float().numpy() for lin in (a.q, a.k, a.v)) if plan.has_bias else (w, w, w),
             (_weights(a.q_norm), _weights(a.k_norm)) if plan.qk_norm else (w, w))
+    return plan, whole, aa
+
+
+def ffn_args(ffn) -> tuple:
+    """A whole block's FFN matrices as _gemv takes them (kept on the FFN)."""
+    fa = ffn.__dict__.get("_cpu_args")
+    if fa is None:
+        fa = ffn.__dict__["_cpu_args"] = (_mat(ffn.gate), _mat(ffn.up), _mat(ffn.down))
+    return fa
+
+
+def kv_arrays(cache_kv) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's (keys, values) cache as the step's numpy arrays [Hkv, S, Dh] (float16 as int16 bits)."""
+    kc, vc = cache_kv[0].numpy()[0], cache_kv[1].numpy()[0]  # (numpy's indexing: a third of torch's time)
+    if kc.dtype == np.float16:
+        kc, vc = kc.view(np.int16), vc.view(np.int16)
+    return kc, vc
+
+
+def attn_scratch(d: int, H: int, Hkv: int, Dh: int, pos: int) -> int:
+    """Entries of _attn_half's float32 scratch at position pos."""
+    return 2 * d + 2 * H * Dh + 2 * Hkv * Dh + H * (pos + 1)
+
+
+def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None) -> torch.Tensor | None:
+    """block(x, positions, cache_kv, start) for one token on the CPU as one numba call, or None where
+    the fused step does not apply (then the caller runs the module path). x: [1, 1, D] -> [1, 1, D]."""
+    if (x.shape[0] != 1 or x.shape[1] != 1 or x.device.type != "cpu" or x.dtype not in _FLOATS
+            or cache_kv is None or cache_kv[0].dtype not in (torch.float32, torch.float16) or torch.is_grad_enabled()):
+        return None
+    got = prepared(block)
+    if got is None:
+        return None
+    plan, whole, aa = got
+    a, f = block.attn, block.ffn
     pos = int(positions[0]) if start is None else start
     H, Hkv, Dh = plan.heads
     if a.rotary is not None:
         cos, sin = _rotary_tables(a.rotary, positions, start, pos)
     else:
         cos = sin = np.zeros(Dh, np.float32)
-    kc, vc = cache_kv[0].numpy()[0], cache_kv[1].numpy()[0]  # (numpy's indexing: a third of torch's time)
-    if kc.dtype == np.float16:
-        kc, vc = kc.view(np.int16), vc.view(np.int16)
+    kc, vc = kv_arrays(cache_kv)
     lo = max(0, pos - plan.window + 1) if plan.window else 0
     if x.dtype == torch.float32 and x.is_contiguous():
         xv = x.detach().numpy().reshape(-1)
@@ -388,7 +428,7 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
         xv = np.ascontiguousarray(x.detach().reshape(-1).float().numpy())
     d = xv.shape[0]
     norm_w = _norm_weights(block, plan, aa)
-    abuf = _scratch(block, "_cpu_attn_buf", 2 * d + 2 * H * Dh + 2 * Hkv * Dh + H * (pos + 1))
+    abuf = _scratch(block, "_cpu_attn_buf", attn_scratch(d, H, Hkv, Dh, pos))
     r, f_in = np.empty_like(xv), np.empty_like(xv)
     args = (xv, norm_w, plan.eps, plan.plus_one, plan.sandwich, aa[0], aa[1], aa[2], aa[3], plan.fused, aa[5],
             plan.has_bias, plan.qk_norm, H, Hkv, Dh, cos, sin, a.rotary is not None, kc, vc, pos, lo, plan.scale, aa[4],
@@ -399,9 +439,7 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
         if plan.sandwich:
             h = block.post_ffn_norm(h)
         return (torch.from_numpy(r).reshape(x.shape) + h).to(x.dtype)
-    fa = f.__dict__.get("_cpu_args")
-    if fa is None:
-        fa = f.__dict__["_cpu_args"] = (_mat(f.gate), _mat(f.up), _mat(f.down))
+    fa = ffn_args(f)
     fbuf = _scratch(block, "_cpu_ffn_buf", 2 * fa[0][4].shape[0] + d)
     y = np.empty_like(xv)
     _block_step(*args, fa[0], fa[1], fa[2], plan.act, fbuf, r, f_in, y)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hotcold.models.config import Gemma3Config, ModelConfig, OPTConfig
+from hotcold.models import cpu_run
 from hotcold.models.cpu_step import block_step
 from hotcold.models.layers import FFN, Attention, half_gemv, half_gemv_ready, make_ffn, make_norm, project
 
@@ -161,8 +162,11 @@ class Transformer(nn.Module):
             return step(tokens, start_pos, cache)
         positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
         x = self.embed_tokens(tokens, positions)
-        for i, block in enumerate(self.layers):
-            x = block(x, positions, cache.layers[i] if cache is not None else None, start_pos)
+        if T == 1 and cpu_run.applies(x, cache):  # runs of fused blocks in one numba call each
+            x = cpu_run.run_step(self, x, positions, cache, start_pos)
+        else:
+            for i, block in enumerate(self.layers):
+                x = block(x, positions, cache.layers[i] if cache is not None else None, start_pos)
         if last_only:
             x = x[:, -1:]
         elif logits_from:

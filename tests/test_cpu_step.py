@@ -99,12 +99,13 @@ def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
             return torch.cat([lm.model(toks[:, i:i + 1], i, cache) for i in range(12)], 1)
 
     calls = []
-    orig = transformer.block_step
+    orig, runs = transformer.block_step, transformer.cpu_run.applies
     transformer.block_step = lambda *a: calls.append(1) or orig(*a)
+    transformer.cpu_run.applies = lambda *a: False  # block by block (runs of blocks: tests/test_cpu_run.py)
     try:
         got = decode(KVCache(lm.config, 16))
     finally:
-        transformer.block_step = orig
+        transformer.block_step, transformer.cpu_run.applies = orig, runs
     assert len(calls) == 12 * lm.config.num_layers
     assert all(b.__dict__["_cpu_step"][1] is not None for b in lm.model.layers)
     with _module_path():

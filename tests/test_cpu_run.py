@@ -1,0 +1,95 @@
+"""Runs of consecutive blocks' one-token CPU steps in one numba call (models/cpu_run.py): the same
+bits as block by block, for every family the fused step takes, and rebuilt when a block changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hotcold.models.cpu_run as cpu_run
+from hotcold.models.loader import load_model
+from hotcold.models.quantized import fuse_qkv, quantize_model
+from hotcold.models.transformer import KVCache
+from hotcold.sparse_ops.quant import pack_rows
+from tiny_models import make_tiny
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_run")
+
+
+def _quantised(tiny_dir, family: str, kind: str, fused: bool = False):
+    lm = load_model(make_tiny(family, tiny_dir), "cpu", "float32")
+    quantize_model(lm.model, kind)
+    if fused:  # as the GGUF loader leaves q, k and v: interleaved, one [q; k; v] matrix
+        for blk in lm.model.layers:
+            for name in ("q", "k", "v"):
+                lin = getattr(blk.attn, name)
+                lin.qweight = pack_rows(lin.qweight)
+        fuse_qkv(lm.model)
+    return lm
+
+
+def _decode(lm, toks, runs: bool, prefix: int = 4) -> torch.Tensor:
+    real = cpu_run.applies
+    if not runs:
+        cpu_run.applies = lambda *a: False
+    try:
+        cache = KVCache(lm.config, toks.shape[1] + 1)
+        with torch.inference_mode():
+            out = [lm.model(toks[:, :prefix], 0, cache, last_only=True)]
+            out += [lm.model(toks[:, p:p + 1], p, cache) for p in range(prefix, toks.shape[1])]
+        return torch.cat(out, 1)
+    finally:
+        cpu_run.applies = real
+
+
+@pytest.mark.parametrize("family, kind, fused", [("llama", "q8_0", False), ("llama", "q4_0", True),
+                                                 ("qwen2", "q8_0", False), ("qwen3", "q4_0", False),
+                                                 ("mistral", "q4_0", False), ("gemma3", "q8_0", False)])
+def test_runs_give_the_block_by_block_bits(tiny_dir, family, kind, fused):
+    """Every block of these models joins one run, and a decode through it gives bit for bit the
+    logits of the blocks' fused steps one by one (biases: qwen2; QK-norm: qwen3, gemma3; sliding
+    windows: mistral, gemma3; gemma3's two rotary kinds and sandwich norms)."""
+    lm = _quantised(tiny_dir, family, kind, fused)
+    toks = torch.randint(3, 160, (1, 16), generator=torch.Generator().manual_seed(4))
+    want = _decode(lm, toks, runs=False)
+    got = _decode(lm, toks, runs=True)
+    runs = lm.model.__dict__["_cpu_runs"]
+    assert [(r.i0, r.i1) for r in runs] == [(0, lm.config.num_layers)]
+    if family == "gemma3":
+        assert len(runs[0].rotaries) == 2
+    assert torch.equal(got, want)
+
+
+def test_a_changed_block_leaves_the_run_and_comes_back(tiny_dir):
+    """A hook on one block's attention (the profiler's kind of change) splits the run around it, the
+    hooked block runs as modules (its hook sees it) and the logits stay the block-by-block ones; a
+    replaced matrix is seen; removing the hook makes one run again."""
+    lm = _quantised(tiny_dir, "llama", "q8_0")
+    m = lm.model
+    toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(5))
+    base = _decode(lm, toks, runs=True)
+    assert [(r.i0, r.i1) for r in m.__dict__["_cpu_runs"]] == [(0, lm.config.num_layers)]
+    seen = []
+    h = m.layers[1].attn.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
+    got = _decode(lm, toks, runs=True)
+    assert all((r.i0 > 1 or r.i1 <= 1) for r in m.__dict__["_cpu_runs"])
+    assert len(seen) == toks.shape[1] - 4 + 1 and torch.equal(got, _decode(lm, toks, runs=False))
+    h.remove()
+    assert torch.equal(_decode(lm, toks, runs=True), base)
+    assert [(r.i0, r.i1) for r in m.__dict__["_cpu_runs"]] == [(0, lm.config.num_layers)]
+    other = _quantised(tiny_dir, "llama", "q4_0")  # another matrix in layer 0: the run takes it
+    m.layers[0].ffn.down = other.model.layers[0].ffn.down
+    assert torch.equal(_decode(lm, toks, runs=True), _decode(lm, toks, runs=False))
+
+
+def test_moe_blocks_run_one_by_one(tiny_dir):
+    """A MoE block's FFN runs as its module: no run takes it, and decoding is unchanged."""
+    lm = _quantised(tiny_dir, "mixtral", "q8_0")
+    toks = torch.randint(3, 160, (1, 10), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(_decode(lm, toks, runs=True), _decode(lm, toks, runs=False))
+    assert lm.model.__dict__["_cpu_runs"] == []
