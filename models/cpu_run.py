@@ -17,9 +17,13 @@ shared scratch.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from numba import njit, typeof
+from numba.core.errors import NumbaPendingDeprecationWarning
+from numba.typed import List
 
 from hotcold.models import cpu_step
 from hotcold.models.cpu_step import _FLOATS, _block_step, _norm_weights, _rotary_tables, attn_scratch, ffn_args, \
@@ -28,9 +32,10 @@ from hotcold.models.cpu_step import _FLOATS, _block_step, _norm_weights, _rotary
 
 @njit(nogil=True, cache=True)
 def _run_blocks(x, statics, kcs, vcs, cos_t, sin_t, pos, abuf, fbuf):
-    # statics[i]: block i's (norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias,
+    # statics: a typed List (its numba type does not depend on the run's length: one compiled
+    # function for every model whose blocks have these types); statics[i]: block i's (norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias,
     # qk_norm, H, Hkv, Dh, rotary, scale, o, gate, up, down, act, window, rotary kind); kcs/vcs[i]
-    # its KV arrays; cos_t/sin_t [kinds, Dh]. Returns the last block's output [D].
+    # its KV arrays (typed Lists too); cos_t/sin_t [kinds, Dh]. Returns the last block's output [D].
     cur = x.copy()
     nxt = np.empty_like(x)
     r = np.empty_like(x)
@@ -43,6 +48,23 @@ def _run_blocks(x, statics, kcs, vcs, cos_t, sin_t, pos, abuf, fbuf):
                     s[19], s[20], s[21], fbuf, r, f_in, nxt)
         cur, nxt = nxt, cur
     return cur
+
+
+@njit(nogil=True, cache=True)
+def _typed(items):
+    # a Python list as a typed List, made in compiled (disk-cached) code: a List made from Python
+    # compiles the list's methods for its item type in every process (~2 s); a tuple would compile
+    # once per length, its runtime indexing a switch over every element
+    out = List()
+    for item in items:
+        out.append(item)
+    return out
+
+
+def _as_list(items: list):
+    with warnings.catch_warnings():  # (numba's note that reflected lists will go: only this one call's)
+        warnings.simplefilter("ignore", NumbaPendingDeprecationWarning)
+        return _typed(items)
 
 
 class BlockRun:
@@ -100,7 +122,7 @@ def make_runs(layers) -> list[BlockRun]:
             for _, rot, _ in cur:
                 if rot._key not in rot_keys:
                     rot_keys.append(rot._key)
-            statics = tuple((*st, rot_keys.index(rot._key)) for st, rot, _ in cur)
+            statics = _as_list([(*st, rot_keys.index(rot._key)) for st, rot, _ in cur])
             rotaries = [next(rot for _, rot, _ in cur if rot._key == k) for k in rot_keys]
             need_f = max(2 * st[18][4].shape[0] for st, _, _ in cur)
             runs.append(BlockRun(cur[0][2], cur[-1][2] + 1, statics, rotaries, need_f, cur[0][0][12:15]))
@@ -148,7 +170,7 @@ def run_step(model, x: torch.Tensor, positions: torch.Tensor, cache, start: int 
 def _run(run: BlockRun, layers, x: torch.Tensor, positions: torch.Tensor, cache, start: int | None) -> torch.Tensor:
     if run.kv is None or run.kv[0] is not cache.layers:
         kv = [kv_arrays(cache.layers[i]) for i in range(run.i0, run.i1)]
-        run.kv = (cache.layers, tuple(k for k, _ in kv), tuple(v for _, v in kv))
+        run.kv = (cache.layers, _as_list([k for k, _ in kv]), _as_list([v for _, v in kv]))
     pos = int(positions[0]) if start is None else start
     tables = [_rotary_tables(rot, positions, start, pos) for rot in run.rotaries]
     cos_t, sin_t = np.stack([c for c, _ in tables]), np.stack([s for _, s in tables])
