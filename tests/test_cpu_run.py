@@ -7,11 +7,8 @@ import pytest
 import torch
 
 import hotcold.models.cpu_run as cpu_run
-from hotcold.models.loader import load_model
-from hotcold.models.quantized import fuse_qkv, quantize_model
 from hotcold.models.transformer import KVCache
-from hotcold.sparse_ops.quant import pack_rows
-from tiny_models import make_tiny
+from tiny_models import quantised_tiny
 
 pytest.importorskip("transformers")
 
@@ -22,15 +19,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def _quantised(tiny_dir, family: str, kind: str, fused: bool = False):
-    lm = load_model(make_tiny(family, tiny_dir), "cpu", "float32")
-    quantize_model(lm.model, kind)
-    if fused:  # as the GGUF loader leaves q, k and v: interleaved, one [q; k; v] matrix
-        for blk in lm.model.layers:
-            for name in ("q", "k", "v"):
-                lin = getattr(blk.attn, name)
-                lin.qweight = pack_rows(lin.qweight)
-        fuse_qkv(lm.model)
-    return lm
+    return quantised_tiny(tiny_dir, family, kind, fused)
 
 
 def _decode(lm, toks, runs: bool, prefix: int = 4) -> torch.Tensor:

@@ -68,3 +68,21 @@ def add_tiny_tokenizer(folder: Path, vocab_size: int = 160) -> Path:
         (folder / "tokenizer_config.json").write_text(
             '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}')
     return folder
+
+
+def quantised_tiny(folder: Path, family: str, kind: str, fused: bool = False):
+    """A tiny random model of `family` loaded on the CPU with its matrices quantised to `kind`; fused:
+    q, k and v interleaved and fused into one [q; k; v] matrix, as the GGUF loader leaves them."""
+    from hotcold.models.loader import load_model
+    from hotcold.models.quantized import fuse_qkv, quantize_model
+    from hotcold.sparse_ops.quant import pack_rows
+
+    lm = load_model(make_tiny(family, folder), "cpu", "float32")
+    quantize_model(lm.model, kind)
+    if fused:
+        for blk in lm.model.layers:
+            for name in ("q", "k", "v"):
+                lin = getattr(blk.attn, name)
+                lin.qweight = pack_rows(lin.qweight)
+        fuse_qkv(lm.model)
+    return lm
