@@ -81,7 +81,7 @@ def _unfuse_qkv(attn) -> None:
 def _cold_time(f, repeats: int = 5) -> float:
     """f's best time over `repeats` calls, each after reading a buffer twice the last-level cache's
     size (its lines evict f's data: f reads from memory, as decode does once a model outgrows it)."""
-    flush = np.ones(max(2 * llc_bytes(), 64 << 20) // 8, np.float64)
+    flush = _flush_buffer()
     f()
     best = float("inf")
     for _ in range(repeats):
@@ -90,6 +90,16 @@ def _cold_time(f, repeats: int = 5) -> float:
         f()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+_FLUSH: list = []
+
+
+def _flush_buffer() -> np.ndarray:
+    # made once a process: fresh memory's first touch is slow on some VMs (0.3 GB/s)
+    if not _FLUSH:
+        _FLUSH.append(np.ones(max(2 * llc_bytes(), 64 << 20) // 8, np.float64))
+    return _FLUSH[0]
 
 
 def _best_time(f, repeats: int = 5) -> float:
