@@ -32,10 +32,11 @@ from hotcold.models.cpu_step import _FLOATS, _block_step, _norm_weights, _rotary
 
 @njit(nogil=True, cache=True)
 def _run_blocks(x, statics, kcs, vcs, cos_t, sin_t, pos, abuf, fbuf):
-    # statics: a typed List (its numba type does not depend on the run's length: one compiled
-    # function for every model whose blocks have these types); statics[i]: block i's (norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases, has_bias,
-    # qk_norm, H, Hkv, Dh, rotary, scale, o, gate, up, down, act, window, rotary kind); kcs/vcs[i]
-    # its KV arrays (typed Lists too); cos_t/sin_t [kinds, Dh]. Returns the last block's output [D].
+    # statics: a typed List (its numba type does not depend on the run's length: one build for every
+    # model whose blocks have these types); statics[i]: block i's (norm_w, eps, plus_one, sandwich,
+    # qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh, rotary, scale, o, gate, up, down,
+    # act, window, rotary kind); kcs/vcs[i] its KV arrays (typed Lists too); cos_t/sin_t [kinds, Dh].
+    # Returns the last block's output [D].
     cur = x.copy()
     nxt = np.empty_like(x)
     r = np.empty_like(x)
@@ -70,7 +71,7 @@ def _as_list(items: list):
 class BlockRun:
     """Blocks layers[i0:i1] as one call: their static arguments."""
 
-    def __init__(self, i0: int, i1: int, statics: tuple, rotaries: list, need_f: int, heads: tuple):
+    def __init__(self, i0: int, i1: int, statics: List, rotaries: list, need_f: int, heads: tuple):
         self.i0, self.i1 = i0, i1
         self.statics, self.rotaries = statics, rotaries
         self.need_f, self.heads = need_f, heads
