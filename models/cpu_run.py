@@ -10,7 +10,8 @@ the block-by-block one (tests/test_cpu_run.py). The Python left per block is the
 arguments are still those the run was made of (`cpu_step.prepared`).
 
 The run's static arguments (norms, matrices, shapes, each layer's rotary kind and window) are made
-once and kept on the model; per step it passes the token's activation, the rotary tables of this
+once and kept per model (beside it, not in it: numba's typed Lists neither pickle nor deep-copy, and
+a copy of a model makes its own runs); per step it passes the token's activation, the rotary tables of this
 position (one row per rotary kind: Gemma 3 has two), the layers' KV arrays (kept per cache) and
 shared scratch.
 """
@@ -18,6 +19,7 @@ shared scratch.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -145,16 +147,23 @@ def make_runs(layers) -> list[BlockRun]:
     return runs
 
 
+_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (the blocks' keys, its runs)
+
+
+def runs_of(model) -> list[BlockRun]:
+    """The runs a model's last one-token CPU step took (empty before its first)."""
+    return _RUNS.get(model, (None, []))[1]
+
+
 def run_step(model, x: torch.Tensor, positions: torch.Tensor, cache, start: int | None) -> torch.Tensor:
     """The blocks of a one-token CPU step, runs of them in one call each (the others block by block).
     x: [1, 1, D] -> [1, 1, D]."""
     layers = model.layers
     keys = [_key(b) for b in layers]  # checked at every step, every block (one may join or leave a run)
-    kept = model.__dict__.get("_cpu_run_keys")
-    runs = model.__dict__.get("_cpu_runs")
-    if runs is None or kept is None or len(kept) != len(keys) or not all(map(_same, kept, keys)):
-        runs = model.__dict__["_cpu_runs"] = make_runs(layers)
-        model.__dict__["_cpu_run_keys"] = [_key(b) for b in layers]
+    kept, runs = _RUNS.get(model, (None, None))
+    if runs is None or len(kept) != len(keys) or not all(map(_same, kept, keys)):
+        runs = make_runs(layers)
+        _RUNS[model] = ([_key(b) for b in layers], runs)
     by_start = {r.i0: r for r in runs}
     i, n = 0, len(layers)
     while i < n:

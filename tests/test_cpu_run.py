@@ -3,6 +3,8 @@ bits as block by block, for every family the fused step takes, and rebuilt when 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -47,7 +49,7 @@ def test_runs_give_the_block_by_block_bits(tiny_dir, family, kind, fused):
     toks = torch.randint(3, 160, (1, 16), generator=torch.Generator().manual_seed(4))
     want = _decode(lm, toks, runs=False)
     got = _decode(lm, toks, runs=True)
-    runs = lm.model.__dict__["_cpu_runs"]
+    runs = cpu_run.runs_of(lm.model)
     assert [(r.i0, r.i1) for r in runs] == [(0, lm.config.num_layers)]
     if family == "gemma3":
         assert len(runs[0].rotaries) == 2
@@ -62,15 +64,15 @@ def test_a_changed_block_leaves_the_run_and_comes_back(tiny_dir):
     m = lm.model
     toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(5))
     base = _decode(lm, toks, runs=True)
-    assert [(r.i0, r.i1) for r in m.__dict__["_cpu_runs"]] == [(0, lm.config.num_layers)]
+    assert [(r.i0, r.i1) for r in cpu_run.runs_of(m)] == [(0, lm.config.num_layers)]
     seen = []
     h = m.layers[1].attn.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
     got = _decode(lm, toks, runs=True)
-    assert all((r.i0 > 1 or r.i1 <= 1) for r in m.__dict__["_cpu_runs"])
+    assert all((r.i0 > 1 or r.i1 <= 1) for r in cpu_run.runs_of(m))
     assert len(seen) == toks.shape[1] - 4 + 1 and torch.equal(got, _decode(lm, toks, runs=False))
     h.remove()
     assert torch.equal(_decode(lm, toks, runs=True), base)
-    assert [(r.i0, r.i1) for r in m.__dict__["_cpu_runs"]] == [(0, lm.config.num_layers)]
+    assert [(r.i0, r.i1) for r in cpu_run.runs_of(m)] == [(0, lm.config.num_layers)]
     other = _quantised(tiny_dir, "llama", "q4_0")  # another matrix in layer 0: the run takes it
     m.layers[0].ffn.down = other.model.layers[0].ffn.down
     assert torch.equal(_decode(lm, toks, runs=True), _decode(lm, toks, runs=False))
@@ -81,4 +83,16 @@ def test_moe_blocks_run_one_by_one(tiny_dir):
     lm = _quantised(tiny_dir, "mixtral", "q8_0")
     toks = torch.randint(3, 160, (1, 10), generator=torch.Generator().manual_seed(6))
     assert torch.equal(_decode(lm, toks, runs=True), _decode(lm, toks, runs=False))
-    assert lm.model.__dict__["_cpu_runs"] == []
+    assert lm.model in cpu_run._RUNS and cpu_run.runs_of(lm.model) == []
+
+
+def test_a_model_that_ran_can_be_deep_copied(tiny_dir):
+    """A model's runs live beside it (numba's typed Lists do not deep-copy): a copy of a model that
+    decoded makes its own runs and decodes to the same bits."""
+    lm = _quantised(tiny_dir, "llama", "q8_0")
+    toks = torch.randint(3, 160, (1, 8), generator=torch.Generator().manual_seed(7))
+    want = _decode(lm, toks, runs=True)
+    twin = copy.deepcopy(lm)
+    assert cpu_run.runs_of(twin.model) == []
+    assert torch.equal(_decode(twin, toks, runs=True), want)
+    assert [(r.i0, r.i1) for r in cpu_run.runs_of(twin.model)] == [(0, lm.config.num_layers)]
