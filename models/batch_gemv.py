@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from hotcold.models.cpu_step import _mat
+from hotcold.sparse_ops.input_sparse import im_kernel
 from hotcold.sparse_ops.quant.activations import _quantize_span, _sums16_span
 from hotcold.sparse_ops.quant.formats import _BLOCK, X8
 from hotcold.sparse_ops.quant.interleaved import _x8_dot_any
@@ -59,7 +61,25 @@ def _gemv_span_rows(qt, w, rows, X, XS, XQ, XD, use_xq, OUT):
 @njit(nogil=True, cache=True)
 def _gemv_batch(m, X, OUT):
     # OUT [B, R] = X [B, C] @ W.T for m as cpu_step._gemv's: each row's activations prepared as the
-    # one-token GEMV prepares them (Q8 blocks, or sums of 16)
+    # one-token GEMV prepares them (Q8 blocks, or sums of 16). Input sparsity (m[5]) as the one-token
+    # GEMV applies it: an input-major copy's kernel row by row (each row keeps its own inputs), or
+    # each row thresholded before the dense product
+    sp = m[5]
+    if sp[0] >= 0:
+        for b in range(X.shape[0]):
+            im_kernel(X[b], OUT[b], sp[0], sp[1], sp[2], sp[3], sp[4], sp[5], sp[6], sp[7], sp[8])
+        return
+    if sp[0] == -2:
+        X = X.copy()
+        for b in range(X.shape[0]):
+            kept = 0
+            for j in range(X.shape[1]):
+                keep = abs(X[b, j]) > sp[1]
+                if not keep:
+                    X[b, j] = np.float32(0.0)
+                kept += keep
+            sp[7][0] += kept
+            sp[7][1] += X.shape[1]
     B, C = X.shape
     XQ = np.empty((B, C), np.int8)
     XD = np.empty((B, C // 16), np.float32)
@@ -78,10 +98,8 @@ def _gemv_batch(m, X, OUT):
 
 
 def matrix_args(m) -> tuple:
-    """A QuantMatrix as _gemv_batch's argument (as models/cpu_step._mat builds it)."""
-    from hotcold.sparse_ops.quant import formats
-
-    return (m.type_id, bool(m.interleaved), bool(m.interleaved or m.qtype in formats.XQ_DEFAULT), m.data, m.all_rows())
+    """A QuantMatrix as _gemv_batch's argument (as models/cpu_step._mat builds it), without input sparsity."""
+    return _mat(m)
 
 
 def qgemv_batch(m, X: np.ndarray) -> np.ndarray:

@@ -64,6 +64,27 @@ def test_quantised_blocks_batch_in_one_call_exactly(family, packed, tiny_dir):
     _compare(lm)
 
 
+@pytest.mark.parametrize("kind, im, integer", [("q4_0", True, False), ("q4_0", True, True), ("q8_0", False, None)])
+def test_input_sparse_blocks_batch_exactly(kind, im, integer, tiny_dir):
+    """Thresholded projections (executors/input_sparse.py) batch as they run alone: the input-major
+    kernels row by row (float32 and integer), or each row thresholded before the dense product; the
+    rows' kept inputs are counted as one sequence's are."""
+    from hotcold.executors.input_sparse import apply_input_sparsity
+    from hotcold.profiler.input_sparsity import GROUPS
+    from hotcold.sparse_ops.input_sparse_int import available
+
+    if integer and not available():
+        pytest.skip("the integer input-major kernels need AVX-512 VNNI")
+    lm = load_model(make_tiny("llama", tiny_dir), "cpu", "float32", quantize=kind)
+    th = {l: {g: 0.05 + 0.04 * i for i, g in enumerate(GROUPS)} for l in range(len(lm.model.layers))}
+    applied = apply_input_sparsity(lm.model, th, input_major=im, integer=integer)
+    assert applied.input_major == (7 * len(lm.model.layers) if im else 0)
+    with torch.inference_mode():
+        assert all(batch_step._fused_args(b) is not None for b in lm.model.layers)
+    _compare(lm)
+    assert 0.05 < applied.achieved() < 0.95
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_smollm2_batches_exactly(smollm2_path, packed):
     from hotcold.models.quantized import pack_for_decode
