@@ -8,6 +8,8 @@ call whose GEMVs read each group of weight rows once and dot it with every row's
 it is in cache (`_gemv_batch`). Each row's arithmetic is the single-sequence step's, call for call:
 the same activation quantisation, the same row spans, the same dot kernels, norm, rotary table and
 attention kernel; so a sequence decodes to the same bits alone or in any batch (tests/test_batch_step.py).
+Consecutive such blocks go in one call (`_run_rows` over models/cpu_run.py's runs of blocks), as the
+one-token step's runs do, so the Python around a block is paid once a run.
 Blocks the fused step does not take (float weights, MoE, hooks, a hybrid split) run row by row
 through their modules, as a single sequence would; so does the head unless it is a quantised
 matrix. Keys and values live in a `SlotCache`: one preallocated [slots, Hkv, L, Dh] buffer per
@@ -17,11 +19,13 @@ the model's own forward (prefill, the row-by-row blocks) writes.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from numba import njit
 
-from hotcold.models import cpu_step, transformer
+from hotcold.models import cpu_run, cpu_step, transformer
 from hotcold.models.batch_gemv import _gemv_batch
 from hotcold.models.cpu_step import _heads, _mat, _norm, _parts, _plan, _residual, _weights
 from hotcold.models.quantized import QuantEmbedding, QuantLinear
@@ -103,6 +107,51 @@ def _block_rows(X, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
         _residual(R[b], Hs[b], norm_w[3], eps, plus_one, sandwich, Y[b])
 
 
+@njit(nogil=True, cache=True)
+def _run_rows(X, statics, kps, vps, COS, SIN, slots, pos):
+    # _block_rows through a run of blocks (models/cpu_run.py's static arguments, one typed List item a
+    # block; kps/vps[i] its layer's [S, Hkv, L, Dh] pools; COS/SIN [rotary kinds, B, Dh]): X [B, D] ->
+    # the last block's output
+    B = X.shape[0]
+    cur, nxt = X.copy(), np.empty_like(X)
+    lo = np.zeros(B, np.int64)
+    for i in range(len(statics)):
+        s = statics[i]
+        for b in range(B):
+            lo[b] = max(0, pos[b] - s[22] + 1) if s[22] > 0 else 0
+        _block_rows(cur, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14],
+                    COS[s[23]], SIN[s[23]], s[15], kps[i], vps[i], slots, pos, lo, s[16], s[17], s[18], s[19], s[20],
+                    s[21], nxt)
+        cur, nxt = nxt, cur
+    return cur
+
+
+_ROW_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its runs for the batched step
+
+
+def row_runs(model) -> list:
+    """The runs of consecutive blocks the batched step takes in one call each (cpu_run's runs of
+    blocks of GGUF matrices and float32 norms); empty where the fused step is patched out."""
+    if transformer.block_step is not cpu_step.block_step or torch.is_grad_enabled():  # (tests patch it out)
+        return []
+    return cpu_run.current_runs(model, _ROW_RUNS, blocks_only=True)
+
+
+def _rows_of_run(run, x: torch.Tensor, positions: list[int], cache: SlotCache, slots: np.ndarray,
+                 pos: np.ndarray) -> torch.Tensor:
+    """x [B, 1, D] through the run's blocks in one call."""
+    if run.kv is None or run.kv[0] is not cache.layers:
+        pools = [tuple(t.numpy() for t in cache.layers[i]) for i in range(run.i0, run.i1)]
+        pools = [(k.view(np.int16), v.view(np.int16)) if k.dtype == np.float16 else (k, v) for k, v in pools]
+        run.kv = (cache.layers, cpu_run._as_list([k for k, _ in pools]), cpu_run._as_list([v for _, v in pools]))
+    tables = [_rotary_rows(rot, positions, run.heads[2]) for rot in run.rotaries]
+    cos, sin = np.stack([c for c, _ in tables]), np.stack([s for _, s in tables])
+    B = x.shape[0]
+    y = _run_rows(np.ascontiguousarray(x.reshape(B, -1).numpy()), run.statics, run.kv[1], run.kv[2], cos, sin,
+                  slots, pos)
+    return torch.from_numpy(y).reshape(B, 1, -1)
+
+
 def _fused_args(block):
     """(plan, attention args, FFN args, norm weights) where the whole block takes the fused one-token
     step (cpu_step.block_step's conditions, its FFN in the same call), else None."""
@@ -166,11 +215,19 @@ def decode_rows(model, tokens: list[int], positions: list[int], cache: SlotCache
         x = model.embed_tokens(torch.tensor(tokens).reshape(B, 1), torch.tensor(positions).reshape(B, 1))
     slots_np, pos_np = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
     tables: dict = {}  # rotary key -> (cos, sin) for this step
-    for i, block in enumerate(model.layers):
-        fused = _fused_args(block) if x.dtype == torch.float32 and cache.layers[i][0].dtype in (
-            torch.float32, torch.float16) else None
+    floats = x.dtype == torch.float32 and len(cache.layers) > 0 and cache.layers[0][0].dtype in (torch.float32,
+                                                                                                  torch.float16)
+    runs = {r.i0: r for r in row_runs(model)} if floats else {}
+    i = 0
+    while i < len(model.layers):
+        if i in runs:
+            x, i = _rows_of_run(runs[i], x, positions, cache, slots_np, pos_np), runs[i].i1
+            continue
+        li, i = i, i + 1
+        block = model.layers[li]
+        fused = _fused_args(block) if floats else None
         if fused is None:  # the block's module path, row by row, as one sequence runs it
-            x = torch.cat([block(x[b:b + 1], pos_t[b], views[b].layers[i], positions[b]) for b in range(B)])
+            x = torch.cat([block(x[b:b + 1], pos_t[b], views[b].layers[li], positions[b]) for b in range(B)])
             continue
         plan, aa, fa, norm_w = fused
         a = block.attn
@@ -179,7 +236,7 @@ def decode_rows(model, tokens: list[int], positions: list[int], cache: SlotCache
         if key not in tables:
             tables[key] = _rotary_rows(a.rotary, positions, Dh)
         cos, sin = tables[key]
-        kc, vc = (t.numpy() for t in cache.layers[i])
+        kc, vc = (t.numpy() for t in cache.layers[li])
         if kc.dtype == np.float16:
             kc, vc = kc.view(np.int16), vc.view(np.int16)
         lo = np.array([max(0, p - plan.window + 1) if plan.window else 0 for p in positions], np.int64)

@@ -95,10 +95,11 @@ def _same(a: tuple | None, b: tuple | None) -> bool:
     return a is b or (a is not None and b is not None and all(x is y for x, y in zip(a, b)))
 
 
-def _statics(block) -> tuple | None:
-    """(static arguments, rotary) of a block the run can take, else None."""
+def _statics(block, blocks_only: bool = False) -> tuple | None:
+    """(static arguments, rotary) of a block the run can take, else None. blocks_only: only blocks
+    whose matrices are all GGUF blocks and norms float32 (what the batched step takes)."""
     got = prepared(block)
-    if got is None or not got[1]:
+    if got is None or not got[1] or (blocks_only and not got[0].blocks):
         return None
     plan, _, aa = got
     a = block.attn
@@ -115,8 +116,9 @@ def _statics(block) -> tuple | None:
     return st, a.rotary
 
 
-def make_runs(layers) -> list[BlockRun]:
-    """The runs of two or more consecutive blocks the one call can take (one numba type for all)."""
+def make_runs(layers, blocks_only: bool = False) -> list[BlockRun]:
+    """The runs of two or more consecutive blocks the one call can take (one numba type for all;
+    blocks_only: see _statics)."""
     runs, cur = [], []
 
     def close():
@@ -133,7 +135,7 @@ def make_runs(layers) -> list[BlockRun]:
 
     last_type = None
     for i, block in enumerate(layers):
-        got = _statics(block) if "attn" in getattr(block, "_modules", {}) else None  # (an executor's wrapper: not)
+        got = _statics(block, blocks_only) if "attn" in getattr(block, "_modules", {}) else None  # (a wrapper: not)
         if got is None:
             close()
             last_type = None
@@ -155,16 +157,23 @@ def runs_of(model) -> list[BlockRun]:
     return _RUNS.get(model, (None, []))[1]
 
 
+def current_runs(model, store: weakref.WeakKeyDictionary = _RUNS, blocks_only: bool = False) -> list[BlockRun]:
+    """The model's runs as its blocks are now: kept in store by model, made again where a block's
+    arguments changed (checked at every step, every block: one may join or leave a run)."""
+    layers = model.layers
+    keys = [_key(b) for b in layers]
+    kept, runs = store.get(model, (None, None))
+    if runs is None or len(kept) != len(keys) or not all(map(_same, kept, keys)):
+        runs = make_runs(layers, blocks_only)
+        store[model] = ([_key(b) for b in layers], runs)  # (making runs may have made the blocks' arguments)
+    return runs
+
+
 def run_step(model, x: torch.Tensor, positions: torch.Tensor, cache, start: int | None) -> torch.Tensor:
     """The blocks of a one-token CPU step, runs of them in one call each (the others block by block).
     x: [1, 1, D] -> [1, 1, D]."""
     layers = model.layers
-    keys = [_key(b) for b in layers]  # checked at every step, every block (one may join or leave a run)
-    kept, runs = _RUNS.get(model, (None, None))
-    if runs is None or len(kept) != len(keys) or not all(map(_same, kept, keys)):
-        runs = make_runs(layers)
-        _RUNS[model] = ([_key(b) for b in layers], runs)
-    by_start = {r.i0: r for r in runs}
+    by_start = {r.i0: r for r in current_runs(model)}
     i, n = 0, len(layers)
     while i < n:
         run = by_start.get(i)

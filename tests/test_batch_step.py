@@ -59,9 +59,36 @@ def test_quantised_blocks_batch_in_one_call_exactly(family, packed, tiny_dir):
     lm = load_model(make_tiny(family, tiny_dir), "cpu", "float32", quantize="q4_0")
     if packed:
         assert pack_for_decode(lm.model) > 0
-    with torch.inference_mode():  # the fused batched block runs
+    with torch.inference_mode():  # the fused batched block runs, all blocks in one call
         assert all(batch_step._fused_args(b) is not None for b in lm.model.layers)
+        assert [(r.i0, r.i1) for r in batch_step.row_runs(lm.model)] == [(0, lm.config.num_layers)]
     _compare(lm)
+
+
+def test_runs_of_blocks_batch_as_blocks_one_by_one(tiny_dir, monkeypatch):
+    """The batched step's runs of blocks (one call for consecutive blocks) give the bits of its
+    block-by-block calls; a hooked block leaves the run and runs as modules, row by row."""
+    lm = load_model(make_tiny("qwen3", tiny_dir), "cpu", "float32", quantize="q8_0")
+    m, L = lm.model, lm.config.num_layers
+    pool = SlotCache(lm.config, 3, 32)
+    with torch.inference_mode():
+        for s, p in enumerate(([5, 17, 33], [11, 3, 8, 9, 2], [60])):
+            m(torch.tensor([p]), 0, pool.view(s))
+
+        def step(runs: bool) -> torch.Tensor:
+            if not runs:
+                monkeypatch.setattr(batch_step, "row_runs", lambda model: [])
+            out = decode_rows(m, [7, 8, 9], [3, 5, 1], pool, [0, 1, 2])
+            monkeypatch.undo()
+            return out
+
+        assert torch.equal(step(True), step(False))
+        assert [(r.i0, r.i1) for r in batch_step.row_runs(m)] == [(0, L)]
+        seen = []
+        h = m.layers[1].attn.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
+        assert torch.equal(step(True), step(False))
+        assert all(r.i0 > 1 or r.i1 <= 1 for r in batch_step.row_runs(m)) and len(seen) == 2 * 3
+        h.remove()
 
 
 @pytest.mark.parametrize("kind, im, integer", [("q4_0", True, False), ("q4_0", True, True), ("q8_0", False, None)])
