@@ -30,7 +30,7 @@ from hotcold.models.batch_gemv import _gemv_batch
 from hotcold.models.cpu_step import _heads, _mat, _norm, _parts, _plan, _residual, _weights
 from hotcold.models.quantized import QuantEmbedding, QuantLinear
 from hotcold.models.transformer import KVCache
-from hotcold.sparse_ops.attention import _decode_attention_rows
+from hotcold.sparse_ops.attention import _decode_attention
 from hotcold.sparse_ops.selection import activate
 
 
@@ -81,15 +81,13 @@ def _block_rows(X, norm_w, eps, plus_one, sandwich, qkv, q, k, v, fused, biases,
         _gemv_batch(k, XN, Ko)
         _gemv_batch(v, XN, Vo)
         QKV[:, :nq], QKV[:, nq:nq + nk], QKV[:, nq + nk:] = Qo, Ko, Vo
-    Qh, Kh, Vh = np.empty((B, H, Dh), np.float32), np.empty((B, Hkv, Dh), np.float32), np.empty((B, Hkv, Dh), np.float32)
-    most = 1
+    ATT = np.empty((B, nq), np.float32)
     for b in range(B):
         qh, kh, vh = _heads(QKV[b], biases, has_bias, qk_norm, norm_w, eps, plus_one, H, Hkv, Dh)
-        Qh[b], Kh[b], Vh[b] = qh, kh, vh
-        most = max(most, pos[b] + 1 - lo[b])
-    ATT = np.empty((B, nq), np.float32)
-    _decode_attention_rows(Qh, Kh, Vh, COS, SIN, rotary, k_pool, v_pool, slots, pos, lo, scale,
-                           np.empty((B * H, most), np.float32), ATT.reshape(B, H, Dh))
+        n = pos[b] + 1 - lo[b]
+        scores = np.empty(H * n, np.float32).reshape(H, n)
+        _decode_attention(qh, kh, vh, COS[b], SIN[b], rotary, k_pool[slots[b]], v_pool[slots[b]], pos[b], lo[b],
+                          scale, scores, ATT[b].reshape(H, Dh))
     Hs = np.empty((B, D), np.float32)
     _gemv_batch(o, ATT, Hs)
     R = np.empty((B, D), np.float32)

@@ -32,11 +32,11 @@ def _rotate(x, cos, sin, out):
         out[i + half] = _narrow(x[i + half] * cos[i + half] + x[i] * sin[i + half], out[i + half])
 
 
-@njit(nogil=True, fastmath=True, cache=True, inline="always")
-def _write_kv(k, v, cos, sin, rotary, k_cache, v_cache, pos):
-    # the new key (rotated) and value at pos: k, v [Hkv, Dh]; caches [Hkv, S, Dh]
-    Dh = k.shape[1]
-    for g in range(k.shape[0]):
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def _decode_attention(q, k, v, cos, sin, rotary, k_cache, v_cache, pos, lo, scale, scores, out):
+    H, Dh = q.shape
+    G = H // k.shape[0]  # query heads per key/value head
+    for g in range(k.shape[0]):  # write the new key (rotated) and value at pos
         kc, vc = k_cache[g, pos], v_cache[g, pos]
         if rotary:
             _rotate(k[g], cos, sin, kc)
@@ -45,66 +45,37 @@ def _write_kv(k, v, cos, sin, rotary, k_cache, v_cache, pos):
                 kc[d] = _narrow(k[g, d], kc[d])
         for d in range(Dh):
             vc[d] = _narrow(v[g, d], vc[d])
-
-
-@njit(nogil=True, fastmath=True, cache=True, inline="always")
-def _attend(q, cos, sin, rotary, k_cache, v_cache, lo, n, scale, s, o):
-    # one query head q [Dh] over keys / values lo .. lo + n - 1 of its cache head ([S, Dh]): o [Dh];
-    # s: scratch of at least n
-    Dh = q.shape[0]
-    qh = np.empty(Dh, np.float32)
-    if rotary:
-        _rotate(q, cos, sin, qh)
-    else:
-        qh[:] = q
-    m = -np.inf
-    for j in range(n):
-        kj = k_cache[lo + j]
-        acc = np.float32(0.0)
-        for d in range(Dh):
-            acc += qh[d] * _widen(kj[d])
-        acc *= scale
-        s[j] = acc
-        if acc > m:
-            m = acc
-    total = np.float32(0.0)
-    for j in range(n):
-        e = np.float32(math.exp(s[j] - m))
-        s[j] = e
-        total += e
-    o[:] = 0.0
-    for j in range(n):
-        w = s[j] / total
-        vj = v_cache[lo + j]
-        for d in range(Dh):
-            o[d] += w * _widen(vj[d])
-
-
-@njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def _decode_attention(q, k, v, cos, sin, rotary, k_cache, v_cache, pos, lo, scale, scores, out):
-    H = q.shape[0]
-    G = H // k.shape[0]  # query heads per key/value head
-    _write_kv(k, v, cos, sin, rotary, k_cache, v_cache, pos)
     n = pos + 1 - lo
     for h in prange(H):
         g = h // G
-        _attend(q[h], cos, sin, rotary, k_cache[g], v_cache[g], lo, n, scale, scores[h], out[h])
-
-
-@njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def _decode_attention_rows(Q, K, V, COS, SIN, rotary, k_pool, v_pool, slots, pos, lo, scale, scores, OUT):
-    # _decode_attention for B rows in one parallel region over (row, head): row b's Q[b] [H, Dh], K[b],
-    # V[b] [Hkv, Dh] at position pos[b] (window from lo[b]) in slot slots[b] of the pools ([S, Hkv, L,
-    # Dh]) -> OUT[b] [H, Dh]; scores: scratch [B * H, >= the longest span]
-    B, H = Q.shape[0], Q.shape[1]
-    G = H // K.shape[1]
-    for b in range(B):
-        _write_kv(K[b], V[b], COS[b], SIN[b], rotary, k_pool[slots[b]], v_pool[slots[b]], pos[b])
-    for t in prange(B * H):
-        b, h = t // H, t % H
-        g = h // G
-        _attend(Q[b, h], COS[b], SIN[b], rotary, k_pool[slots[b], g], v_pool[slots[b], g], lo[b], pos[b] + 1 - lo[b],
-                scale, scores[t], OUT[b, h])
+        qh = np.empty(Dh, np.float32)
+        if rotary:
+            _rotate(q[h], cos, sin, qh)
+        else:
+            qh[:] = q[h]
+        s = scores[h]
+        m = -np.inf
+        for j in range(n):
+            kj = k_cache[g, lo + j]
+            acc = np.float32(0.0)
+            for d in range(Dh):
+                acc += qh[d] * _widen(kj[d])
+            acc *= scale
+            s[j] = acc
+            if acc > m:
+                m = acc
+        total = np.float32(0.0)
+        for j in range(n):
+            e = np.float32(math.exp(s[j] - m))
+            s[j] = e
+            total += e
+        o = out[h]
+        o[:] = 0.0
+        for j in range(n):
+            w = s[j] / total
+            vj = v_cache[g, lo + j]
+            for d in range(Dh):
+                o[d] += w * _widen(vj[d])
 
 
 def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
