@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from hotcold.models.cpu_step import _mat
+from hotcold.models.cpu_step import _mat, threshold_into
 from hotcold.sparse_ops.input_sparse import im_kernel
 from hotcold.sparse_ops.quant.activations import _quantize_span, _sums16_span
 from hotcold.sparse_ops.quant.formats import _BLOCK, X8
@@ -70,16 +70,10 @@ def _gemv_batch(m, X, OUT):
             im_kernel(X[b], OUT[b], sp[0], sp[1], sp[2], sp[3], sp[4], sp[5], sp[6], sp[7], sp[8])
         return
     if sp[0] == -2:
-        X = X.copy()
+        XT = np.empty_like(X)
         for b in range(X.shape[0]):
-            kept = 0
-            for j in range(X.shape[1]):
-                keep = abs(X[b, j]) > sp[1]
-                if not keep:
-                    X[b, j] = np.float32(0.0)
-                kept += keep
-            sp[7][0] += kept
-            sp[7][1] += X.shape[1]
+            threshold_into(X[b], sp[1], sp[7], XT[b])
+        X = XT
     B, C = X.shape
     XQ = np.empty((B, C), np.int8)
     XD = np.empty((B, C // 16), np.float32)

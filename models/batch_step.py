@@ -137,12 +137,17 @@ def row_runs(model) -> list:
     return cpu_run.current_runs(model, _ROW_RUNS, blocks_only=True)
 
 
+def _pools(cache_kv) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's key and value pools [S, Hkv, L, Dh] as the kernels take them (float16 as int16 bits)."""
+    kc, vc = cache_kv[0].numpy(), cache_kv[1].numpy()
+    return (kc.view(np.int16), vc.view(np.int16)) if kc.dtype == np.float16 else (kc, vc)
+
+
 def _rows_of_run(run, x: torch.Tensor, positions: list[int], cache: SlotCache, slots: np.ndarray,
                  pos: np.ndarray) -> torch.Tensor:
     """x [B, 1, D] through the run's blocks in one call."""
     if run.kv is None or run.kv[0] is not cache.layers:
-        pools = [tuple(t.numpy() for t in cache.layers[i]) for i in range(run.i0, run.i1)]
-        pools = [(k.view(np.int16), v.view(np.int16)) if k.dtype == np.float16 else (k, v) for k, v in pools]
+        pools = [_pools(cache.layers[i]) for i in range(run.i0, run.i1)]
         run.kv = (cache.layers, cpu_run._as_list([k for k, _ in pools]), cpu_run._as_list([v for _, v in pools]))
     tables = [_rotary_rows(rot, positions, run.heads[2]) for rot in run.rotaries]
     cos, sin = np.stack([c for c, _ in tables]), np.stack([s for _, s in tables])
@@ -236,9 +241,7 @@ def decode_rows(model, tokens: list[int], positions: list[int], cache: SlotCache
         if key not in tables:
             tables[key] = _rotary_rows(a.rotary, positions, Dh)
         cos, sin = tables[key]
-        kc, vc = (t.numpy() for t in cache.layers[li])
-        if kc.dtype == np.float16:
-            kc, vc = kc.view(np.int16), vc.view(np.int16)
+        kc, vc = _pools(cache.layers[li])
         lo = np.array([max(0, p - plan.window + 1) if plan.window else 0 for p in positions], np.int64)
         X = np.ascontiguousarray(x.reshape(B, -1).numpy())
         Y = np.empty_like(X)

@@ -82,15 +82,22 @@ def _gemv(m, x, out):
         return
     if sp[0] == -2:
         xs = np.empty_like(x)
-        kept = 0
-        for j in range(x.shape[0]):
-            keep = abs(x[j]) > sp[1]
-            xs[j] = x[j] if keep else np.float32(0.0)
-            kept += keep
-        sp[7][0] += kept
-        sp[7][1] += x.shape[0]
+        threshold_into(x, sp[1], sp[7], xs)
         x = xs
     _dense_mv(m, x, out)
+
+
+@njit(nogil=True, cache=True)
+def threshold_into(x, t, counter, out):
+    # out = x with the entries |x| <= t zeroed; counter [kept, seen] += this row's (input sparsity's
+    # threshold-then-dense kind, one row; models/batch_gemv.py applies it row by row)
+    kept = 0
+    for j in range(x.shape[0]):
+        keep = abs(x[j]) > t
+        out[j] = x[j] if keep else np.float32(0.0)
+        kept += keep
+    counter[0] += kept
+    counter[1] += x.shape[0]
 
 
 @njit(nogil=True, cache=True)
