@@ -4,6 +4,7 @@
     python tools/bench_serve.py --clients 1,4,8 --requests 20
     python tools/bench_serve.py --server 'p1=--parallel 1' --server 'p8=--parallel 8'   # side by side
     python tools/bench_serve.py --server 'before=@/tmp/before' --server 'after='        # an older checkout
+    python tools/bench_serve.py --llama-server ~/llama.cpp/build/bin/llama-server     # against llama-server
 
 Each --server NAME=ARGS starts `hotcold serve MODEL ARGS` on a free port (ARGS starting with
 @DIR: run the hotcold package found in DIR, laid out as installed: DIR/hotcold holds a checkout's
@@ -17,6 +18,12 @@ the aggregate rate (completion tokens / wall time), p50/p95/max latency, p50/p95
 token and p95 time per output token. The chat scenario sends a conversation of --turns turns,
 each resending the whole history, and reports each turn's time to first token and the prompt
 tokens the server reports as cached.
+
+--llama-server BIN adds llama.cpp's own server as the first server (the peer the ratios divide
+by), started as `BIN -m MODEL --port P --parallel N -t T -c CTX --cont-batching --cache-reuse 256`
+(--llama-args replaces everything after the port), so it serves N slots with continuous batching
+and per-slot prompt caches, as llama.cpp users run it for several clients. Where a server's stream
+reports no usage, a reply's tokens are its streamed text chunks (one token each in both servers).
 """
 
 from __future__ import annotations
@@ -58,17 +65,21 @@ def _percentile(xs: list[float], p: float) -> float:
 
 
 class Server:
-    """`hotcold serve MODEL ARGS` as a subprocess on a free port, its log in a temp file."""
+    """`hotcold serve MODEL ARGS` (or, with `llama`, `llama-server -m MODEL ARGS`) as a subprocess on a
+    free port, its log in a temp file."""
 
-    def __init__(self, name: str, model: str, args: str):
+    def __init__(self, name: str, model: str, args: str, llama: str | None = None):
         self.name, self.port = name, _free_port()
         env = dict(os.environ)
         if args.startswith("@"):
             where, _, args = args[1:].partition(" ")
             env["PYTHONPATH"] = where + os.pathsep + env.get("PYTHONPATH", "")
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench_serve_{name}_", suffix=".log", delete=False)
-        cmd = [sys.executable, "-c", "from hotcold.cli import main; main()", "serve", model, "--port",
-               str(self.port), "--model-name", "m", *args.split()]
+        if llama:
+            cmd = [llama, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "--alias", "m", *args.split()]
+        else:
+            cmd = [sys.executable, "-c", "from hotcold.cli import main; main()", "serve", model, "--port",
+                   str(self.port), "--model-name", "m", *args.split()]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -97,15 +108,17 @@ class Server:
 
 async def _one(client, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
-    first, n = None, 0
+    first, n, pieces = None, 0, 0
     stream = await client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text and first is None:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            pieces += 1
+            first = first or time.perf_counter()
         if chunk.usage is not None:
             n = chunk.usage.completion_tokens
+    n = n or pieces
     end = time.perf_counter()
     first = first or end
     return {"latency": end - t0, "ttft": first - t0, "tokens": n,
@@ -122,7 +135,10 @@ async def load(url: str, clients: int, requests: int, tokens: tuple[int, int], s
     results, errors = [], []
 
     async def client_loop(items):
-        client = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+        # a connection per request: llama-server closes a kept-alive connection after a few requests
+        # (a reused one then fails as a connection error), so neither server keeps one
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600,
+                             http_client=httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600))
         for prompt, n in items:
             try:
                 results.append(await _one(client, prompt, n))
@@ -151,12 +167,12 @@ async def chat(url: str, turns: int, reply_tokens: int) -> list[dict]:
     """One conversation resending its history each turn: TTFT and cached prompt tokens per turn."""
     messages = [{"role": "system", "content": "You are a helpful assistant who answers at length."}]
     out = []
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        for t in range(turns):
-            messages.append({"role": "user", "content": f"Tell me about {TOPICS[t % len(TOPICS)]}, part {t + 1}."})
-            body = {"model": "m", "messages": messages, "max_tokens": reply_tokens, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-            t0, first, text, usage = time.perf_counter(), None, "", {}
+    for t in range(turns):  # a connection per turn, as in `load`
+        messages.append({"role": "user", "content": f"Tell me about {TOPICS[t % len(TOPICS)]}, part {t + 1}."})
+        body = {"model": "m", "messages": messages, "max_tokens": reply_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        t0, first, text, usage = time.perf_counter(), None, "", {}
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -167,10 +183,10 @@ async def chat(url: str, turns: int, reply_tokens: int) -> list[dict]:
                         text += chunk["choices"][0]["delta"]["content"]
                     if chunk.get("usage"):
                         usage = chunk["usage"]
-            messages.append({"role": "assistant", "content": text})
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            out.append({"turn": t + 1, "ttft": (first or time.perf_counter()) - t0,
-                        "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached})
+        messages.append({"role": "assistant", "content": text})
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        out.append({"turn": t + 1, "ttft": (first or time.perf_counter()) - t0,
+                    "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached})
     return out
 
 
@@ -186,6 +202,10 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,32", help="max_tokens drawn from this range (ignore_eos)")
     ap.add_argument("--turns", type=int, default=6, help="turns of the chat scenario (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every scenario this many times, alternating servers")
+    ap.add_argument("--llama-server", metavar="BIN", help="also run llama.cpp's llama-server (first: the ratios' base)")
+    ap.add_argument("--llama-args", default=None,
+                    help="llama-server arguments after the port (default: --parallel N -t T -c CTX --cont-batching "
+                         "--cache-reuse 256, N the most clients, T the CPUs, CTX 1024 a slot)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the results here too")
     a = ap.parse_args()
@@ -193,6 +213,11 @@ def main() -> None:
     tokens = tuple(int(x) for x in a.tokens.split(","))
     specs = [s.partition("=")[::2] for s in (a.server or ["serve="])]
     servers = [Server(name, model, args) for name, args in specs]
+    if a.llama_server:
+        n = max(int(x) for x in a.clients.split(","))
+        largs = a.llama_args or f"--parallel {n} -t {os.cpu_count()} -c {1024 * n} --cont-batching --cache-reuse 256"
+        servers.insert(0, Server("llama.cpp", model, largs, llama=a.llama_server))
+        specs.insert(0, ("llama.cpp", largs))
     results: dict[str, list] = {name: [] for name, _ in specs}
     try:
         for s in servers:
