@@ -27,6 +27,7 @@ from hotcold.sparse_ops.quant.kernels import _qgemv_any
 from hotcold.sparse_ops.quant.tiles import WIDE, _tile_rows
 
 _JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)  # as the quant kernels'
+DECODE_AHEAD = 4096  # bytes of a group's weights prefetched ahead of its tile dots (see _gemv_x8_tiles)
 
 
 @njit(**_JIT)
@@ -45,7 +46,7 @@ def _gemv_x8_tiles(qt, w, XQ, XD, OUT):
     xrows = np.arange(B)
     for p in prange((G + WIDE - 1) // WIDE):
         g = WIDE * p
-        _tile_rows(qt, w, g, min(WIDE, G - g), XQ, XD, xrows, 0, B, OUT, 0, X8 * g)
+        _tile_rows(qt, w, g, min(WIDE, G - g), XQ, XD, xrows, 0, B, OUT, 0, X8 * g, DECODE_AHEAD)
 
 
 @njit(**_JIT)

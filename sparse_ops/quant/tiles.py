@@ -31,8 +31,8 @@ from .vector import _F32, _I64, _IR_BLOCK_BYTES, _IR_ROWS, _VNNI, _vconst
 TILE = 8  # the most tokens a decoded block is dotted with (8 float accumulators, 8 unpacked chunks, the
 # scales and the integer dot in flight fit AVX-512's 32 registers)
 WIDE = 2 if _VNNI and _IR_ROWS == 8 else 1  # groups a call dots side by side (Q4_K's block: one)
-PREFETCH = 1024  # bytes ahead of a group's block prefetched into L1 (the weights come from DRAM;
-# 1 thread, 128 tokens: gate / up dots 34 -> 28 ms)
+PREFETCH = 1024  # bytes ahead of a group's block prefetched into L1 for the MoE prefill (the weights come
+# from DRAM; 1 thread, 128 tokens: gate / up dots 34 -> 28 ms); callers give their own distance
 
 _BLOCKS = {Q4_0: lambda *a, chains: _x8_q4_block(*a, Q4_0, chains),
            Q4_1: lambda *a, chains: _x8_q4_block(*a, Q4_1, chains), Q4_K: _x8_q4_k_block, Q8_0: _x8_q8_0_block}
@@ -45,24 +45,24 @@ def _prefetch_fn(bd):
 
 
 def _make_tile_dot(qt, n, ng):
-    """Intrinsic (w, g, xq, xd, xrows, j0, out, orow, ocol): for i < n, out[orow + i, ocol:ocol + 8 ng] =
+    """Intrinsic (w, g, xq, xd, xrows, j0, out, orow, ocol, ahead): for i < n, out[orow + i, ocol:ocol + 8 ng] =
     the 8 ng rows of groups g .. g + ng - 1 of the interleaved matrix w (type qt) . x_i, x_i the Q8
     activations of row xrows[j0 + i] of xq int8 [N, C] / xd float32 [N, C / 16] (as _quantize_span
-    writes them)."""
+    writes them); each block's bytes `ahead` bytes further on are prefetched into L1 on the way."""
     block = _BLOCKS[qt]
 
-    def dot(typingctx, w, g, xq, xd, xrows, j0, out, orow, ocol):
+    def dot(typingctx, w, g, xq, xd, xrows, j0, out, orow, ocol, ahead):
         arrays = ((xq, 2, types.int8), (xd, 2, types.float32), (xrows, 1, types.int64), (out, 2, types.float32))
         if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8
                 and all(isinstance(a, types.Array) and a.ndim == nd and a.layout == "C" and a.dtype == dt
                         for a, nd, dt in arrays)
-                and all(isinstance(i, types.Integer) for i in (g, j0, orow, ocol))):
+                and all(isinstance(i, types.Integer) for i in (g, j0, orow, ocol, ahead))):
             return None
-        sig = types.void(w, types.int64, xq, xd, xrows, types.int64, out, types.int64, types.int64)
+        sig = types.void(w, types.int64, xq, xd, xrows, types.int64, out, types.int64, types.int64, types.int64)
 
         def codegen(context, bd, sig, args):
             wa, xa, xda, ra, oa = (context.make_array(sig.args[i])(context, bd, args[i]) for i in (0, 2, 3, 4, 6))
-            g, j0, orow, ocol = (args[i] for i in (1, 5, 7, 8))
+            g, j0, orow, ocol, ahead = (args[i] for i in (1, 5, 7, 8, 9))
             gb = X8 * _IR_BLOCK_BYTES[qt]
             stride = bd.extract_value(wa.strides, 0)
             rows = tuple(bd.gep(wa.data, [bd.mul(bd.add(g, ir.Constant(_I64, k)), stride)]) for k in range(ng))
@@ -78,9 +78,10 @@ def _make_tile_dot(qt, n, ng):
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
                 o = bd.mul(b, ir.Constant(_I64, gb))
-                for r in rows:  # the group's block PREFETCH bytes ahead into L1 (read, locality 3, data)
+                oa_ = bd.add(o, ahead)
+                for r in rows:  # the group's block `ahead` bytes on into L1 (read, locality 3, data)
                     for k in range(-(-gb // 64)):
-                        bd.call(pf, [bd.gep(r, [bd.add(o, ir.Constant(_I64, PREFETCH + 64 * k))]),
+                        bd.call(pf, [bd.gep(r, [bd.add(oa_, ir.Constant(_I64, 64 * k))]),
                                      ir.Constant(_I32T, 0), ir.Constant(_I32T, 3), ir.Constant(_I32T, 1)])
                 for (xp, xdp), acc in zip(xps, accs):
                     bd.store(block(bd, row, o, b, xp, xdp, bd.load(acc), chains=1 if n > 1 else 2), acc)
@@ -120,28 +121,28 @@ def _prefetch_groups(typingctx, w, g, n):
 
 
 def _dispatch(qt, ng):
-    """njit (n, w, g, xq, xd, xrows, j0, out, orow, ocol): `_make_tile_dot`'s intrinsic for qt, ng and
+    """njit (n, w, g, xq, xd, xrows, j0, out, orow, ocol, ahead): `_make_tile_dot`'s intrinsic for qt, ng and
     min(n, TILE) tokens."""
     t1, t2, t3, t4, t5, t6, t7, t8 = (_make_tile_dot(qt, n, ng) for n in range(1, TILE + 1))
 
     @njit(**_INLINE)
-    def run(n, w, g, xq, xd, xrows, j0, out, orow, ocol):
+    def run(n, w, g, xq, xd, xrows, j0, out, orow, ocol, ahead):
         if n >= 8:
-            t8(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t8(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
         elif n == 7:
-            t7(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t7(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
         elif n == 6:
-            t6(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t6(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
         elif n == 5:
-            t5(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t5(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
         elif n == 4:
-            t4(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t4(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
         elif n == 3:
-            t3(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t3(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
         elif n == 2:
-            t2(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t2(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
         else:
-            t1(w, g, xq, xd, xrows, j0, out, orow, ocol)
+            t1(w, g, xq, xd, xrows, j0, out, orow, ocol, ahead)
 
     return run
 
@@ -151,31 +152,32 @@ _q4_0_wide, _q4_1_wide, _q8_0_wide = (_dispatch(qt, WIDE) for qt in (Q4_0, Q4_1,
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile_rows(qt, w, g, ng, xq, xd, xrows, lo, hi, out, orow, ocol):
+def _tile_rows(qt, w, g, ng, xq, xd, xrows, lo, hi, out, orow, ocol, ahead):
     # out[orow + j - lo, ocol:ocol + 8 ng] = groups g .. g + ng - 1 (ng 1 or 2) of w . the activations
     # of row xrows[j], for j in [lo, hi): the fewest tiles of at most TILE tokens, of near-equal sizes
-    # (a block is decoded once a tile). (One compiled function for all callers: 56 intrinsics.)
+    # (a block is decoded once a tile), each block's bytes `ahead` bytes on prefetched into L1. (One
+    # compiled function for all callers: 56 intrinsics.)
     nt = (hi - lo + TILE - 1) // TILE
     for i in range(nt):
         j0 = lo + (hi - lo) * i // nt
         n, r = lo + (hi - lo) * (i + 1) // nt - j0, orow + j0 - lo
         if ng == WIDE and qt != Q4_K:
             if qt == Q8_0:
-                _q8_0_wide(n, w, g, xq, xd, xrows, j0, out, r, ocol)
+                _q8_0_wide(n, w, g, xq, xd, xrows, j0, out, r, ocol, ahead)
             elif qt == Q4_1:
-                _q4_1_wide(n, w, g, xq, xd, xrows, j0, out, r, ocol)
+                _q4_1_wide(n, w, g, xq, xd, xrows, j0, out, r, ocol, ahead)
             else:
-                _q4_0_wide(n, w, g, xq, xd, xrows, j0, out, r, ocol)
+                _q4_0_wide(n, w, g, xq, xd, xrows, j0, out, r, ocol, ahead)
             continue
         for k in range(ng):
             if qt == Q4_K:
-                _q4_k_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k)
+                _q4_k_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k, ahead)
             elif qt == Q8_0:
-                _q8_0_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k)
+                _q8_0_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k, ahead)
             elif qt == Q4_1:
-                _q4_1_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k)
+                _q4_1_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k, ahead)
             else:
-                _q4_0_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k)
+                _q4_0_tiles(n, w, g + k, xq, xd, xrows, j0, out, r, ocol + X8 * k, ahead)
 
 
 @njit(**_JIT)
@@ -204,8 +206,8 @@ def _tiles_h_kernel(X, tok, first, coef, starts, qu, gate, up, I, act, xq_down):
         g = np.empty((s1 - s0, step), np.float32)  # this task's rows of gate x, up x, h for its pairs
         u = np.empty((s1 - s0, step), np.float32)
         for q in range(0, step // X8, 2):
-            _tile_rows(qu, gate, g0 + q, 2, xq, xd, tok, s0, s1, g, 0, X8 * q)
-            _tile_rows(qu, up, g0 + q, 2, xq, xd, tok, s0, s1, u, 0, X8 * q)
+            _tile_rows(qu, gate, g0 + q, 2, xq, xd, tok, s0, s1, g, 0, X8 * q, PREFETCH)
+            _tile_rows(qu, up, g0 + q, 2, xq, xd, tok, s0, s1, u, 0, X8 * q, PREFETCH)
         for j in range(s0, s1):
             hj = g[j - s0]
             _gated_span(hj, u[j - s0], coef[j], act, hj, 0, step)
@@ -244,7 +246,7 @@ def _tiles_down_kernel(tok, first, starts, h, hq, hd, hs, qd, down, d_x8, xq_dow
                     _prefetch_groups(down, first[s1] * (D // X8) + lo // X8, (hi - lo) // X8)
                 for q in range(lo // X8, hi // X8, 2):
                     ng = min(2, hi // X8 - q)
-                    _tile_rows(qd, down, g0 + q, ng, hq, hd, pairs, s0, s1, part, 0, 0)
+                    _tile_rows(qd, down, g0 + q, ng, hq, hd, pairs, s0, s1, part, 0, 0, PREFETCH)
                     for j in range(s0, s1):
                         for r in range(X8 * ng):
                             acc[tok[j], X8 * q - lo + r] += part[j - s0, r]
