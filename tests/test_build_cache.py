@@ -116,7 +116,7 @@ def test_digest_separates_its_parts():
 # -- the SentencePiece merges of a GGUF vocabulary ----------------------------------------------
 
 def spm_meta(scores_shift: float = 0.0) -> dict:
-    from tests.test_tokenizer import tiny_sentencepiece_meta
+    from test_tokenizer import tiny_sentencepiece_meta
 
     meta = tiny_sentencepiece_meta()
     meta["tokenizer.ggml.scores"] = [s + scores_shift for s in meta["tokenizer.ggml.scores"]]

@@ -8,7 +8,7 @@ import torch
 
 from hotcold.executors.host_node import HostNode
 from hotcold.sparse_ops import quant
-from tests.test_quant_ops import EXPERT_TYPES, expert_stacks
+from test_quant_ops import EXPERT_TYPES, expert_stacks
 
 
 def _buffers(n_exp: int, d: int, k: int, on_host: list[int], seed: int):
