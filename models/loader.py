@@ -243,6 +243,7 @@ class ModelInfo:
     config: ModelConfig
     path: Path
     fingerprint: str
+    params: int = 0  # weights of every tensor, counted from the headers
 
 
 def describe_model(path: str | Path) -> ModelInfo:
@@ -253,9 +254,11 @@ def describe_model(path: str | Path) -> ModelInfo:
 
         raw = hf_loader.read_config(path)
         config = config_from_hf(raw, source=str(path / "config.json"))
-        return ModelInfo(config, path, fingerprint(raw, hf_loader.tensor_inventory(path)))
+        inventory = hf_loader.tensor_inventory(path)
+        return ModelInfo(config, path, fingerprint(raw, inventory), sum(_numel(shape) for _, shape, _ in inventory))
     raw, inventory = _gguf_header(path)
-    return ModelInfo(config_from_hf(raw, source=str(path)), path, fingerprint(raw, inventory))
+    return ModelInfo(config_from_hf(raw, source=str(path)), path, fingerprint(raw, inventory),
+                     sum(_numel(shape) for _, shape, _ in inventory))
 
 
 def _gguf_header(path: Path) -> tuple[dict, list]:

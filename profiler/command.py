@@ -66,6 +66,9 @@ def profile(
     if sparsity is None and heldout < seq_len and info.config.activation != "relu":
         raise HotcoldError(f"--heldout-tokens {heldout} is less than one --seq-len window ({seq_len}); "
                            "the perplexity budget needs held-out text (or give --sparsity)")
+    device, note = profile_device(device, dtype, info.params, _cuda_free(device))
+    if note:
+        print(note, file=sys.stderr)
     resolve_dtype(dtype, resolve_device(device))
     sources = [read_source(p) for p in data] or [default_source()]
     if threads:
@@ -112,6 +115,44 @@ def profile(
         for p in paths:
             print(p)
         sys.stdout.flush()
+
+
+GPU_FIT = 0.9  # of the GPU's free memory the weights may take (the rest: activations, CUDA's workspace)
+
+
+def _cuda_free(device: str | None) -> int | None:
+    """Free bytes on the GPU `device` names (None: the default one); None for the CPU or without CUDA."""
+    import torch
+
+    named = device not in (None, "auto")
+    if (named and not device.startswith("cuda")) or not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.mem_get_info(torch.device(device) if named else None)[0]
+    except (RuntimeError, AssertionError, ValueError):  # a GPU that is not there: resolve_device says so
+        return None
+
+
+def profile_device(device: str | None, dtype: str | None, params: int, cuda_free: int | None) -> tuple[str, str | None]:
+    """Where to profile: on a GPU the whole model is expanded to its dtype (bfloat16 by default), so
+    where its `params` weights would not fit `cuda_free` bytes the profile runs on the CPU (a GGUF's
+    quantised blocks read in place from the file, as `run --device cpu` reads them) when no device
+    was given, and a given `--device cuda` is refused in one line. -> (device, note or None)."""
+    import torch
+
+    from hotcold.models.loader import resolve_dtype
+
+    if cuda_free is None or (device not in (None, "auto") and not device.startswith("cuda")):
+        return device or "cpu", None
+    dt = resolve_dtype(dtype, torch.device("cuda"))
+    need = params * dt.itemsize
+    if need <= GPU_FIT * cuda_free:
+        return device or "cuda", None
+    what = (f"the weights need {need / 2**30:.1f} GiB of GPU memory in {str(dt).removeprefix('torch.')} and "
+            f"the GPU has {cuda_free / 2**30:.1f} GiB free")
+    if device is None or device == "auto":
+        return "cpu", f"note: {what}: profiling on the CPU"
+    raise HotcoldError(f"--device {device}: {what}; leave --device out (or use --device cpu) to profile on the CPU")
 
 
 def _plot_input_sparsity(folder: Path, meta: dict) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -296,3 +297,31 @@ def test_truncated_profile_is_a_clear_error(tiny, tmp_path):
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(ArtifactError, match="unreadable profile"):
         load_profile(path, lm.fingerprint)
+
+
+def test_profile_device_falls_back_to_the_cpu_where_the_gpu_cannot_hold_the_model():
+    from hotcold.errors import HotcoldError
+    from hotcold.profiler.command import profile_device
+
+    G = 2**30
+    assert profile_device(None, None, 10**9, None) == ("cpu", None)  # no CUDA
+    assert profile_device("cpu", None, 10**12, 4 * G) == ("cpu", None)
+    assert profile_device(None, None, 10**9, 4 * G) == ("cuda", None)  # 1.9 GiB in bfloat16 of 4 free
+    device, note = profile_device(None, None, 10**9, 2 * G)  # 1.9 GiB does not fit 90% of 2 GiB
+    assert device == "cpu" and "1.9 GiB of GPU memory in bfloat16" in note and "2.0 GiB free" in note
+    assert profile_device(None, "float32", 10**9, 4 * G)[0] == "cpu"  # 3.7 GiB in float32
+    with pytest.raises(HotcoldError, match=r"--device cuda: the weights need 1\.9 GiB .* leave --device out"):
+        profile_device("cuda", None, 10**9, 2 * G)
+
+
+def test_describe_model_counts_the_weights(tiny):
+    from safetensors import safe_open
+
+    from hotcold.models.loader import describe_model
+
+    folder = tiny("qwen3_moe")
+    n = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    assert describe_model(folder).params == n > 0
