@@ -43,7 +43,7 @@ from hotcold.executors.tier import FastTier
 from hotcold.models.layers import FFN, route
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.moe_gpu import kernels_ready, routed_experts
-from hotcold.sparse_ops.quant import check_expert_stacks
+from hotcold.sparse_ops.quant import check_expert_stacks, qexperts_routed
 
 
 
@@ -174,6 +174,26 @@ class HybridMoE(FFN):
             ready.synchronize()  # by now: the worker waited for it, or the GPU is past it)
             book.add(phase, experts_gpu=int((self.pos[routing.ids_np[0]] < 0).sum()))
         return y.reshape(shape)
+
+    def host_decode(self, x: np.ndarray, out: np.ndarray) -> bool:
+        """One token on host arrays (FFN.host_decode) where the whole layer is the CPU's, computed in the
+        calling thread: every expert a quantised host expert, no shared expert or expert cache, a CPU
+        fast tier with an inline executor (an all-CPU plan). The routing is forward's own (the router
+        module, `route`), the experts `MoEJob`'s one-token call, without the job, copies and buffers
+        that a GPU tier needs (on 2 cores ~0.25 ms a layer)."""
+        if (self.tier.cuda or not self.cpu.inline or self.fast.ids or self.cache is not None or self.shared is not None
+                or not self.n_cold or self.cold.down is None):
+            return False
+        book, c = self.book, self.cold
+        if self.first:
+            book.resolve()
+            book.add("decode", tokens=1, forwards=1)
+        t0 = now()
+        w = self.router.weight
+        weights, ids = route(self.router(torch.from_numpy(x)[None].to(w.dtype)), self.top_k, self.renormalise)
+        pairs = qexperts_routed(x, ids.numpy()[0], weights.numpy()[0], self.pos, c.gate, c.up, c.down, c.act, out)
+        book.add("decode", layer_calls=1, cpu_s=now() - t0, experts_cpu=pairs)
+        return True
 
     def _forward_cached(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g0) -> torch.Tensor:
         """One token with the expert cache: routed host experts found in the cache run on the fast

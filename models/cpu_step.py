@@ -39,7 +39,7 @@ from numba import njit, types
 from numba.extending import overload
 from torch import nn
 
-from hotcold.models.layers import Attention, GatedFFN, RMSNorm
+from hotcold.models.layers import FFN, Attention, GatedFFN, RMSNorm
 from hotcold.models.quantized import QuantLinear
 from hotcold.sparse_ops.attention import _decode_attention
 from hotcold.sparse_ops.cpu import HostMatrix, _gemv_rows_kernel
@@ -442,6 +442,13 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
             abuf)
     if not whole:  # the attention half in one call, then the FFN's module (MoE, hybrid, hooked)
         _attn_half(*args, r, f_in)
+        if isinstance(f, FFN) and not any(m._forward_hooks or m._forward_pre_hooks for m in (f, *f._modules.values())):
+            h = np.empty_like(xv)
+            if f.host_decode(f_in, h):  # an FFN that computes one token on host arrays (an all-CPU MoE)
+                y = np.empty_like(xv)
+                _residual(r, h, norm_w[3], plan.eps, plan.plus_one, plan.sandwich, y)
+                out = torch.from_numpy(y.reshape(1, 1, d))
+                return out if x.dtype == torch.float32 else out.to(x.dtype)
         h = f(torch.from_numpy(f_in).reshape(x.shape).to(x.dtype))
         if plan.sandwich:
             h = block.post_ffn_norm(h)

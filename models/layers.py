@@ -339,6 +339,12 @@ class FFN(nn.Module):
 
     kind = "ffn"
 
+    def host_decode(self, x: np.ndarray, out: np.ndarray) -> bool:
+        """One token's FFN on host float32 arrays, x [D] -> out [D], where this FFN can compute it so,
+        without its module call (the CPU's fused one-token step calls it, models/cpu_step.py);
+        returns False where it cannot, and the caller runs forward instead."""
+        return False
+
 
 class DenseFFN(FFN):
     """Ungated FFN with biases (OPT): down(act(up x + b1)) + b2."""

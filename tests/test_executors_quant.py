@@ -237,6 +237,36 @@ def test_mapped_cpu_experts_match_quantized_reference(folder, family, kind):
             assert rel_err(got_dec[:, i], want_dec[:, i]) < TOL[kind], f"decode step {i}"
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_all_cpu_moe_layers_decode_inside_the_fused_step(folder, kind, monkeypatch):
+    """Every expert on the host, a CPU tier and an inline executor (an all-CPU plan): each MoE layer's
+    one token is computed by HybridMoE.host_decode inside the block's fused step, bit for bit the
+    module path's logits (the same routing and expert kernel), and the quantised reference's within
+    the tolerance. A layer with a shared expert (qwen2_moe) keeps the module path."""
+    ref = reference(folder, "qwen3_moe", kind)
+    toks = tokens(seed=12)
+    want = decode_logits(ref, toks)
+    ties = near_ties(ref, toks)
+    lm = fresh(folder, "qwen3_moe", kind)
+    took, real = [], HybridMoE.host_decode
+    monkeypatch.setattr(HybridMoE, "host_decode", lambda self, x, out: took.append(real(self, x, out)) or took[-1])
+    with make_hybrid(lm, {}, None, threads=2, gpu_experts=random_experts(lm, 0.0)) as eng:
+        assert eng.moe and all(h.n_cold == lm.config.num_experts for h in eng.moe.values())
+        got = decode_logits(lm, toks)
+        assert len(took) == T * len(eng.moe) and all(took)
+        monkeypatch.setattr(HybridMoE, "host_decode", lambda self, x, out: False)
+        module = decode_logits(lm, toks)
+    assert torch.equal(got, module)
+    for i in range(T):
+        if i not in ties:
+            assert rel_err(got[:, i], want[:, i]) < TOL[kind], f"decode step {i}"
+    lm = fresh(folder, "qwen2_moe", kind)
+    monkeypatch.setattr(HybridMoE, "host_decode", real)
+    with make_hybrid(lm, {}, None, threads=2, gpu_experts=random_experts(lm, 0.0)) as eng:
+        h = next(iter(eng.moe.values()))
+        assert h.shared is not None and not h.host_decode(np.zeros(h.dim, np.float32), np.zeros(h.dim, np.float32))
+
+
 @pytest.mark.parametrize("family", ["llama", "opt", "qwen2_moe"])
 def test_all_hot_and_all_cold(folder, family):
     """The two ends of a plan: every neuron on the fast tier (dequantised), or none."""
