@@ -180,7 +180,7 @@ class HybridMoE(FFN):
         calling thread: every expert a quantised host expert, no shared expert or expert cache, a CPU
         fast tier with an inline executor (an all-CPU plan). The routing is forward's own (the router
         module, `route`), the experts `MoEJob`'s one-token call, without the job, copies and buffers
-        that a GPU tier needs (on 2 cores ~0.25 ms a layer)."""
+        that a GPU tier needs (on 2 cores ~0.1 ms a layer)."""
         if (self.tier.cuda or not self.cpu.inline or self.fast.ids or self.cache is not None or self.shared is not None
                 or not self.n_cold or self.cold.down is None):
             return False
