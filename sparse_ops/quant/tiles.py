@@ -78,10 +78,10 @@ def _make_tile_dot(qt, n, ng):
             with cgutils.for_range(bd, nb) as loop:
                 b = loop.index
                 o = bd.mul(b, ir.Constant(_I64, gb))
-                oa_ = bd.add(o, ahead)
+                o_ahead = bd.add(o, ahead)
                 for r in rows:  # the group's block `ahead` bytes on into L1 (read, locality 3, data)
                     for k in range(-(-gb // 64)):
-                        bd.call(pf, [bd.gep(r, [bd.add(oa_, ir.Constant(_I64, 64 * k))]),
+                        bd.call(pf, [bd.gep(r, [bd.add(o_ahead, ir.Constant(_I64, 64 * k))]),
                                      ir.Constant(_I32T, 0), ir.Constant(_I32T, 3), ir.Constant(_I32T, 1)])
                 for (xp, xdp), acc in zip(xps, accs):
                     bd.store(block(bd, row, o, b, xp, xdp, bd.load(acc), chains=1 if n > 1 else 2), acc)
