@@ -11,8 +11,8 @@ import torch
 
 from hotcold.errors import HotcoldError
 from hotcold.models.load_times import LoadTimes
-from hotcold.models.loader import (LoadedModel, describe_model, load_model, resolve_device, resolve_dtype,
-                                   stored_half_dtype)
+from hotcold.models.loader import (LoadedModel, describe_model, gpu_free_bytes, load_model, resolve_device,
+                                   resolve_dtype, stored_half_dtype)
 from hotcold.models.layout_cache import packed_for_decode
 
 COMPILE_NOTE_S = 5.0  # host functions built for longer than this (compiled, not loaded from cache) get a note
@@ -101,6 +101,37 @@ def dense_int4_default(path: Path, quantize: str | None, device: torch.device) -
     return any(kept and qtype in INT4_QTYPES for _, qtype, _, _, kept in open_gguf(path).tensor_storage())
 
 
+def whole_gpu_floor(path: Path, dtype: torch.dtype, quantize: str | None) -> int:
+    """The fewest bytes the model's weights take run whole on a GPU: Q4_0/Q4_1/Q4_K matrices kept 4-bit
+    (4 bits, and an fp16 scale and zero per 32 weights: 5 bits a weight), every other weight in dtype."""
+    from hotcold.sparse_ops.gpu_quant import INT4_QTYPES
+
+    if Path(path).is_file():
+        from hotcold.models.gguf_loader import open_gguf
+
+        return sum(n * 5 // 8 if qtype in INT4_QTYPES else n * dtype.itemsize
+                   for _, qtype, n, _, _ in open_gguf(path).tensor_storage())
+    per = 5 / 8 if quantize and quantize.upper() in INT4_QTYPES else dtype.itemsize
+    return int(describe_model(path).params * per)
+
+
+def check_whole_gpu(path: Path, device: str | None, dtype: str | None, quantize: str | None) -> None:
+    """A run without a plan puts the whole model on the GPU: refuse in one line, before loading, a
+    model whose weights alone cannot fit the GPU's free memory (a 30B MoE file on a 12 GB card), where
+    the load would run for minutes and then fail."""
+    dev = resolve_device(device)
+    free = gpu_free_bytes(device) if dev.type == "cuda" else None
+    if free is None:
+        return
+    need = whole_gpu_floor(path, resolve_dtype(dtype, dev), quantize)
+    if need > free:
+        name = Path(path).name
+        raise HotcoldError(f"{name}: without a plan the whole model goes on the GPU, and its weights need at least "
+                           f"{need / 2**30:.1f} GiB where the GPU has {free / 2**30:.1f} GiB free; split it between "
+                           f"GPU and CPU (`hotcold profile {name}`, then `hotcold plan {name} --vram SIZE`), or run "
+                           "it on the CPU (--device cpu)")
+
+
 def _prefill_costs(kind: str):
     """This machine's rates for prefill's cost rule, from its cached hardware profile (`hotcold
     probe`, or the one `hotcold plan` made); None (the defaults) when there is none."""
@@ -167,6 +198,7 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
         info = describe_model(path)
         plan_path = find_plan(info.path, info.fingerprint, plan) if use_plan else None
     if plan_path is None:
+        check_whole_gpu(info.path, device, dtype, quantize)
         split = ("`hotcold profile MODEL` then `hotcold plan MODEL --vram SIZE` split it between GPU and CPU"
                  if resolve_device(device).type == "cuda" else
                  "`hotcold profile MODEL` then `hotcold plan MODEL` plan it for this machine's CPU")

@@ -364,6 +364,18 @@ def _numel(shape) -> int:
     return n
 
 
+def gpu_free_bytes(device: str | None) -> int | None:
+    """Free bytes on the GPU `device` names ("cuda", "cuda:N"; None or "auto": the default one); None
+    for the CPU, without CUDA, or for a GPU that is not there (resolve_device then says so)."""
+    named = device not in (None, "auto")
+    if (named and not str(device).startswith("cuda")) or not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.mem_get_info(torch.device(device) if named else None)[0]
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+
+
 def check_host_memory(path: Path, needed: int, dtype: torch.dtype) -> None:
     """Refuse, in one line, a load whose weights alone exceed the RAM (and swap) available now:
     the kernel would kill the process part-way instead."""

@@ -50,7 +50,8 @@ def profile(
     from rich.console import Console
 
     from hotcold.artifacts import artifact_dir, removed_if_left_empty
-    from hotcold.models.loader import default_model_path, describe_model, load_model, resolve_device, resolve_dtype
+    from hotcold.models.loader import (default_model_path, describe_model, gpu_free_bytes, load_model, resolve_device,
+                                       resolve_dtype)
     from hotcold.profiler.artifact import write_profile
     from hotcold.profiler.data import default_source, read_source, tokenise
     from hotcold.profiler.profile import ProfileOptions, run_profile, thresholded_kinds
@@ -66,7 +67,7 @@ def profile(
     if sparsity is None and heldout < seq_len and info.config.activation != "relu":
         raise HotcoldError(f"--heldout-tokens {heldout} is less than one --seq-len window ({seq_len}); "
                            "the perplexity budget needs held-out text (or give --sparsity)")
-    device, note = profile_device(device, dtype, info.params, _cuda_free(device))
+    device, note = profile_device(device, dtype, info.params, gpu_free_bytes(device))
     if note:
         print(note, file=sys.stderr)
     resolve_dtype(dtype, resolve_device(device))
@@ -118,19 +119,6 @@ def profile(
 
 
 GPU_FIT = 0.9  # of the GPU's free memory the weights may take (the rest: activations, CUDA's workspace)
-
-
-def _cuda_free(device: str | None) -> int | None:
-    """Free bytes on the GPU `device` names (None: the default one); None for the CPU or without CUDA."""
-    import torch
-
-    named = device not in (None, "auto")
-    if (named and not device.startswith("cuda")) or not torch.cuda.is_available():
-        return None
-    try:
-        return torch.cuda.mem_get_info(torch.device(device) if named else None)[0]
-    except (RuntimeError, AssertionError, ValueError):  # a GPU that is not there: resolve_device says so
-        return None
 
 
 def profile_device(device: str | None, dtype: str | None, params: int, cuda_free: int | None) -> tuple[str, str | None]:

@@ -692,3 +692,27 @@ def test_converted_tensors_leave_the_resident_set(tmp_path):
     for _, t in f.tensors():
         worst = max(worst, mapped_rss(path))
     assert worst <= 3 * (4 << 20), f"{worst / 2**20:.1f} MiB of the {os.path.getsize(path) / 2**20:.0f} MiB file resident"
+
+
+def test_a_run_without_a_plan_refuses_a_gpu_that_cannot_hold_the_weights(tiny_llama, monkeypatch):
+    """Without a plan the whole model goes on the GPU: its weights' floor (4-bit matrices kept 4-bit:
+    5 bits a weight; every other weight in the dtype) is checked against the GPU's free memory before
+    anything loads, and a model over it is refused in one line that says what to do."""
+    from hotcold.errors import HotcoldError
+    from hotcold.executors import from_plan
+    from hotcold.models.loader import describe_model
+
+    path, _ = tiny_llama
+    params = describe_model(path).params
+    four_bit = H * DH * D + HKV * DH * D  # layer 0's q (Q4_0) and k (Q4_1)
+    floor = from_plan.whole_gpu_floor(path, torch.bfloat16, None)
+    assert floor == 2 * params - four_bit * 2 + four_bit * 5 // 8
+    assert from_plan.whole_gpu_floor(path, torch.float32, None) == 4 * params - four_bit * 4 + four_bit * 5 // 8
+    monkeypatch.setattr(from_plan, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(from_plan, "gpu_free_bytes", lambda device: floor)
+    from_plan.check_whole_gpu(path, None, None, None)  # fits exactly
+    monkeypatch.setattr(from_plan, "gpu_free_bytes", lambda device: floor - 1)
+    with pytest.raises(HotcoldError, match=r"tiny-llama.gguf: without a plan .*`hotcold plan tiny-llama.gguf --vram SIZE.*--device cpu"):
+        from_plan.check_whole_gpu(path, None, None, None)
+    monkeypatch.setattr(from_plan, "gpu_free_bytes", lambda device: None)  # the CPU
+    from_plan.check_whole_gpu(path, None, None, None)
