@@ -46,7 +46,6 @@ from hotcold.sparse_ops.moe_gpu import kernels_ready, routed_experts
 from hotcold.sparse_ops.quant import check_expert_stacks, qexperts_routed
 
 
-
 # kernel launches of a chunk's GPU experts (HybridMoE._token_by_token): per token through the decode
 # kernels (two, and the token's rows), per group of routed experts through their batched products
 # (4-bit stacks decoded first, FAST_GROUP_INT4 experts at a time)
@@ -176,11 +175,10 @@ class HybridMoE(FFN):
         return y.reshape(shape)
 
     def host_decode(self, x: np.ndarray, out: np.ndarray) -> bool:
-        """One token on host arrays (FFN.host_decode) where the whole layer is the CPU's, computed in the
-        calling thread: every expert a quantised host expert, no shared expert or expert cache, a CPU
-        fast tier with an inline executor (an all-CPU plan). The routing is forward's own (the router
-        module, `route`), the experts `MoEJob`'s one-token call, without the job, copies and buffers
-        that a GPU tier needs (on 2 cores ~0.1 ms a layer)."""
+        """One token on host arrays (FFN.host_decode) where the whole layer is the CPU's (every expert a
+        quantised host expert, no shared expert or expert cache, a CPU tier with an inline executor: an
+        all-CPU plan), in the calling thread: forward's routing and MoEJob's one-token kernel call,
+        without the job, copies and buffers a GPU tier needs (on 2 cores ~0.1 ms a layer)."""
         if (self.tier.cuda or not self.cpu.inline or self.fast.ids or self.cache is not None or self.shared is not None
                 or not self.n_cold or self.cold.down is None):
             return False
