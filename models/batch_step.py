@@ -27,7 +27,7 @@ from numba import njit
 
 from hotcold.models import cpu_run, cpu_step, transformer
 from hotcold.models.batch_gemv import _gemv_batch
-from hotcold.models.cpu_step import _heads, _mat, _norm, _parts, _plan, _residual, _weights
+from hotcold.models.cpu_step import _heads, _hooked, _mat, _norm, _parts, _plan, _residual, _weights
 from hotcold.models.quantized import QuantEmbedding, QuantLinear
 from hotcold.models.transformer import KVCache
 from hotcold.sparse_ops.attention import _decode_attention
@@ -166,12 +166,10 @@ def _fused_args(block):
     cached = block.__dict__.get("_batch_step")
     if cached is None or len(cached[0]) != len(parts) or any(
             (r() if r is not None else None) is not p for r, p in zip(cached[0], parts)):
-        import weakref
         cached = block.__dict__["_batch_step"] = (tuple(None if p is None else weakref.ref(p) for p in parts),
                                                   _plan(block))
     plan = cached[1]
-    hooked = lambda ms: any(m._forward_hooks or m._forward_pre_hooks for m in ms)  # noqa: E731
-    if plan is None or not plan.ffn or hooked(mods[0]) or hooked(mods[1]):
+    if plan is None or not plan.ffn or _hooked(mods[0]) or _hooked(mods[1]):
         return None
     a, f = block.attn, block.ffn
     q, k, v = _mat(a.q), _mat(a.k), _mat(a.v)

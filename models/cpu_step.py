@@ -358,6 +358,11 @@ def _norm_weights(block, plan: _Plan, aa: tuple) -> tuple:
     return norm_w
 
 
+def _hooked(mods) -> bool:
+    """Whether any of the modules has forward hooks (the profiler's probes, the look-ahead's residual)."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+
+
 def prepared(block) -> tuple | None:
     """(plan, whole, attention's kernel arguments) of a block whose one-token step the fused path takes,
     or None (see the module docstring). whole: the FFN runs in the same call (else as its module, whose
@@ -372,10 +377,9 @@ def prepared(block) -> tuple | None:
         for m in (block.attn, block.ffn):
             m.__dict__.pop("_cpu_args", None)
     plan = cached[1]
-    hooked = lambda ms: any(m._forward_hooks or m._forward_pre_hooks for m in ms)  # noqa: E731
-    if plan is None or hooked(mods[0]):
+    if plan is None or _hooked(mods[0]):
         return None
-    whole = plan.ffn and not hooked(mods[1])
+    whole = plan.ffn and not _hooked(mods[1])
     a = block.attn
     # the weights' kernel arguments, kept on the modules that own them (a replaced FFN takes its own)
     aa = a.__dict__.get("_cpu_args")
@@ -442,7 +446,7 @@ def block_step(block, x: torch.Tensor, positions: torch.Tensor, cache_kv, start:
             abuf)
     if not whole:  # the attention half in one call, then the FFN's module (MoE, hybrid, hooked)
         _attn_half(*args, r, f_in)
-        if isinstance(f, FFN) and not any(m._forward_hooks or m._forward_pre_hooks for m in (f, *f._modules.values())):
+        if isinstance(f, FFN) and not _hooked((f, *f._modules.values())):
             h = np.empty_like(xv)
             if f.host_decode(f_in, h):  # an FFN that computes one token on host arrays (an all-CPU MoE)
                 y = np.empty_like(xv)
