@@ -11,7 +11,8 @@ row-interleaved copy), from pinned host memory, so no second copy is kept anywhe
 layers' experts are cut into groups of `group` experts in one global order (layer by layer); group
 k fills raw slot k % 2 on a copy stream while group k - 1 computes, and the first group of the next
 streamed layer is copied while the last of this one computes. On the compute stream a group is
-decoded into one bf16 (the tier's dtype) workspace by torch ops (sparse_ops/blocks_torch.py), then
+decoded into one bf16 (the tier's dtype) workspace, Q4_0 / Q4_1 / Q8_0 by one Triton kernel a matrix
+(sparse_ops/blocks_gpu.py), the K-quants by torch ops (sparse_ops/blocks_torch.py), then
 its experts run for their tokens as three batched products over the group, tokens padded to the
 group's busiest expert (padding carries a zero routing weight):
     X [g, T, D] = x[tokens]; h = act(X gate^T) * (X up^T) [g, T, I]; y[tokens] += w * (h down^T)
@@ -71,6 +72,7 @@ class ExpertStreamer:
         self.slots: list[dict | None] = [None, None]
         self.decoded: dict | None = None
         self.spans: list = []  # (start, end) marks of copies, collected by the layers' stats
+        self.kernel = _triton_decoder() if tier.cuda else None  # one-pass decode of Q4_0 / Q4_1 / Q8_0
 
     def streams(self, layer: int) -> bool:
         return layer in self._groups
@@ -132,6 +134,10 @@ class ExpertStreamer:
             m = getattr(c, name)
             raw = self.slots[i][name][:data.nbytes].view(data.shape)
             dst = self.decoded[name][:g].view(rows, m.cols)
+            if self.kernel is not None and m.qtype in self.kernel.TYPES:
+                self.kernel.dequantize(raw, m.qtype, (rows, m.cols), m.interleaved, out=dst)
+                out[name] = self.decoded[name][:g]
+                continue
             step = max(8, DECODE_PIECE // m.cols // 8 * 8)  # whole interleaved groups of 8 rows
             for r0 in range(0, rows, step):
                 r1 = min(rows, r0 + step)
@@ -155,14 +161,22 @@ class ExpertStreamer:
         routes = Routes.of(pos[ids], self.n_experts[layer])
         y = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
         groups = self._groups[layer]
-        for k in groups:
-            _, a, b = self.order[k]
-            picked = routes.padded(a, b, x2.device)
+        picks = routes.padded([self.order[k][1:] for k in groups], x2.device)
+        for k, picked in zip(groups, picks):
             w = self._decode(k) if picked is not None else None  # (none routed: its copy, if queued, goes unused)
             self._prefetch(k + 1)  # the next group, of this layer or the next streamed one
             if w is not None:
                 group_products(x2, weights, y, picked, w["gate"], w["up"], w["down"], act)
         return y, routes.pairs
+
+
+def _triton_decoder():
+    """sparse_ops.blocks_gpu (imported only for a CUDA tier: it imports Triton), or None without Triton."""
+    try:
+        from hotcold.sparse_ops import blocks_gpu
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    return blocks_gpu
 
 
 class Routes:
@@ -184,24 +198,36 @@ class Routes:
     def pairs(self) -> int:
         return len(self.tok)
 
-    def padded(self, a: int, b: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Positions [a, b): tokens, slots int64 [b - a, T] and live float32 [b - a, T] on device, T the
-        busiest position's count (padding: token 0, slot 0, live 0); None when none is routed."""
-        width = int(self.counts[a:b].max(initial=0))
-        if width == 0:
-            return None
-        idx = np.zeros((3, b - a, width), np.int64)
-        for j in range(b - a):
-            lo, hi = self.starts[a + j], self.starts[a + j + 1]
-            idx[0, j, :hi - lo], idx[1, j, :hi - lo], idx[2, j, :hi - lo] = self.tok[lo:hi], self.slot[lo:hi], 1
-        t = torch.from_numpy(idx).to(device)
-        return t[0], t[1], t[2].float()
+    def padded(self, bounds: list[tuple[int, int]], device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """Per range [a, b) of positions: tokens, slots int64 [b - a, T] and live float32 [b - a, T]
+        on device, T the range's busiest position's count (padding: token 0, slot 0, live 0); None
+        where none is routed. All ranges cross to the device in one copy (from pinned memory on
+        CUDA, not waited for): a copy per range would make the host wait for the device each time."""
+        widths = np.array([self.counts[a:b].max(initial=0) for a, b in bounds], np.int64)
+        sizes = np.array([b - a for a, b in bounds], np.int64) * widths
+        ends = np.cumsum(sizes)
+        base = np.full(len(self.counts), -1, np.int64)  # each position's first element in the flat copy
+        for (a, b), w, end, size in zip(bounds, widths, ends, sizes):
+            base[a:b] = end - size + np.arange(b - a) * w
+        p = np.repeat(np.arange(len(self.counts)), self.counts)  # each pair's position
+        at = base[p] + np.arange(len(p)) - self.starts[p]
+        kept = base[p] >= 0  # pairs in one of the ranges
+        idx = np.zeros((3, int(ends[-1]) if len(ends) else 0), np.int64)
+        idx[0, at[kept]], idx[1, at[kept]], idx[2, at[kept]] = self.tok[kept], self.slot[kept], 1
+        t = torch.from_numpy(idx)
+        if torch.device(device).type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        out = []
+        for (a, b), w, end, size in zip(bounds, widths, ends, sizes):
+            v = t[:, end - size:end].view(3, b - a, int(w))
+            out.append((v[0], v[1], v[2].float()) if w else None)
+        return out
 
 
 def group_products(x2: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, picked: tuple, gate: torch.Tensor,
                    up: torch.Tensor, down: torch.Tensor, act) -> None:
     """y[tokens] += routing weight * expert(x[tokens]) for a group of g experts at once (three batched
-    products). x2: [N, D]; weights: [N, k]; y: float32 [N, D]; picked: `Routes.padded`; gate, up:
+    products). x2: [N, D]; weights: [N, k]; y: float32 [N, D]; picked: one of `Routes.padded`; gate, up:
     [g, I, D]; down: [g, D, I]."""
     t_idx, s_idx, live = picked
     coef = weights[t_idx, s_idx].float() * live  # [g, T]

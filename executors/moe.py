@@ -515,8 +515,8 @@ class HybridMoE(FFN):
         f, step = self.fast, self._fast_group()
         routes = Routes.of(self.slot_pos[ids], len(f.ids))
         out = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
-        for a in range(0, len(f.ids), step):
-            picked = routes.padded(a, min(len(f.ids), a + step), x2.device)
+        starts = range(0, len(f.ids), step)
+        for a, picked in zip(starts, routes.padded([(a, min(len(f.ids), a + step)) for a in starts], x2.device)):
             if picked is not None:
                 s = slice(a, a + step)
                 group_products(x2, weights, out, picked, *(f.weight(w, s, x2.dtype) for w in ("gate", "up", "down")),

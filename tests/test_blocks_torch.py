@@ -1,7 +1,8 @@
 """hotcold.sparse_ops.blocks_torch: GGUF blocks decoded by torch ops, against gguf.quants' decoders.
 
 Random valid blocks of each decodable type (`random_matrix`), in the file's layout and row-interleaved
-(`pack_rows`, where the type has that layout), decoded on the CPU; the CUDA case repeats it on a GPU.
+(`pack_rows`, where the type has that layout), decoded on the CPU; the CUDA cases repeat it on a GPU
+and check the Triton decoder (sparse_ops/blocks_gpu.py) the same way.
 """
 
 from __future__ import annotations
@@ -53,3 +54,28 @@ def test_decodes_on_cuda(qtype):
         m = pack_rows(m, xq=True)
     got = dequantize(torch.from_numpy(m.data).cuda(), m.qtype, m.shape, m.interleaved, torch.float32)
     np.testing.assert_array_equal(got.cpu().numpy(), m.dequantize())
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_decoder_on_cuda(qtype, interleaved):
+    """sparse_ops.blocks_gpu: one kernel, equal to gguf's float32 decode; into a strided bf16 view
+    within bf16's rounding, leaving the rest of the buffer alone. Rows and columns not multiples of
+    the kernel's tile (40 x 288) check its edges."""
+    blocks_gpu = pytest.importorskip("hotcold.sparse_ops.blocks_gpu")  # imports Triton
+    m = random_matrix(qtype, (40, 288), seed=5)
+    want = m.dequantize()
+    if interleaved:
+        m = pack_rows(m, xq=True)
+        assert m.interleaved
+    data = torch.from_numpy(m.data).cuda()
+    got = blocks_gpu.dequantize(data, m.qtype, m.shape, m.interleaved, torch.empty(40, 288, device="cuda"))
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+    buf = torch.full((40, 300), float("nan"), dtype=torch.bfloat16, device="cuda")
+    blocks_gpu.dequantize(data, m.qtype, m.shape, m.interleaved, buf[:, 7:295])
+    torch.testing.assert_close(buf[:, 7:295].float().cpu(), torch.from_numpy(want), rtol=2 ** -7, atol=0)
+    assert torch.isnan(buf[:, :7].float()).all() and torch.isnan(buf[:, 295:].float()).all()
+    with pytest.raises(ValueError, match="no Triton decoder for Q4_K"):
+        blocks_gpu.dequantize(data, "Q4_K", m.shape, False, got)
