@@ -83,6 +83,35 @@ def _load_dense(path: Path, device, dtype, quantize: str | None, gpu_int4: bool,
     return _graphed(lm, times)
 
 
+def _whole_moe_applies(info, device) -> bool:
+    """Whether a model run whole on `device` takes `_whole_moe`: a MoE model on a CUDA GPU."""
+    cfg = info.config
+    return resolve_device(device).type == "cuda" and any(cfg.ffn_kind(l) == "moe" for l in range(cfg.num_layers))
+
+
+def _whole_moe(path: Path, dev: torch.device, dtype: str | None, quantize: str | None, threads: int | None,
+               stats: bool, times: LoadTimes, notes: list[str]) -> RunSetup:
+    """A MoE model whole on a CUDA GPU, 4-bit, through the split engine with every expert and neuron
+    on the fast tier: the experts keep their 4-bit codes (Q4Stack, about the file's bytes) and a
+    token's routed experts run in two Triton kernels a layer without the host reading the routing,
+    where the dense model would expand every expert to the dtype (3.5x the file) and loop over a
+    token's experts in Python behind a host sync each layer. Only the embedding table stays in host
+    memory (a token's row is copied up), as llama.cpp keeps it."""
+    from hotcold.executors.engine import build_engine
+    from hotcold.executors.options import EngineOptions, Placement
+
+    dt = resolve_dtype(dtype, dev)
+    lm = load_model(path, "cpu", str(dt).removeprefix("torch."), quantize=quantize, times=times)
+    cfg, layers = lm.config, range(lm.config.num_layers)
+    placement = Placement(hot={l: torch.arange(cfg.intermediate_size) for l in layers if cfg.ffn_kind(l) != "moe"},
+                          gpu_experts={l: list(range(cfg.num_experts)) for l in layers if cfg.ffn_kind(l) == "moe"},
+                          embed_cpu=True, gpu_int4=True)
+    engine = build_engine(lm, placement, None, EngineOptions(device=dev, dtype=dt, threads=threads, stats=stats), times)
+    notes.append("a MoE model whole on the GPU: its experts keep their 4-bit blocks, a token's routed experts "
+                 "run in two kernels a layer")
+    return RunSetup(lm, engine, notes=notes)
+
+
 def dense_int4_default(path: Path, quantize: str | None, device: torch.device) -> bool:
     """Whether a run without a plan keeps a quantised model's 4-bit matrices int4 on device by default:
     a GPU that runs torch's int4 kernels, and Q4_0/Q4_1/Q4_K matrices (a GGUF's own, or --quantize
@@ -208,6 +237,8 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
             if gpu_int4:
                 notes.append("its Q4_0/Q4_1/Q4_K matrices stay 4-bit on the GPU (torch's int4 kernels; "
                              "--no-gpu-int4 expands them)")
+        if gpu_int4 and _whole_moe_applies(info, device):
+            return _whole_moe(path, resolve_device(device), dtype, quantize, threads, stats, times, notes)
         return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4, times), notes=notes)
     with times.stage("parse"):
         p = load_plan(plan_path, info.fingerprint)
@@ -219,9 +250,12 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
         if quantize and not gpu_int4:
             raise HotcoldError("--quantize keeps weights in host memory; this model's plan puts all of it on the GPU "
                                "(re-plan, drop --quantize, or add --gpu-int4)")
-        setup = RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4, times), plan=p,
-                         notes=[f"plan {plan_path}: the whole model on the GPU"])
-        return setup
+        notes = [f"plan {plan_path}: the whole model on the GPU"]
+        if gpu_int4 and _whole_moe_applies(info, device):
+            setup = _whole_moe(path, resolve_device(device), dtype, quantize, threads, stats, times, notes)
+            setup.plan = p
+            return setup
+        return RunSetup(_load_dense(path, device, dtype, quantize, gpu_int4, times), plan=p, notes=notes)
     notes = [f"plan {plan_path}: {p.mode}, predicted {p.predicted_tok_per_s:.1f} tok/s"]
     if p.splits_nothing:  # the dense engine's fused step (and input sparsity) is the faster way to run it
         notes.append("no layer asks a predictor: the model runs whole on the CPU")

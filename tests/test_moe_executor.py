@@ -387,3 +387,39 @@ def test_routes_padded_against_brute_force():
             assert [(int(t), int(s)) for t, s in zip(tok[j, :n], slot[j, :n])] == pairs
             assert live[j, :n].eq(1).all() and live[j, n:].eq(0).all() and tok[j, n:].eq(0).all()
 
+
+@pytest.mark.cuda
+@CUDA
+def test_a_moe_file_runs_whole_on_cuda_with_4bit_experts(tmp_path):
+    """`run` without a plan on CUDA: a Q4_0 MoE file goes through the split engine with every expert
+    on the GPU as its 4-bit codes (Q4Stack, the routed experts' Triton kernels), not expanded to
+    bf16; prompt logits within the 4-bit tolerance of the float32 model of the file, and one token at a
+    time (the Triton kernels) within twice it of the prompt's (the grouped products), as
+    test_executors_quant bounds its decode steps."""
+    import subprocess
+
+    from hotcold.executors.from_plan import open_for_run
+    from hotcold.sparse_ops.moe_gpu import Q4Stack
+
+    out = tmp_path / "moe"
+    made = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "tools" / "make_model.py"), "tiny-qwen3-moe",
+                           "--out", str(out), "--format", "gguf", "--dtype", "q4_0", "--quiet"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    path = out / "model.gguf"
+    ref = load_model(path, "cpu", "float32")
+    setup = open_for_run(path, use_plan=False, device="cuda")
+    try:
+        assert setup.engine is not None and any("MoE model whole on the GPU" in n for n in setup.notes)
+        moes = list(setup.engine.moe.values())
+        assert len(moes) == ref.config.num_layers
+        for m in moes:
+            assert len(m.fast.ids) == ref.config.num_experts and m.n_cold == 0
+            assert all(isinstance(getattr(m.fast, w), Q4Stack) for w in ("gate", "up", "down"))
+        toks = tokens(seed=21)
+        with torch.inference_mode():
+            want = ref.model(toks)
+            got = setup.lm.model(toks.cuda()).cpu()
+        assert_close(got, want, 4e-2)
+        assert_close(decode_logits(setup.lm, toks.cuda()).cpu(), got, 8e-2)
+    finally:
+        setup.close()
