@@ -46,11 +46,9 @@ from hotcold.sparse_ops.moe_gpu import kernels_ready, routed_experts
 from hotcold.sparse_ops.quant import check_expert_stacks, qexperts_routed
 
 
-# kernel launches of a chunk's GPU experts (HybridMoE._token_by_token): per token through the decode
-# kernels (two, and the token's rows), per group of routed experts through their batched products
-# (4-bit stacks decoded first, FAST_GROUP_INT4 experts at a time)
-TOKEN_LAUNCHES, GROUP_LAUNCHES_INT4, GROUP_LAUNCHES = 6, 48, 12
-FAST_GROUP, FAST_GROUP_INT4 = 16, 4  # experts a group: [g, T, D] float32 products, T up to the chunk
+# kernel launches of a chunk's GPU experts through the decode kernels, per token (two, and the token's
+# rows), against FastExperts.group()'s per group of experts (HybridMoE._token_by_token)
+TOKEN_LAUNCHES = 6
 
 
 class Lookahead:
@@ -504,15 +502,10 @@ class HybridMoE(FFN):
         self.book.add(phase, experts_gpu=pairs)
         return out + y
 
-    def _fast_group(self) -> int:
-        """Fast-tier experts computed together for a chunk: FAST_GROUP of float stacks (views; the
-        padded activations bound it), fewer of 4-bit ones (decoded for the group first, in float32)."""
-        return FAST_GROUP_INT4 if self.fast.int4 else FAST_GROUP
-
     def _grouped_fast(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, phase: str) -> torch.Tensor:
         """A chunk's routed fast-tier experts a group of slots at a time, each group's experts in three
         batched products over their tokens (expert_stream.group_products). -> float32 [N, D]."""
-        f, step = self.fast, self._fast_group()
+        f, step = self.fast, self.fast.group()[0]
         routes = Routes.of(self.slot_pos[ids], len(f.ids))
         out = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
         starts = range(0, len(f.ids), step)
@@ -527,14 +520,14 @@ class HybridMoE(FFN):
     def _token_by_token(self, ids: np.ndarray) -> bool:
         """Whether a chunk's GPU experts (routed ids [N, k] on the host) run token by token through the
         decode kernels (sparse_ops/moe_gpu.py: two launches a token, reading its routed experts) rather
-        than expert by expert (each routed expert dequantised, then its three products: ~40 launches
-        for a 4-bit one, ~10 for a float one): a short prompt routes to most of the GPU's experts."""
+        than a group of experts at a time (decoded where 4-bit, then three batched products: see
+        FastExperts.group): a short prompt routes to most of the GPU's experts."""
         f = self.fast
         if not self.device_kernels():
             return False
         slots = self.slot_pos[ids]
-        groups = len(np.unique(slots[slots >= 0] // self._fast_group()))
-        return len(ids) * TOKEN_LAUNCHES < groups * (GROUP_LAUNCHES_INT4 if f.int4 else GROUP_LAUNCHES)
+        size, launches = f.group()
+        return len(ids) * TOKEN_LAUNCHES < len(np.unique(slots[slots >= 0] // size)) * launches
 
     def device_kernels(self) -> bool:
         """Whether the fast tier runs routed_experts' Triton kernels (CUDA, contiguous stacks)."""

@@ -18,6 +18,14 @@ from hotcold.sparse_ops.moe_gpu import Q4Stack
 from hotcold.sparse_ops.quant import qdequantize
 
 
+# experts a chunk's products take together, and the kernel launches that costs: float stacks are
+# read in place (the padded activations bound the group); 4-bit ones are decoded for the group first,
+# by one Triton kernel a matrix on CUDA (bf16: 9.4 MB an expert of Qwen3-30B-A3B's shape) or by torch
+# ops through float32 temporaries (fewer at a time)
+FAST_GROUP, GROUP_LAUNCHES = 16, 12
+FAST_GROUP_INT4, GROUP_LAUNCHES_INT4 = 4, 48
+FAST_GROUP_INT4_KERNEL, GROUP_LAUNCHES_INT4_KERNEL = 12, 15
+
 
 @dataclass
 class FastExperts:
@@ -42,6 +50,14 @@ class FastExperts:
         """Slot g's expert, computed as Experts.expert does. x: [n, D] -> [n, D]."""
         gate, up, down = (self.weight(w, g, x.dtype) for w in ("gate", "up", "down"))
         return (self.act(x @ gate.T) * (x @ up.T)) @ down.T
+
+    def group(self) -> tuple[int, int]:
+        """(experts a group, kernel launches a group) of a chunk's batched products."""
+        if not self.int4:
+            return FAST_GROUP, GROUP_LAUNCHES
+        if all(getattr(self, w).kernel_decode for w in self.int4):
+            return FAST_GROUP_INT4_KERNEL, GROUP_LAUNCHES_INT4_KERNEL
+        return FAST_GROUP_INT4, GROUP_LAUNCHES_INT4
 
     @property
     def int4(self) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""GGUF blocks decoded on CUDA by one Triton kernel: Q4_0, Q4_1 and Q8_0, GGUF or interleaved rows.
+"""GGUF blocks decoded on CUDA by one Triton kernel: Q4_0, Q4_1 and Q8_0, GGUF or interleaved rows;
+and a second kernel for the 4-bit stacks of the GPU's experts (`moe_gpu.Q4Stack`).
 
 `blocks_torch.dequantize` decodes any decodable type with a dozen torch ops, each a pass over the
 weights (gathering an interleaved group back to the GGUF order, splitting nibbles, converting,
@@ -66,6 +67,35 @@ def _decode(src, out, rows, cols, row_bytes, out_stride, T: tl.constexpr, QS: tl
     else:
         w = tl.load(src + _byte(base, rr, e, QS, 4, X8)).to(tl.int8, bitcast=True).to(tl.float32) * d
     tl.store(out + r * out_stride + c, w.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_halves(codes, scale, zero, out, rows, K, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # a Q4Stack's rows: w = (code - 8) * scale + zero, codes packed as Q4_0 packs a group of 32
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    c = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
+    mask = (r < rows) & (c < K)
+    r = tl.where(mask, r, 0).to(tl.int64)
+    c = tl.where(mask, c, 0)
+    g, e = c // 32, c % 32
+    q = tl.load(codes + r * (K // 2) + g * 16 + e % 16)
+    q = ((q >> (4 * (e // 16)).to(tl.uint8)) & 15).to(tl.float32)
+    s = tl.load(scale + r * (K // 32) + g).to(tl.float32)
+    z = tl.load(zero + r * (K // 32) + g).to(tl.float32)
+    tl.store(out + r * K + c, ((q - 8.0) * s + z).to(out.dtype.element_ty), mask=mask)
+
+
+def dequantize_halves(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A Q4Stack's matrices (codes uint8 [..., N, K / 2], scale and zero fp16 [..., N, K / 32], on the
+    device) as dtype [..., N, K] in one kernel: `Q4Stack.dequantize` without its float32 temporaries."""
+    codes, scale, zero = codes.contiguous(), scale.contiguous(), zero.contiguous()
+    K = 2 * codes.shape[-1]
+    out = torch.empty((*codes.shape[:-1], K), dtype=dtype, device=codes.device)
+    rows = out.numel() // K
+    if rows:
+        _decode_halves[(triton.cdiv(rows, _ROWS), triton.cdiv(K, _COLS))](codes, scale, zero, out, rows, K,
+                                                                          ROWS=_ROWS, COLS=_COLS)
+    return out
 
 
 def dequantize(data: torch.Tensor, qtype: str, shape: tuple[int, int], interleaved: bool,

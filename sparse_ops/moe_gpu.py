@@ -21,6 +21,7 @@ file's own Q4_0 / Q4_1 / Q4_K codes, 16 bytes per group of 32 weights as Q4_0 pa
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,22 +60,38 @@ class Q4Stack:
 
     @classmethod
     def from_quant(cls, mats, device) -> "Q4Stack":
-        """Stack QuantMatrix's of one 4-bit type (Q4_0 | Q4_1 | Q4_K) and one shape, one at a time, on device."""
-        from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, decode_int4_halves
+        """Stack QuantMatrix's of one 4-bit type (Q4_0 | Q4_1 | Q4_K) and one shape on device: their blocks
+        cross as they are, STACK_CHUNK matrices a copy, and split into codes, scales and zeros there by
+        torch ops (`_halves`; the same values as gpu_quant.decode_int4_halves, bit for bit)."""
+        from hotcold.sparse_ops.gpu_quant import GROUP_SIZE
+        from hotcold.sparse_ops.quant import QTYPES
 
         mats = list(mats)
         n, k = mats[0].shape if mats else (0, GROUP_SIZE)
         if k % GROUP_SIZE:
             raise ValueError(f"a Q4Stack needs K divisible by {GROUP_SIZE}, got {k}")
+        qtype = mats[0].qtype if mats else "Q4_0"
+        if qtype not in _HALVES:
+            raise ValueError(f"{qtype} cannot be kept as int4 (supported: {', '.join(_HALVES)})")
         with torch.inference_mode(False):
             out = cls(torch.empty((len(mats), n, k // 2), dtype=torch.uint8, device=device),
                       *(torch.empty((len(mats), n, k // GROUP_SIZE), dtype=torch.float16, device=device)
                         for _ in range(2)))
-        for g, m in enumerate(mats):
-            if m.shape != (n, k):
-                raise ValueError(f"Q4Stack matrices differ in shape: {m.shape} and {(n, k)}")
-            for dst, a in zip((out.codes, out.scale, out.zero), decode_int4_halves(m)):
-                dst[g] = torch.from_numpy(np.ascontiguousarray(a)).to(device, dst.dtype)
+        _, bs, ts = QTYPES[qtype]
+        for a in range(0, len(mats), STACK_CHUNK):
+            part = mats[a:a + STACK_CHUNK]
+            raw = torch.empty((len(part), n, k // bs, ts), dtype=torch.uint8, device=device)
+            for g, m in enumerate(part):
+                if m.shape != (n, k) or m.qtype != qtype:
+                    raise ValueError(f"Q4Stack matrices differ in shape or type: {m.qtype} {m.shape} and {qtype} {(n, k)}")
+                data = np.ascontiguousarray(m.row_data())  # (quant.pack_rows' layout: the GGUF rows, a copy)
+                with warnings.catch_warnings():  # a view of a read-only file mapping: only read
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                    raw[g].copy_(torch.from_numpy(data).view(n, k // bs, ts))
+            codes, scale, zero = _HALVES[qtype](raw)
+            s = slice(a, a + len(part))
+            out.codes[s], out.scale[s], out.zero[s] = codes.reshape(len(part), n, -1), scale.reshape(len(part), n, -1), \
+                zero.reshape(len(part), n, -1)
         return out
 
     @property
@@ -93,14 +110,64 @@ class Q4Stack:
     def is_contiguous(self) -> bool:
         return all(t.is_contiguous() for t in (self.codes, self.scale, self.zero))
 
+    @property
+    def kernel_decode(self) -> bool:
+        """Whether `dequantize` runs one Triton kernel (CUDA) rather than torch ops with float32 temporaries."""
+        return triton_available(self.device)
+
     def dequantize(self, s, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Matrices s (an int, or an index tensor [k]) as floats: [N, K] or [k, N, K]."""
+        """Matrices s (an int, a slice or an index tensor [k]) as floats: [N, K] or [k, N, K]."""
+        if self.kernel_decode:
+            from hotcold.sparse_ops.blocks_gpu import dequantize_halves
+
+            return dequantize_halves(self.codes[s], self.scale[s], self.zero[s], dtype)
         c = self.codes[s]  # [..., N, K / 2]
         lo, hi = (c & 15), (c >> 4)
         q = torch.stack([lo.unflatten(-1, (-1, 16)), hi.unflatten(-1, (-1, 16))], dim=-2)  # [..., N, K/32, 2, 16]
         q = q.flatten(-2).float() - 8  # [..., N, K / 32, 32]
         w = q * self.scale[s].float()[..., None] + self.zero[s].float()[..., None]
         return w.flatten(-2).to(dtype)  # [..., N, K]
+
+
+STACK_CHUNK = 16  # matrices whose blocks cross to the device in one piece (bounds the raw bytes held beside the stack)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    # uint8 [..., 2] little-endian fp16 -> float32 [...]
+    return b.contiguous().view(torch.float16)[..., 0].float()
+
+
+def _nibble_halves(qs: torch.Tensor) -> torch.Tensor:
+    # 32 quants a byte each [..., 32] -> [..., 16]: byte i = quant i | quant i + 16 << 4
+    return qs[..., :16] | (qs[..., 16:] << 4)
+
+
+def _halves_q4_0(b: torch.Tensor):
+    # b: uint8 [..., nb, 18] -> codes [..., nb * 16], scale, zero fp16 [..., nb]: Q4_0's bytes already pack so
+    d = _f16(b[..., 0:2])
+    return b[..., 2:18].flatten(-2), d.half(), torch.zeros_like(d, dtype=torch.float16)
+
+
+def _halves_q4_1(b: torch.Tensor):
+    # b: [..., nb, 20]; w = q d + m = (q - 8) d + (m + 8 d)
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    return b[..., 4:20].flatten(-2), d.half(), (m + 8 * d).half()
+
+
+def _halves_q4_k(b: torch.Tensor):
+    # b: [..., nb, 144] -> one group per sub-block: codes [..., nb * 8 * 16], scale, zero [..., nb * 8]
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [..., nb, 1]
+    s = b[..., 4:16]
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1).float()
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1).float()
+    qs = b[..., 16:144].unflatten(-1, (4, 32))  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    codes = torch.stack([_nibble_halves(qs & 15), _nibble_halves(qs >> 4)], dim=-2)  # [..., nb, 4, 2, 16]
+    scale = d * sc  # [..., nb, 8], exact in float32
+    zero = scale * 8 - dmin * mn  # (separate ops: rounded as gpu_quant's numpy decoder rounds them)
+    return codes.flatten(-4), scale.flatten(-2).half(), zero.flatten(-2).half()
+
+
+_HALVES = {"Q4_0": _halves_q4_0, "Q4_1": _halves_q4_1, "Q4_K": _halves_q4_k}
 
 
 def _weights(stack, s, dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from hotcold.sparse_ops.gpu import activation
 from hotcold.sparse_ops.moe_gpu import Q4Stack, routed_experts, routed_experts_torch, triton_available
-from hotcold.sparse_ops.quant import QuantMatrix
+from hotcold.sparse_ops.quant import PACK_DEFAULT, QuantMatrix, pack_rows, random_matrix
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -126,6 +126,29 @@ def test_q4_stack_holds_the_blocks_weights(qtype):
         assert err == 0 if qtype == "Q4_0" else err < 2e-3, err
         assert torch.equal(st.dequantize(1), got[1])
         assert st.nbytes == d.numel() * (0.5 + 4 / 32)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+@pytest.mark.parametrize("qtype", Q4_TYPES)
+def test_q4_stack_splits_the_blocks_on_the_device_as_numpy_does(qtype, device):
+    """from_quant moves the blocks as they are and splits them on the device: codes, scales and zeros
+    bit for bit gpu_quant.decode_int4_halves' (the numpy reference), for more matrices than one copy
+    takes (STACK_CHUNK), a row-interleaved one among them where the type has that layout."""
+    from hotcold.sparse_ops.gpu_quant import decode_int4_halves
+    from hotcold.sparse_ops.moe_gpu import STACK_CHUNK
+
+    n = STACK_CHUNK + 3
+    big = random_matrix(qtype, (n * 16, 512), seed=2)
+    mats = [QuantMatrix(big.data[g * 16:(g + 1) * 16], qtype, (16, 512)) for g in range(n)]
+    if qtype in PACK_DEFAULT:
+        mats[STACK_CHUNK] = pack_rows(mats[STACK_CHUNK], xq=True)
+        assert mats[STACK_CHUNK].interleaved
+    st = Q4Stack.from_quant(mats, device)
+    for g, m in enumerate(mats):
+        codes, scale, zero = decode_int4_halves(m)
+        assert np.array_equal(st.codes[g].cpu().numpy(), codes)
+        assert np.array_equal(st.scale[g].cpu().numpy(), scale.astype(np.float16))
+        assert np.array_equal(st.zero[g].cpu().numpy(), zero.astype(np.float16))
 
 
 def test_q4_stack_refuses_mixed_shapes_and_mixed_gate_up():

@@ -16,7 +16,7 @@ probability ∝ (e + 1)^-skew, as a profiled model's hot experts are). Rows, eac
 with tokens per second of the chunk, the PCIe rate of the copies and each part's share of `whole`.
 
     python tools/bench_expert_stream.py [--layers 28] [--tokens 512] [--experts 128] [--k 8]
-        [--hidden 2048] [--inter 768] [--qtype Q4_0] [--skew 0.4] [--repeats 5] [--device cuda] [--ops K]
+        [--hidden 2048] [--inter 768] [--qtype Q4_0] [--skew 0.4] [--repeats 5] [--device cuda] [--workspace-mb 128] [--ops K]
 
 The default shape is Qwen3-30B-A3B's, 28 layers streamed: a 48-layer model at 8 GiB.
 """
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hotcold.executors.expert_stream import ExpertStreamer, Routes, group_products
+from hotcold.executors.expert_stream import EXPERT_STREAM_BYTES, ExpertStreamer, Routes, group_products
 from hotcold.executors.prefill import pin_host, unpin_host
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import ColdFFN
@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skew", type=float, default=0.4)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--workspace-mb", type=int, default=EXPERT_STREAM_BYTES >> 20,
+                    help="device MiB of the raw slots and the decoded group (the engine's EXPERT_STREAM_BYTES)")
     ap.add_argument("--ops", type=int, default=0, metavar="K",
                     help="also print the K ops of one `whole` chunk that took the most device time (torch.profiler)")
     a = ap.parse_args(argv)
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
     cold = host_experts(a.experts, a.hidden, a.inter, a.qtype)
     pinned = pin_host(cold) if tier.cuda else []
     colds = {layer: cold for layer in range(a.layers)}
-    s = ExpertStreamer(tier, colds, a.hidden)
+    s = ExpertStreamer(tier, colds, a.hidden, a.workspace_mb << 20)
     rng = np.random.default_rng(0)
     N, D = a.tokens, a.hidden
     x = (torch.randn(N, D, device=tier.device) * 0.1).to(tier.dtype)
