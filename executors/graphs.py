@@ -27,8 +27,9 @@ Python), so the host does one replay a layer:
                               └ (forked stream) graph_fast ─────────────────────── + ─ res + h
 
 A HybridFFN with dense_host_nodes on takes the same "host" mode, its cold rows the host node. A dense
-or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole) is captured
-whole with the attention half (then the whole layer is one graph); other FFNs run eagerly after the
+or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole), and a split FFN
+with no host share (`device_only`: a MoE layer whose experts are all on the GPU) are captured whole
+with the attention half (then the whole layer is one graph); other FFNs run eagerly after the
 replay. Prefill (several tokens), CPU tiers, blocks whose attention runs on the host (HostAttention)
 and post-norm blocks (OPT) run the block as before. A graph belongs to one KV cache (its buffers' addresses are baked
 in): a new cache re-captures it, dropping the old one. The graphs of all layers share one memory
@@ -87,7 +88,9 @@ class GraphedBlock(BlockWrapper):
         if not self.graphable(x, cache_kv):
             return b(x, positions, cache_kv, start)
         split = x.shape[0] == 1 and self.split_ffn()  # the split steps take one token
-        if split and self.host_ffn():
+        if split and b.ffn.device_only():
+            split = "whole"  # its parts in one graph with the attention half
+        elif split and self.host_ffn():
             split = "host"
         elif not split and self.device_ffn():
             split = "whole"
@@ -162,7 +165,10 @@ class GraphedBlock(BlockWrapper):
         # the whole FFN ("whole")
         res, f_in = self._attention_half(x, positions, cache_kv)
         if split == "whole":
-            return res, f_in, None, self.block.ffn(f_in)
+            ffn = self.block.ffn
+            if isinstance(ffn, SplitStep):  # device_only: no host share
+                return res, f_in, None, ffn.graph_fast(f_in, ffn.graph_pre(f_in)).reshape(f_in.shape)
+            return res, f_in, None, ffn(f_in)
         return res, f_in, self.block.ffn.graph_pre(f_in) if split else None, None
 
     def step_mode(self, cache_kv) -> str | None:

@@ -117,6 +117,9 @@ class HybridFFN(FFN):
         m = self.gpu.mask_fn
         return self.tier.cuda and getattr(m, "worker", None) is None
 
+    def device_only(self) -> bool:
+        return False  # its cold rows are the host's (a layer whose rows are all hot runs as a plain FFN)
+
     def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The predictor and the CPU's inputs (graphs.py: captured with the attention half). Device
         ops only. f_in: [1, 1, D] -> (x float32 [1, D], the predicted mask bool [1, I] hot-first or None)."""

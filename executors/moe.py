@@ -261,6 +261,10 @@ class HybridMoE(FFN):
         executors/graphs.py): on CUDA."""
         return self.tier.cuda
 
+    def device_only(self) -> bool:
+        """On CUDA with every expert on the fast tier and no statistics (a MoE model run whole on a GPU)."""
+        return self.tier.cuda and not self._host_half()
+
     def graph_pre(self, f_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The router and the host's input packed in one tensor (graphs.py: captured with the
         attention half; with the expert cache, also the look-ahead's guess for the next MoE layer,

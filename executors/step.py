@@ -5,7 +5,8 @@ node inside one.
 
 A step is graph_pre (the fast tier's first part: routing or the predictor's mask, and the copy of
 what the host needs), graph_send (the host's job queued, or run), graph_fast (the fast tier's
-share, in a graph of its own) and graph_post (the host's share received and added). A layer that
+share, in a graph of its own) and graph_post (the host's share received and added); a step with no
+host share at all (`device_only`) is graph_pre and graph_fast alone, in the block's graph. A layer that
 can run its host share as a CUDA host node (executors/host_node.py) also implements HostNodeStep:
 graph_host records the node inside the capture, host_step does the host's bookkeeping after each
 replay. `split_step` runs the four parts eagerly: it must equal the layer's forward."""
@@ -21,6 +22,10 @@ import torch
 class SplitStep(Protocol):
     def graph_ready(self) -> bool:
         """Whether the one-token step can run in parts now (e.g. not while stats need eager timing)."""
+
+    def device_only(self) -> bool:
+        """Whether the step has no host share (every expert on the device, no statistics): the FFN's
+        output is then graph_fast(f_in, graph_pre(f_in)), captured with the rest of the block."""
 
     def graph_pre(self, f_in: torch.Tensor) -> tuple:
         """The fast tier's first part for the FFN input f_in [1, 1, D]; its result is `pre`."""

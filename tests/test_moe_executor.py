@@ -394,8 +394,8 @@ def test_a_moe_file_runs_whole_on_cuda_with_4bit_experts(tmp_path):
     """`run` without a plan on CUDA: a Q4_0 MoE file goes through the split engine with every expert
     on the GPU as its 4-bit codes (Q4Stack, the routed experts' Triton kernels), not expanded to
     bf16; prompt logits within the 4-bit tolerance of the float32 model of the file, and one token at a
-    time (the Triton kernels) within twice it of the prompt's (the grouped products), as
-    test_executors_quant bounds its decode steps."""
+    time (the Triton kernels, every layer captured whole, the step replayed as one CUDA graph) within
+    twice it of the prompt's (the grouped products), as test_executors_quant bounds its decode steps."""
     import subprocess
 
     from hotcold.executors.from_plan import open_for_run
@@ -421,5 +421,7 @@ def test_a_moe_file_runs_whole_on_cuda_with_4bit_experts(tmp_path):
             got = setup.lm.model(toks.cuda()).cpu()
         assert_close(got, want, 4e-2)
         assert_close(decode_logits(setup.lm, toks.cuda()).cpu(), got, 8e-2)
+        step = setup.lm.model.one_token_step  # no host share in any layer: the whole step is one CUDA graph
+        assert step.replays >= toks.shape[1] - 2 and step.captured.head
     finally:
         setup.close()
