@@ -161,12 +161,12 @@ class ExpertStreamer:
         routes = Routes.of(pos[ids], self.n_experts[layer])
         y = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
         groups = self._groups[layer]
-        picks = routes.padded([self.order[k][1:] for k in groups], x2.device)
+        picks = routes.padded([self.order[k][1:] for k in groups], weights)
         for k, picked in zip(groups, picks):
             w = self._decode(k) if picked is not None else None  # (none routed: its copy, if queued, goes unused)
             self._prefetch(k + 1)  # the next group, of this layer or the next streamed one
             if w is not None:
-                group_products(x2, weights, y, picked, w["gate"], w["up"], w["down"], act)
+                group_products(x2, y, picked, w["gate"], w["up"], w["down"], act)
         return y, routes.pairs
 
 
@@ -198,11 +198,12 @@ class Routes:
     def pairs(self) -> int:
         return len(self.tok)
 
-    def padded(self, bounds: list[tuple[int, int]], device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
-        """Per range [a, b) of positions: tokens, slots int64 [b - a, T] and live float32 [b - a, T]
-        on device, T the range's busiest position's count (padding: token 0, slot 0, live 0); None
-        where none is routed. All ranges cross to the device in one copy (from pinned memory on
-        CUDA, not waited for): a copy per range would make the host wait for the device each time."""
+    def padded(self, bounds: list[tuple[int, int]], weights: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per range [a, b) of positions: tokens int64 [b - a, T] and their routing weights float32
+        [b - a, T] (weights: [N, k], on the device the result lands on), T the range's busiest
+        position's count (padding: token 0, weight 0); None where none is routed. All ranges cross
+        to the device in one copy (from pinned memory on CUDA, not waited for: a copy per range would
+        make the host wait for the device each time), and their weights are gathered in one op."""
         widths = np.array([self.counts[a:b].max(initial=0) for a, b in bounds], np.int64)
         sizes = np.array([b - a for a, b in bounds], np.int64) * widths
         ends = np.cumsum(sizes)
@@ -215,22 +216,21 @@ class Routes:
         idx = np.zeros((3, int(ends[-1]) if len(ends) else 0), np.int64)
         idx[0, at[kept]], idx[1, at[kept]], idx[2, at[kept]] = self.tok[kept], self.slot[kept], 1
         t = torch.from_numpy(idx)
-        if torch.device(device).type == "cuda":
-            t = t.pin_memory().to(device, non_blocking=True)
+        if weights.device.type == "cuda":
+            t = t.pin_memory().to(weights.device, non_blocking=True)
+        coef = weights[t[0], t[1]].float() * t[2]  # [P]: padding 0
         out = []
         for (a, b), w, end, size in zip(bounds, widths, ends, sizes):
-            v = t[:, end - size:end].view(3, b - a, int(w))
-            out.append((v[0], v[1], v[2].float()) if w else None)
+            out.append((t[0, end - size:end].view(b - a, int(w)), coef[end - size:end].view(b - a, int(w))) if w else None)
         return out
 
 
-def group_products(x2: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, picked: tuple, gate: torch.Tensor,
-                   up: torch.Tensor, down: torch.Tensor, act) -> None:
+def group_products(x2: torch.Tensor, y: torch.Tensor, picked: tuple, gate: torch.Tensor, up: torch.Tensor,
+                   down: torch.Tensor, act) -> None:
     """y[tokens] += routing weight * expert(x[tokens]) for a group of g experts at once (three batched
-    products). x2: [N, D]; weights: [N, k]; y: float32 [N, D]; picked: one of `Routes.padded`; gate, up:
-    [g, I, D]; down: [g, D, I]."""
-    t_idx, s_idx, live = picked
-    coef = weights[t_idx, s_idx].float() * live  # [g, T]
+    products). x2: [N, D]; y: float32 [N, D]; picked: one of `Routes.padded`; gate, up: [g, I, D];
+    down: [g, D, I]."""
+    t_idx, coef = picked
     xg = x2[t_idx].to(gate.dtype)  # [g, T, D]
     h = act(torch.bmm(xg, gate.transpose(1, 2))) * torch.bmm(xg, up.transpose(1, 2))  # [g, T, I]
     o = torch.bmm(h, down.transpose(1, 2)).float() * coef[..., None]  # [g, T, D]

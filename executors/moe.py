@@ -513,11 +513,10 @@ class HybridMoE(FFN):
         routes = Routes.of(self.slot_pos[ids], len(f.ids))
         out = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
         starts = range(0, len(f.ids), step)
-        for a, picked in zip(starts, routes.padded([(a, min(len(f.ids), a + step)) for a in starts], x2.device)):
+        for a, picked in zip(starts, routes.padded([(a, min(len(f.ids), a + step)) for a in starts], weights)):
             if picked is not None:
                 s = slice(a, a + step)
-                group_products(x2, weights, out, picked, *(f.weight(w, s, x2.dtype) for w in ("gate", "up", "down")),
-                               f.act)
+                group_products(x2, out, picked, *(f.weight(w, s, x2.dtype) for w in ("gate", "up", "down")), f.act)
         self.book.add(phase, experts_gpu=routes.pairs)
         return out
 

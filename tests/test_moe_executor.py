@@ -363,29 +363,30 @@ def test_cuda_bf16_generate(folder):
 
 
 def test_routes_padded_against_brute_force():
-    """expert_stream.Routes: each range's positions hold exactly their routed (token, slot) pairs in
-    token order, padded with live 0 to the range's busiest position; ranges with no pair are None,
-    and positions outside every range are left out."""
+    """expert_stream.Routes: each range's positions hold exactly their routed tokens, in token order,
+    with those pairs' routing weights, padded with weight 0 to the range's busiest position; ranges
+    with no pair are None, and positions outside every range are left out."""
     from hotcold.executors.expert_stream import Routes
     rng = np.random.default_rng(4)
     where = np.where(rng.random((40, 4)) < 0.7, rng.integers(0, 11, (40, 4)), -1)  # 11 positions, -1: elsewhere
-    where[:, :][where == 6] = 7  # position 6 gets no pair
+    where[where == 6] = 7  # position 6 gets no pair
+    weights = torch.rand(40, 4) + 0.5
     bounds = [(0, 3), (3, 5), (6, 7), (7, 10)]  # position 10 in no range
     routes = Routes.of(where, 11)
     assert routes.pairs == int((where >= 0).sum())
-    got = routes.padded(bounds, "cpu")
+    got = routes.padded(bounds, weights)
     for (a, b), picked in zip(bounds, got):
         want = [[(t, s) for t in range(40) for s in range(4) if where[t, s] == p] for p in range(a, b)]
         if not any(want):
             assert picked is None
             continue
-        tok, slot, live = picked
+        tok, coef = picked
         width = max(len(w) for w in want)
-        assert tok.shape == slot.shape == live.shape == (b - a, width)
+        assert tok.shape == coef.shape == (b - a, width) and coef.dtype == torch.float32
         for j, pairs in enumerate(want):
             n = len(pairs)
-            assert [(int(t), int(s)) for t, s in zip(tok[j, :n], slot[j, :n])] == pairs
-            assert live[j, :n].eq(1).all() and live[j, n:].eq(0).all() and tok[j, n:].eq(0).all()
+            assert tok[j, :n].tolist() == [t for t, _ in pairs] and tok[j, n:].eq(0).all()
+            assert coef[j, :n].tolist() == [weights[t, s].item() for t, s in pairs] and coef[j, n:].eq(0).all()
 
 
 @pytest.mark.cuda

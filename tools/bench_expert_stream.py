@@ -117,14 +117,14 @@ def main(argv=None) -> int:
     for layer in range(a.layers):
         bounds = [s.order[k][1:] for k in s._groups[layer]]
         picked[layer] = list(zip([hi - lo for lo, hi in bounds],
-                                 Routes.of(pos[ids[layer]], a.experts).padded(bounds, tier.device)))
+                                 Routes.of(pos[ids[layer]], a.experts).padded(bounds, w)))
     y = torch.zeros(N, D, dtype=torch.float32, device=tier.device)
 
     def products():
         for layer in range(a.layers):
             for g, p in picked[layer]:
                 if p is not None:
-                    group_products(x, w, y, p, *(dec[m][:g] for m in ("gate", "up", "down")), F.silu)
+                    group_products(x, y, p, *(dec[m][:g] for m in ("gate", "up", "down")), F.silu)
 
     times = {name: timed(fn, tier, a.repeats) for name, fn in
              (("whole", whole), ("copies", copies), ("decode", decode), ("products", products))}
