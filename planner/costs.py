@@ -285,6 +285,10 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     # matrix product replace the counts of calls (None: not measured, the counts apply)
     layer_fixed = hw.cpu_layer_s if not has_gpu else None
     matrix_fixed = (hw.cpu_matrix_fixed_s or 0.0) if layer_fixed is not None else 0.0
+    # a MoE block of an all-CPU plan pays more than a fused dense one: its routing in torch between its
+    # attention's and its experts' calls (measured the same way; 0 when not measured)
+    moe_layer_fixed = max(0.0, hw.cpu_moe_layer_s - layer_fixed) \
+        if layer_fixed is not None and hw.cpu_moe_layer_s is not None else 0.0
     # an all-CPU plan samples each token on the CPU too, over the whole vocabulary (a GPU's sampling
     # overlaps its next step)
     sample_s = (hw.cpu_sample_s + cfg.vocab_size * hw.cpu_sample_logit_s) \
@@ -340,7 +344,7 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             unit_freq = f_sorted.copy()
             pred_bytes = pred_host_bytes = pred_gpu_s = pred_cpu_s = 0.0
             ffn_gpu_fixed_s = c.moe_gpu_kernels * launch
-            ffn_cpu_fixed_s = all_cpu_fixed_s = 0.0
+            ffn_cpu_fixed_s, all_cpu_fixed_s = moe_layer_fixed, 0.0
             mask_bytes = B * cfg.top_k * 8
         else:
             n_items = len(freq)

@@ -37,10 +37,11 @@ from hotcold.machine import busy, llc_bytes
 from hotcold.planner.probe_step import handoff_s, layer_step_s, matrix_fixed_s, sample_costs
 from hotcold.planner.timing import _call_time, _median_time, _rate
 
-FORMAT = "7"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices;
+FORMAT = "8"  # 2: the quantised kernels' rates (QKINDS); 3: FFN rates over three distinct matrices;
 # 4: dense rates of Q4_0 / Q4_K over their interleaved layout, as run time reads them (pack_rows);
 # 5: whole MoE experts' rates (cpu_expert_Bps); 6: AVX2 machines' Q8-activation kernels ~1.8x faster;
 # 7: a CPU layer's and a small matrix product's fixed costs (cpu_layer_s, cpu_matrix_fixed_s), sampling
+# 8: a CPU MoE layer's fixed cost (cpu_moe_layer_s)
 KINDS = ("f32", "bf16", "f16", "i8")
 EXPERTS_PER_CALL = 4  # CPU experts per qexperts call in the probe: a token's top-8 with about half on the GPU
 # GGUF block types the CPU kernels compute on (sparse_ops/quant/), measured as the runtime uses them:
@@ -76,6 +77,7 @@ class HardwareProfile:
     # norms, a short attention), and a small matrix product's beyond its bytes at the dense rate
     # (planner/probe_step.py); None: not measured (the cost model counts calls instead)
     cpu_layer_s: float | None = None
+    cpu_moe_layer_s: float | None = None  # the same for a MoE block of an all-CPU plan
     cpu_matrix_fixed_s: float | None = None
     # sampling a token on the CPU: seconds + seconds per logit of the vocabulary (probe_step.sample_costs)
     cpu_sample_s: float | None = None
@@ -184,7 +186,8 @@ class HardwareProfile:
                              f" / {bw(self.cpu_ffn_Bps.get(k))} / {bw(self.cpu_dense_Bps.get(k))}"
                              + (f"; experts {bw(self.cpu_expert_Bps[k])}" if k in self.cpu_expert_Bps else "")))
         rows += [("CPU call / thread hand-off", f"{us(self.cpu_call_s)} / {us(self.thread_handoff_s)}"),
-                 ("CPU layer step / small product, beyond bytes", f"{us(self.cpu_layer_s)} / {us(self.cpu_matrix_fixed_s)}"),
+                 ("CPU layer step (dense / MoE) / small product, beyond bytes",
+                  f"{us(self.cpu_layer_s)} / {us(self.cpu_moe_layer_s)} / {us(self.cpu_matrix_fixed_s)}"),
                  ("CPU sampling a token (default settings)", f"{us(self.cpu_sample_s)} + "
                   f"{'-' if self.cpu_sample_logit_s is None else f'{self.cpu_sample_logit_s * 1e9:.2f} ns'} a logit")]
         if not self.cuda:
@@ -372,9 +375,11 @@ def _probe_cpu(hw: HardwareProfile, quick: bool, log) -> None:
     _probe_quant(hw, raw, rows_n, d, sels, x, min_time, log)
     hw.cpu_matrix_fixed_s = matrix_fixed_s(raw, hw.cpu_dense_Bps["q4_0"], hw.cpu_call_s, min_time)
     hw.cpu_layer_s = layer_step_s(min_time)
+    hw.cpu_moe_layer_s = layer_step_s(min_time, moe=True)
     hw.cpu_sample_s, hw.cpu_sample_logit_s = sample_costs(min_time)
     if log:
-        log(f"CPU fixed costs: {'-' if hw.cpu_layer_s is None else f'{hw.cpu_layer_s * 1e6:.1f}'} µs a layer, "
+        log(f"CPU fixed costs: {'-' if hw.cpu_layer_s is None else f'{hw.cpu_layer_s * 1e6:.1f}'} µs a layer "
+            f"({'-' if hw.cpu_moe_layer_s is None else f'{hw.cpu_moe_layer_s * 1e6:.1f}'} µs a MoE one), "
             f"{hw.cpu_matrix_fixed_s * 1e6:.1f} µs a small product")
 
 

@@ -9,7 +9,9 @@ layer at 2 threads), and a count of kernel calls times a one-row call's time mis
 
 `layer_step_s` times one-token steps of two tiny synthetic Q4_0 llama models (2 and 10 layers,
 hidden 64: each layer's bytes read in well under a microsecond) through `Transformer.forward`, as
-`hotcold run` decodes a dense CPU model, and returns the slope: seconds per layer.
+`hotcold run` decodes a dense CPU model, and returns the slope: seconds per layer. With moe=True the
+models are Qwen3-MoE ones split as an all-CPU plan runs them (a MoE block's attention is one fused
+call, its experts another, with the routing in torch between them).
 
 `matrix_fixed_s` is what a matrix product of a small model's size costs over its bytes at the
 dense rate of large matrices: with several threads each product starts its thread team and every
@@ -49,7 +51,37 @@ def _tiny_model(layers: int):
     return cfg, model.eval()
 
 
-def layer_step_s(min_time: float = 0.25, position: int = 64, rounds: int = 3) -> float | None:
+def _tiny_moe(layers: int, threads: int | None):
+    """A Q4_0 Qwen3-MoE of `layers` layers (hidden 64, 8 experts of 64, top 2) split as an all-CPU plan
+    runs it: every expert a host expert of a `HybridMoE` on a CPU tier (`make_hybrid`), so a step
+    pays what such a layer pays beyond its bytes (the router's module call and routing in torch,
+    `FFN.host_decode`, the expert kernel's call). -> (config, model, engine)."""
+    from pathlib import Path
+
+    import torch
+
+    from hotcold.executors import make_hybrid
+    from hotcold.models.config import Qwen3MoeConfig
+    from hotcold.models.loader import LoadedModel
+    from hotcold.models.quantized import quantize_model
+    from hotcold.models.transformer import Transformer
+
+    cfg = Qwen3MoeConfig(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=64,
+                         num_layers=layers, num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=4096,
+                         tie_word_embeddings=True, num_experts=8, top_k=2, moe_intermediate_size=64)
+    model = Transformer(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    quantize_model(model, "q4_0")
+    lm = LoadedModel(model.eval(), None, cfg, Path("probe"), "probe", torch.device("cpu"), torch.float32)
+    engine = make_hybrid(lm, {}, None, device="cpu", threads=threads, gpu_experts={}, stats=False)
+    return cfg, lm.model, engine
+
+
+def layer_step_s(min_time: float = 0.25, position: int = 64, rounds: int = 3, moe: bool = False,
+                 threads: int | None = None) -> float | None:
     """Seconds per layer of a one-token CPU step beyond its weights' bytes (see the module
     docstring); the step decodes at `position` (a short context: the KV read is charged apart). The
     two depths are timed in turns, `rounds` times, each keeping its fastest: a busy moment slows one
@@ -59,10 +91,14 @@ def layer_step_s(min_time: float = 0.25, position: int = 64, rounds: int = 3) ->
 
     from hotcold.models.transformer import KVCache
 
-    steps = []
+    steps, engines = [], []
     with torch.inference_mode():
         for n in LAYERS:
-            cfg, model = _tiny_model(n)
+            if moe:
+                cfg, model, engine = _tiny_moe(n, threads)
+                engines.append(engine)
+            else:
+                cfg, model = _tiny_model(n)
             cache = KVCache(cfg, position + 8)
             model(torch.arange(position).reshape(1, -1) % cfg.vocab_size, 0, cache, last_only=True)
             token = torch.tensor([[5]])
@@ -71,6 +107,8 @@ def layer_step_s(min_time: float = 0.25, position: int = 64, rounds: int = 3) ->
         for _ in range(rounds):
             for i, step in enumerate(steps):
                 best[i] = min(best[i], _rate(step, min_time / rounds))
+    for engine in engines:
+        engine.close()
     slope = (best[1] - best[0]) / (LAYERS[1] - LAYERS[0])
     return slope if slope > 0 else None
 

@@ -465,6 +465,26 @@ def test_all_cpu_plans_charge_the_measured_fixed_costs():
     assert gpu.layers[0].all_cpu_fixed_s == 0 and gpu.fixed_s == pytest.approx(100e-6 + 2 * 15e-6)
 
 
+def test_all_cpu_moe_layers_charge_their_measured_step_beyond_a_dense_one():
+    """A MoE layer of an all-CPU plan pays the probe's MoE layer step less the dense one the attention
+    already pays (as FFN fixed seconds, whenever it has CPU experts); unmeasured, or on a GPU plan, 0."""
+    cfg = tiny_cfg("qwen2_moe")
+    stats = power_law_stats(cfg, np.random.default_rng(3))
+    fmt = weight_format("bf16")
+    measured = dataclasses.replace(toy_hw(cuda=False), cpu_layer_s=40e-6, cpu_matrix_fixed_s=3e-6)
+    c0 = build_costs(cfg, stats, measured, fmt, ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    c1 = build_costs(cfg, stats, dataclasses.replace(measured, cpu_moe_layer_s=150e-6), fmt, ctx=64, block_size=8,
+                     constants=TOY_CONSTANTS)
+    moe = [l for l, lc in enumerate(c1.layers) if lc.kind == "moe"]
+    assert moe and all(c0.layers[l].ffn_cpu_fixed_s == 0 for l in moe)
+    assert all(c1.layers[l].ffn_cpu_fixed_s == pytest.approx(110e-6) for l in moe)
+    e0, e1 = (evaluate(c, Placement.all_cpu(c)) for c in (c0, c1))
+    assert e1.time_s == pytest.approx(e0.time_s + len(moe) * 110e-6)
+    gpu = build_costs(cfg, stats, dataclasses.replace(toy_hw(), cpu_layer_s=40e-6, cpu_moe_layer_s=150e-6), fmt,
+                      ctx=64, block_size=8, constants=TOY_CONSTANTS)
+    assert all(gpu.layers[l].ffn_cpu_fixed_s == 0 for l in moe)
+
+
 # ------------------------------------------------------------------------------------------- artifacts
 def test_plan_artifact_roundtrip(tmp_path):
     rng = np.random.default_rng(8)
@@ -529,6 +549,7 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
     # fixed costs: a layer's step over its bytes, a small product's over its bytes at the dense rate
     # (None: a machine too busy to tell the two depths apart; the cost model then counts calls)
     assert (hw.cpu_layer_s is None or 0 < hw.cpu_layer_s < 0.05) and 0 <= hw.cpu_matrix_fixed_s < 0.05
+    assert hw.cpu_moe_layer_s is None or 0 < hw.cpu_moe_layer_s < 0.05
     assert 0 <= hw.cpu_sample_s < 0.05 and 0 <= hw.cpu_sample_logit_s < 1e-6
     import torch
 
