@@ -29,26 +29,34 @@ from hotcold.planner.timing import _call_time, _rate
 LAYERS = (2, 10)  # the two depths whose step times give the per-layer slope
 
 
-def _tiny_model(layers: int):
-    """A Q4_0 llama of `layers` layers, hidden 64 (2 heads of 32, one KV head), FFN 128, 256 tokens,
-    its matrices interleaved as a dense CPU load packs them."""
+def _random_q4_0(cfg):
+    """A Transformer of cfg with small random weights (seeded), its matrices quantised to Q4_0."""
     import torch
 
-    from hotcold.models.config import LlamaConfig
-    from hotcold.models.quantized import pack_for_decode, quantize_model
+    from hotcold.models.quantized import quantize_model
     from hotcold.models.transformer import Transformer
 
-    cfg = LlamaConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=layers,
-                      num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
     model = Transformer(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     quantize_model(model, "q4_0")
+    return model.eval()
+
+
+def _tiny_model(layers: int):
+    """A Q4_0 llama of `layers` layers, hidden 64 (2 heads of 32, one KV head), FFN 128, 256 tokens,
+    its matrices interleaved as a dense CPU load packs them."""
+    from hotcold.models.config import LlamaConfig
+    from hotcold.models.quantized import pack_for_decode
+
+    cfg = LlamaConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=layers,
+                      num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    model = _random_q4_0(cfg)
     pack_for_decode(model)
-    return cfg, model.eval()
+    return cfg, model
 
 
 def _tiny_moe(layers: int, threads: int | None):
@@ -63,19 +71,11 @@ def _tiny_moe(layers: int, threads: int | None):
     from hotcold.executors import make_hybrid
     from hotcold.models.config import Qwen3MoeConfig
     from hotcold.models.loader import LoadedModel
-    from hotcold.models.quantized import quantize_model
-    from hotcold.models.transformer import Transformer
 
     cfg = Qwen3MoeConfig(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=64,
                          num_layers=layers, num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=4096,
                          tie_word_embeddings=True, num_experts=8, top_k=2, moe_intermediate_size=64)
-    model = Transformer(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    quantize_model(model, "q4_0")
-    lm = LoadedModel(model.eval(), None, cfg, Path("probe"), "probe", torch.device("cpu"), torch.float32)
+    lm = LoadedModel(_random_q4_0(cfg), None, cfg, Path("probe"), "probe", torch.device("cpu"), torch.float32)
     engine = make_hybrid(lm, {}, None, device="cpu", threads=threads, gpu_experts={}, stats=False)
     return cfg, lm.model, engine
 
