@@ -22,9 +22,9 @@ from hotcold.sparse_ops.quant import qdequantize
 # read in place (the padded activations bound the group); 4-bit ones are decoded for the group first,
 # by one Triton kernel a matrix on CUDA (bf16: 9.4 MB an expert of Qwen3-30B-A3B's shape) or by torch
 # ops through float32 temporaries (fewer at a time)
-FAST_GROUP, GROUP_LAUNCHES = 16, 12
-FAST_GROUP_INT4, GROUP_LAUNCHES_INT4 = 4, 48
-FAST_GROUP_INT4_KERNEL, GROUP_LAUNCHES_INT4_KERNEL = 12, 15
+FAST_GROUP, GROUP_LAUNCHES = 16, 9  # group_products' ops
+FAST_GROUP_INT4, GROUP_LAUNCHES_INT4 = 4, 45  # and ~12 a matrix decoded by torch ops
+FAST_GROUP_INT4_KERNEL, GROUP_LAUNCHES_INT4_KERNEL = 12, 12  # and one a matrix
 
 
 @dataclass
