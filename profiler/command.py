@@ -40,7 +40,8 @@ def profile(
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact folder (default: MODEL.hotcold beside the model)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="CPU threads for torch and the block kernels (one count for both pools)."),
 ) -> None:
     """Stream calibration text through the model and record which neurons and experts fire."""
     import time
@@ -72,8 +73,11 @@ def profile(
         print(note, file=sys.stderr)
     resolve_dtype(dtype, resolve_device(device))
     sources = [read_source(p) for p in data] or [default_source()]
-    if threads:
+    if threads:  # torch's GEMMs and numba's block kernels take turns: two pools of different sizes contend
+        from hotcold.sparse_ops.selection import set_threads
+
         torch.set_num_threads(threads)
+        set_threads(threads)
     console = Console(stderr=True)
     lm = load_model(path, device, dtype)
     if lm.tokenizer is None:
