@@ -136,13 +136,12 @@ class ExpertStreamer:
             dst = self.decoded[name][:g].view(rows, m.cols)
             if self.kernel is not None and m.qtype in self.kernel.TYPES:
                 self.kernel.dequantize(raw, m.qtype, (rows, m.cols), m.interleaved, out=dst)
-                out[name] = self.decoded[name][:g]
-                continue
-            step = max(8, DECODE_PIECE // m.cols // 8 * 8)  # whole interleaved groups of 8 rows
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                src = raw[r0 // 8:r1 // 8] if m.interleaved else raw[r0:r1]  # data rows: groups of 8, or rows
-                dequantize(src, m.qtype, (r1 - r0, m.cols), m.interleaved, out=dst[r0:r1])
+            else:
+                step = max(8, DECODE_PIECE // m.cols // 8 * 8)  # whole interleaved groups of 8 rows
+                for r0 in range(0, rows, step):
+                    r1 = min(rows, r0 + step)
+                    src = raw[r0 // 8:r1 // 8] if m.interleaved else raw[r0:r1]  # data rows: groups of 8, or rows
+                    dequantize(src, m.qtype, (r1 - r0, m.cols), m.interleaved, out=dst[r0:r1])
             out[name] = self.decoded[name][:g]
         self.free[i] = self.tier.event()  # the raw slot may be refilled once the decode is done
         return out
