@@ -345,7 +345,7 @@ def load_model(path: str | Path, device: str | None = None, dtype: str | None = 
         # tensors come in the parameters' dtype (every parameter has it): an F16 matrix into a float16
         # model is then copied once, not widened to float32 and narrowed back (a 13.8 GB file: 24 s of 46)
         with times.stage("weights"):
-            _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized, copy=False)),
+            _fill(model, ((n, None, t) for n, t in gguf.tensors(dt, keep_quantized=quantized, copy=False, device=dev)),
                   str(path), dt)
         with times.stage("tokenizer"):  # (the import too: the tokenizers package takes ~0.1-0.3 s)
             from hotcold.models.tokenizer import Tokenizer

@@ -356,6 +356,29 @@ def test_quant_types_dequantise_like_gguf(tiny_llama):
     assert not np.allclose(got["layers.0.attn.q.weight"].numpy(), still_permuted, atol=0.1)
 
 
+def test_blocks_decode_a_slice_of_rows_at_a_time(tiny_llama, monkeypatch):
+    """The torch decode of the block types, a few rows at a time, gives the one-piece decode's values."""
+    import hotcold.models.gguf_loader as gl
+
+    path, _ = tiny_llama
+    whole = dict(GGUFFile(path).tensors(torch.bfloat16))
+    monkeypatch.setattr(gl, "DECODE_SLICE", 3 * D)  # 3 rows of a [*, D] matrix: a ragged last slice
+    for name, w in GGUFFile(path).tensors(torch.bfloat16):
+        assert torch.equal(w, whole[name]), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_decode_on_the_gpu_as_on_the_cpu(tiny_llama, dtype):
+    """A GPU load decodes the file's blocks where they land: the same values as the CPU's decode."""
+    path, _ = tiny_llama
+    cpu = dict(GGUFFile(path).tensors(dtype))
+    for name, w in GGUFFile(path).tensors(dtype, device="cuda"):
+        assert w.dtype == dtype, name
+        assert torch.equal(w.cpu(), cpu[name]), name
+
+
 def test_tiny_llama_config_and_dtype(tiny_llama):
     path, _ = tiny_llama
     f = GGUFFile(path)
