@@ -296,7 +296,8 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
             notes.append(f"expert cache: {placement.expert_cache_bytes // one} experts on the GPU, filled by "
                          "look-ahead prefetch")
     options = EngineOptions(device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
-                            costs=_prefill_costs(cpu_dtype), map_experts=map_experts)
+                            costs=_prefill_costs(cpu_dtype), map_experts=map_experts,
+                            expert_stream_bytes=p.expert_stream_bytes)
     built = host_node.BUILD_S[0]
     engine = build_engine(lm, placement, preds, options, times)
     for why, ls in engine.int4_skipped().items():

@@ -96,7 +96,7 @@ def plan(
 
     from hotcold.artifacts import artifact_dir
     from hotcold.models.loader import default_model_path, describe_model
-    from hotcold.planner.costs import Constants
+    from hotcold.planner.costs import Constants, expert_stream_budget
     from hotcold.planner.weight_format import weight_format
     from hotcold.planner.inputs import model_format, predictors_within_budget, read_profile, uniform_stats
     from hotcold.profiler.artifact import find_profile
@@ -160,7 +160,7 @@ def plan(
         int(hw.gpu_free_bytes * 0.95) if hw.cuda and hw.gpu_free_bytes else 0)
     ram_b = sizes["--ram"] if ram is not None else int(hw.ram_available_bytes)
     ctx_n = ctx if ctx is not None else min(cfg.max_position_embeddings, 4096)
-    constants = Constants()
+    constants = Constants(expert_stream_bytes=expert_stream_budget(vram_b))
     if workspace is not None:
         constants = dataclasses.replace(constants, workspace_bytes=sizes["--workspace"])
     if expert_cache is not None:

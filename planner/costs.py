@@ -68,7 +68,8 @@ class Constants:
     workspace_per_token_bytes_factor: int = 16  # bytes x (hidden + ffn + vocab) per batch token (float32 temporaries)
     cuda_context_bytes: int = 512 * MiB  # bytes: CUDA context + cuBLAS workspace + kernels, when the probe has no figure
     stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
-    expert_stream_bytes: int = 128 * MiB  # bytes: prefill's streamed host experts (executors/expert_stream.py)
+    expert_stream_bytes: int = 128 * MiB  # bytes: prefill's streamed host experts (executors/expert_stream.py;
+    #   `hotcold plan` sets it from the budget: expert_stream_budget)
     expert_cache_bytes: int = 0  # bytes: the MoE expert cache's slice (`hotcold plan --expert-cache`; MoE models only)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
@@ -98,6 +99,15 @@ class Constants:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+
+def expert_stream_budget(vram_bytes: int) -> int:
+    """GPU bytes for prefill's streamed host experts under a `vram_bytes` budget: a 16th of it, within
+    128-512 MiB. A bigger workspace streams bigger groups, fewer launches a chunk: on the H100 host a
+    512-token chunk of 28 Qwen3-30B-A3B-shaped layers took 435 ms with 128 MiB (9 experts a group,
+    bound by the host's launches) and 199 ms with 512 MiB (36, bound by PCIe); those 384 MiB held ~136 of
+    the 8 GiB plan's 2,173 resident experts, its coldest: about 7 of a token's 384 routings."""
+    return int(min(max(vram_bytes // 16, 128 * MiB), 512 * MiB))
 
 @dataclass
 class LayerStats:

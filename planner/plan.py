@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from hotcold.artifacts import ArtifactError, atomic_path, find_artifact_dir, read_artifact
+from hotcold.planner.costs import Constants
 
 FORMAT = "1"
 PLAN_JSON = "plan.json"
@@ -86,6 +87,12 @@ class Plan:
     def expert_cache_bytes(self) -> int:
         """The GPU bytes the plan gives the MoE expert cache (0: none)."""
         return int(self.meta.get("budget", {}).get("expert_cache_bytes", 0))
+
+    @property
+    def expert_stream_bytes(self) -> int:
+        """The GPU bytes the plan keeps for prefill's streamed host experts (its cost constant)."""
+        got = self.meta.get("cost_constants", {}).get("expert_stream_bytes")
+        return int(got) if got is not None else Constants().expert_stream_bytes
 
     @property
     def gpu_int4(self) -> bool:

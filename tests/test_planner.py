@@ -16,8 +16,8 @@ import pytest
 from hotcold.artifacts import ArtifactError
 from hotcold.errors import HotcoldError
 from hotcold.models.config import config_from_hf
-from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate
-from hotcold.planner.weight_format import quantize_format, weight_format
+from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate, expert_stream_budget
+from hotcold.planner.weight_format import quantize_format, quantized_format, weight_format
 from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import solve
 from hotcold.planner.make import BudgetError, PlanRequest, make_plan, plan_json, plan_tensors
@@ -318,6 +318,36 @@ def test_moe_router_and_shared_expert_stay_on_the_gpu():
     # an all-CPU plan costs the same bytes and time as on a machine without a GPU
     ref = evaluate(cpu_costs, Placement.all_cpu(cpu_costs))
     assert cpu_ev.cpu_total == pytest.approx(ref.cpu_total) and cpu_ev.time_s == pytest.approx(ref.time_s, rel=1e-9)
+
+
+def test_streamed_experts_workspace_follows_the_budget_into_the_plan(tmp_path):
+    """A quantised MoE model's hybrid plan reserves prefill's streamed-expert workspace, a 16th of the
+    budget within 128-512 MiB (at most all of a layer's experts), and the plan carries it to the engine."""
+    assert [expert_stream_budget(v) // MiB for v in (0, 2 * GiB, 4 * GiB, 8 * GiB, 24 * GiB)] == [128, 128, 256, 512, 512]
+    cfg = tiny_cfg("qwen2_moe", num_hidden_layers=3, intermediate_size=16)
+    stats = power_law_stats(cfg, np.random.default_rng(2))
+    q4 = quantized_format(weight_format("bf16"), "q4_0", 0.5625, 0.5625)
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * (2 * 0.5625 + 2)  # two raw slots and its bf16 decode
+
+    def ws(fmt, stream):
+        c = dataclasses.replace(TOY_CONSTANTS, expert_stream_bytes=stream)
+        return build_costs(cfg, stats, toy_hw(), fmt, ctx=64, block_size=8, constants=c).workspace_bytes
+
+    assert ws(q4, 1000) - ws(q4, 0) == 1000
+    assert ws(q4, 512 * MiB) - ws(q4, 0) == pytest.approx(cfg.num_experts * expert)
+    assert ws(weight_format("bf16"), 1000) == ws(weight_format("bf16"), 0)  # float experts do not stream
+    c = dataclasses.replace(TOY_CONSTANTS, expert_stream_bytes=192 * MiB)
+    costs = build_costs(cfg, stats, toy_hw(), q4, ctx=64, block_size=8, constants=c)
+    req = dataclasses.replace(_req(costs.gpu_fixed_bytes + 0.5 * (model_bytes(costs) - costs.gpu_fixed_bytes),
+                                   constants=c), fmt=q4)
+    r = make_plan(cfg, stats, toy_hw(), req)
+    meta = plan_json(r, req, fingerprint="f", model=tmp_path / "m", model_type=cfg.model_type, hw=toy_hw(),
+                     hw_file=None, profile_source="test", sparsity=None)
+    write_plan(tmp_path, plan_tensors(r), meta)
+    assert load_plan(tmp_path, "f").expert_stream_bytes == 192 * MiB
+    del meta["cost_constants"]["expert_stream_bytes"]  # a plan written before the field: the old constant
+    write_plan(tmp_path, plan_tensors(r), meta)
+    assert load_plan(tmp_path, "f").expert_stream_bytes == Constants().expert_stream_bytes == 128 * MiB
 
 
 def test_expert_cache_is_reserved_for_moe_models_only():
