@@ -70,6 +70,7 @@ class Constants:
     stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
     expert_stream_bytes: int = 128 * MiB  # bytes: prefill's streamed host experts (executors/expert_stream.py;
     #   `hotcold plan` sets it from the budget: expert_stream_budget)
+    expert_decode_group: int = 12  # GPU 4-bit experts a prompt chunk decodes at a time (moe_parts.FAST_GROUP_INT4_KERNEL)
     expert_cache_bytes: int = 0  # bytes: the MoE expert cache's slice (`hotcold plan --expert-cache`; MoE models only)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
@@ -425,6 +426,9 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             # quantised host experts stream for prefill: two raw slots and the decoded group, at most all experts
             expert = 3 * h * cfg.moe_intermediate_size * (2 * wf + w)
             workspace += min(c.expert_stream_bytes, cfg.num_experts * expert)
+        int4_layers = [l for l in range(cfg.num_layers) if cfg.ffn_kind(l) == "moe" and any(fmt.experts_int4(l))]
+        if int4_layers:  # a prompt chunk decodes the GPU's 4-bit experts a group at a time into the dtype
+            workspace += c.expert_decode_group * 3 * h * cfg.moe_intermediate_size * w
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,
         head_gpu_s=head_bytes / head_speed / gbw + c.head_gpu_kernels * launch,

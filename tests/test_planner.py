@@ -336,6 +336,13 @@ def test_streamed_experts_workspace_follows_the_budget_into_the_plan(tmp_path):
     assert ws(q4, 1000) - ws(q4, 0) == 1000
     assert ws(q4, 512 * MiB) - ws(q4, 0) == pytest.approx(cfg.num_experts * expert)
     assert ws(weight_format("bf16"), 1000) == ws(weight_format("bf16"), 0)  # float experts do not stream
+    # the GPU's 4-bit experts decode a group at a time for a prompt chunk: that group is reserved too
+    from hotcold.executors.moe_parts import FAST_GROUP_INT4_KERNEL
+
+    assert TOY_CONSTANTS.expert_decode_group == FAST_GROUP_INT4_KERNEL
+    q4_gpu = dataclasses.replace(q4, gpu_experts_int4=True)
+    decoded = FAST_GROUP_INT4_KERNEL * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # bf16
+    assert ws(q4_gpu, 0) - ws(q4, 0) == decoded
     c = dataclasses.replace(TOY_CONSTANTS, expert_stream_bytes=192 * MiB)
     costs = build_costs(cfg, stats, toy_hw(), q4, ctx=64, block_size=8, constants=c)
     req = dataclasses.replace(_req(costs.gpu_fixed_bytes + 0.5 * (model_bytes(costs) - costs.gpu_fixed_bytes),
@@ -976,12 +983,12 @@ def test_gpu_int4_experts_cost_their_int4_bytes():
         assert lq.ffn_gpu_fixed_s == lp.ffn_gpu_fixed_s == TOY_CONSTANTS.moe_gpu_kernels * hw.launch_s
         np.testing.assert_allclose(extra, q * 3 * h * inter * (b4 / INT4_EXPERT_SPEED - 2.0) / hw.gpu_gemv_Bps,
                                    rtol=1e-9, atol=1e-15)
-    fixed = costs["q4"].gpu_fixed_bytes + costs["q4"].head_bytes + sum(l.attn_bytes + l.kv_bytes + l.pred_bytes
-                                                                       for l in costs["q4"].layers)
     n_moe = sum(l.kind == "moe" for l in costs["q4"].layers)
-    vram = fixed + n_moe * 2 * 3 * h * inter * 2.0 + 8192  # two bf16 experts a MoE layer, or 6 int4 ones
     held = {}
-    for k in ("plain", "q4"):
+    for k in ("plain", "q4"):  # each format's own fixed bytes (4-bit experts add their decode group's workspace)
+        fixed = costs[k].gpu_fixed_bytes + costs[k].head_bytes + sum(l.attn_bytes + l.kv_bytes + l.pred_bytes
+                                                                     for l in costs[k].layers)
+        vram = fixed + n_moe * 2 * 3 * h * inter * 2.0 + 8192  # two bf16 experts a MoE layer, or 6 int4 ones
         p = solve(costs[k], vram, 1e12, solver="cbc", gap=0.0, time_limit=20).placement
         held[k] = sum(len(p.gpu_items(costs[k], l)) for l in range(cfg.num_layers) if costs[k].layers[l].kind == "moe")
     assert held["plain"] <= 2 * n_moe and held["q4"] >= 3 * held["plain"]
