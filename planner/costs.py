@@ -70,7 +70,7 @@ class Constants:
     stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
     expert_stream_bytes: int = 128 * MiB  # bytes: prefill's streamed host experts (executors/expert_stream.py;
     #   `hotcold plan` sets it from the budget: expert_stream_budget)
-    expert_decode_group: int = 12  # GPU 4-bit experts a prompt chunk decodes at a time (moe_parts.FAST_GROUP_INT4_KERNEL)
+    expert_decode_group: int = 12  # GPU 4-bit experts a prompt chunk decodes at once (moe_parts.FAST_GROUP_INT4_KERNEL)
     expert_cache_bytes: int = 0  # bytes: the MoE expert cache's slice (`hotcold plan --expert-cache`; MoE models only)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)

@@ -25,7 +25,8 @@ GGUF -> tinygemm, group 32 (exact up to the bf16 rounding of scale and zero; GGU
   Q4_K  w = d * sc_j * q - dmin * m_j   (sub-block j of 32)   scale d * sc_j,  zero 8 d sc_j - dmin m_j
 GGUF's nibble order inside a block (Q4_0 / Q4_1: element i < 16 low nibble of qs[i], else high nibble
 of qs[i - 16]; Q4_K: sub-blocks 2c / 2c + 1 low / high nibbles of qs[32c:32c + 32]) differs from
-tinygemm's, so the codes are unpacked and repacked (numpy, at load).
+tinygemm's, so the codes are unpacked and repacked at load, by torch ops on the device the blocks are
+moved to as they are (`split_blocks`, also what the MoE experts' Q4Stack keeps).
 
 Constraints (`int4_supported` checks them; nothing is padded here unless asked: `int4_padded` gives
 the sizes the split FFNs' hot rows are padded to with zero rows, `Int4Matrix.from_quant(n=)`):
@@ -51,6 +52,7 @@ blocks run along the other axis, as asymmetric min/max int4 groups of 32 (see IN
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -162,94 +164,97 @@ def int4_supported(qtype, device, shape: tuple[int, int] | None = None, inner_k_
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF blocks -> codes, scales, zeros (numpy)
+# GGUF blocks -> codes, scales, zeros (torch ops, where the blocks are: a GPU load splits them there)
 
-def _f16(b: np.ndarray) -> np.ndarray:
+def _f16(b: torch.Tensor) -> torch.Tensor:
     # uint8 [..., 2] little-endian fp16 -> float32 [...]
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+    return b.contiguous().view(torch.float16)[..., 0].float()
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    # qs: uint8 [..., 16 or 32] -> [..., 2, len]: low nibbles, then high nibbles
-    return np.stack([qs & 15, qs >> 4], axis=-2)
+def _nibble_halves(qs: torch.Tensor) -> torch.Tensor:
+    # 32 quants a byte each [..., 32] -> [..., 16]: byte i = quant i | quant i + 16 << 4
+    return qs[..., :16] | (qs[..., 16:] << 4)
 
 
-def _decode_q4_0(b: np.ndarray):
-    # b: [R, nb, 18] -> codes [R, nb, 32], scale, zero [R, nb]
+def _halves_q4_0(b: torch.Tensor):
+    # b: uint8 [..., nb, 18] -> codes [..., nb * 16], scale, zero [..., nb]: Q4_0's bytes already pack so
     d = _f16(b[..., 0:2])
-    return _nibbles(b[..., 2:18]).reshape(*b.shape[:2], 32), d, np.zeros_like(d)
+    return b[..., 2:18].flatten(-2), d, torch.zeros_like(d)
 
 
-def _decode_q4_1(b: np.ndarray):
-    # b: [R, nb, 20]
+def _halves_q4_1(b: torch.Tensor):
+    # b: [..., nb, 20]; w = q d + m = (q - 8) d + (m + 8 d)
     d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    return _nibbles(b[..., 4:20]).reshape(*b.shape[:2], 32), d, m + 8 * d
+    return b[..., 4:20].flatten(-2), d, m + 8 * d
 
 
-def _decode_q4_k(b: np.ndarray):
-    # b: [R, nb, 144] -> codes [R, nb * 8, 32], scale, zero [R, nb * 8] (one group per sub-block)
-    r, nb = b.shape[:2]
-    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [R, nb, 1]
+def _halves_q4_k(b: torch.Tensor):
+    # b: [..., nb, 144] -> one group per sub-block: codes [..., nb * 8 * 16], scale, zero [..., nb * 8]
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [..., nb, 1]
     s = b[..., 4:16]
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = b[..., 16:144].reshape(r, nb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
-    scale = d * sc.astype(np.float32)  # [R, nb, 8], exact in float32
-    zero = 8 * scale - dmin * mn.astype(np.float32)
-    return _nibbles(qs).reshape(r, nb * 8, 32), scale.reshape(r, -1), zero.reshape(r, -1)
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1).float()
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1).float()
+    qs = b[..., 16:144].unflatten(-1, (4, 32))  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    codes = torch.stack([_nibble_halves(qs & 15), _nibble_halves(qs >> 4)], dim=-2)  # [..., nb, 4, 2, 16]
+    scale = d * sc  # [..., nb, 8], exact in float32
+    zero = scale * 8 - dmin * mn  # (separate ops, so a GPU rounds each as the CPU does: no fused multiply-add)
+    return codes.flatten(-4), scale.flatten(-2), zero.flatten(-2)
 
 
-_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q4_K": _decode_q4_k}
+_HALVES = {"Q4_0": _halves_q4_0, "Q4_1": _halves_q4_1, "Q4_K": _halves_q4_k}
 
 
-def decode_int4(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q's weights as tinygemm sees them: codes uint8 [N, K / 2] packed two a byte (element 2j in the
-    high nibble), scale and zero float32 [N, K / 32], so that w = (code - 8) * scale + zero."""
-    return _decode(q, _pack)
+def split_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit type's GGUF blocks (uint8 [..., blocks, bytes a block], on any device) split where they
+    are: codes uint8 [..., K / 2], per group of 32 byte i holding element i in its low nibble and
+    element i + 16 in its high one (as Q4_0 packs them), scale and zero float32 [..., K / 32], so that
+    w = (code - 8) * scale + zero: gguf's values exactly (Q4_K's one group per sub-block)."""
+    if qtype not in _HALVES:
+        raise ValueError(f"{qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
+    return _HALVES[qtype](raw)
 
 
-def decode_int4_halves(q: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """decode_int4 with the codes of each group of 32 packed as Q4_0 packs them: byte i of the group's 16
-    holds element i in its low nibble and element i + 16 in its high one (the Triton expert kernels'
-    layout, sparse_ops/moe_gpu.py)."""
-    return _decode(q, _pack_halves)
+def halves_to_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """split_blocks' codes [..., K / 2] repacked as tinygemm takes them: element 2j in the high nibble
+    of byte j, element 2j + 1 in the low one."""
+    c = codes.unflatten(-1, (-1, 16))  # [..., groups, 16]
+    e = torch.stack([c & 15, c >> 4], dim=-2).flatten(-3)  # [..., K]: the elements in order
+    return (e[..., 0::2] << 4) | e[..., 1::2]
 
 
-def _decode(q: QuantMatrix, pack) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if q.qtype not in _DECODERS:
+def decode_int4_halves(q: QuantMatrix, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q's blocks moved to device as they are and split there (split_blocks): codes uint8 [N, K / 2],
+    scale and zero float32 [N, K / 32], DECODE_ROWS_BYTES of blocks at a time."""
+    if q.qtype not in _HALVES:
         raise ValueError(f"{q.qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
-    if q.interleaved:  # (quant.pack_rows' layout) its rows in the GGUF layout, a copy
-        q = QuantMatrix(q.row_data(), q.qtype, q.shape)
     n, k = q.shape
     _, bs, ts = QTYPES[q.qtype]
-    packed = np.empty((n, k // 2), np.uint8)
-    scale = np.empty((n, k // GROUP_SIZE), np.float32)
-    zero = np.empty_like(scale)
+    data = q.row_data() if q.interleaved else q.data  # (quant.pack_rows' layout: its GGUF rows, a copy)
+    codes = torch.empty((n, k // 2), dtype=torch.uint8, device=device)
+    scale = torch.empty((n, k // GROUP_SIZE), dtype=torch.float32, device=device)
+    zero = torch.empty_like(scale)
     step = max(1, DECODE_ROWS_BYTES // q.row_bytes())
-    for a in range(0, n, step):
-        b = q.data[a:a + step].reshape(-1, k // bs, ts)
-        codes, scale[a:a + step], zero[a:a + step] = _DECODERS[q.qtype](b)
-        packed[a:a + step] = pack(codes.reshape(b.shape[0], k))
-    return packed, scale, zero
+    with warnings.catch_warnings():  # a view of a read-only file mapping: only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for a in range(0, n, step):
+            raw = torch.from_numpy(np.ascontiguousarray(data[a:a + step])).to(device).view(-1, k // bs, ts)
+            codes[a:a + step], scale[a:a + step], zero[a:a + step] = split_blocks(raw, q.qtype)
+    return codes, scale, zero
 
 
-def _pack(codes: np.ndarray) -> np.ndarray:
-    # codes uint8 [N, K] in 0..15 -> [N, K / 2], element 2j in the high nibble of byte j
-    return (codes[:, 0::2] << 4) | codes[:, 1::2]
+def decode_int4(q: QuantMatrix, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q's weights as tinygemm sees them, split on device: codes uint8 [N, K / 2] packed two a byte
+    (element 2j in the high nibble), scale and zero float32 [N, K / 32], w = (code - 8) * scale + zero."""
+    codes, scale, zero = decode_int4_halves(q, device)
+    return halves_to_pairs(codes), scale, zero
 
 
-def _pack_halves(codes: np.ndarray) -> np.ndarray:
-    # codes uint8 [N, K] in 0..15 -> [N, K / 2]: per group of 32, byte i = element i | element i + 16 << 4
-    c = codes.reshape(codes.shape[0], -1, 2, 16)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1)
-
-
-def _pad_rows(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, n: int):
-    """decode_int4's arrays with zero rows appended up to n rows (scale and zero 0: weights 0)."""
+def _pad_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int):
+    """decode_int4's tensors with zero rows appended up to n rows (scale and zero 0: weights 0)."""
     pad = n - packed.shape[0]
     if pad < 0:
         raise ValueError(f"cannot pad {packed.shape[0]} rows to {n}")
-    return tuple(np.pad(a, ((0, pad), (0, 0))) for a in (packed, scale, zero))
+    return tuple(torch.nn.functional.pad(a, (0, 0, 0, pad)) for a in (packed, scale, zero))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +263,11 @@ def _pad_rows(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, n: int):
 def _bf16(a: np.ndarray) -> np.ndarray:
     # float32 values rounded to bf16 (as the kernel holds scale and zero), float32 again
     return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    # codes uint8 [N, K] in 0..15 -> [N, K / 2], element 2j in the high nibble of byte j
+    return (codes[:, 0::2] << 4) | codes[:, 1::2]
 
 
 def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -312,7 +322,7 @@ class Int4Matrix:
         why = int4_unsupported_reason(q.qtype, device, (n, q.cols), inner_k_tiles)
         if why is not None:
             raise ValueError(f"{q.qtype} {(n, q.cols)} cannot be kept as int4 on {device}: {why}")
-        return cls.from_codes(*_pad_rows(*decode_int4(q), n), device, inner_k_tiles, q.qtype)
+        return cls.from_codes(*_pad_rows(*decode_int4(q, device), n), device, inner_k_tiles, q.qtype)
 
     @classmethod
     def from_float(cls, w, device, inner_k_tiles: int | None = None) -> "Int4Matrix":
@@ -325,19 +335,20 @@ class Int4Matrix:
         return cls.from_codes(*quantize_int4(w), device, inner_k_tiles)
 
     @classmethod
-    def from_codes(cls, packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, device,
-                   inner_k_tiles: int | None = None, qtype: str | None = None) -> "Int4Matrix":
-        """From decode_int4's layout (codes uint8 [N, K / 2], scale and zero float32 [N, K / 32]),
-        packed for device; qtype: the GGUF type the codes came from (None: requantised floats)."""
+    def from_codes(cls, packed, scale, zero, device, inner_k_tiles: int | None = None,
+                   qtype: str | None = None) -> "Int4Matrix":
+        """From decode_int4's layout (codes uint8 [N, K / 2], scale and zero float32 [N, K / 32]; numpy
+        arrays, or tensors on any device), packed for device; qtype: the GGUF type the codes came from
+        (None: requantised floats)."""
         n, k = packed.shape[0], 2 * packed.shape[1]
         why = int4_layout_reason(device, (n, k), inner_k_tiles)
         if why is not None:
             raise ValueError(f"an int4 matrix {(n, k)} cannot be kept on {device}: {why}")
         dev = torch.device(device)
         t = _pick_inner_k_tiles(k) if inner_k_tiles is None else inner_k_tiles
-        sz = torch.from_numpy(np.stack([scale, zero], axis=-1))  # [N, K / 32, 2]
-        sz = sz.transpose(0, 1).to(torch.bfloat16).contiguous().to(dev)  # [K / 32, N, 2]
-        w = torch.from_numpy(np.ascontiguousarray(packed)).to(dev)  # uint8 [N, K / 2]
+        sz = torch.stack([torch.as_tensor(scale), torch.as_tensor(zero)], dim=-1).to(dev)  # [N, K / 32, 2]
+        sz = sz.transpose(0, 1).to(torch.bfloat16).contiguous()  # [K / 32, N, 2]
+        w = torch.as_tensor(np.ascontiguousarray(packed) if isinstance(packed, np.ndarray) else packed).to(dev)
         if dev.type == "cuda":
             with torch.cuda.device(dev):
                 w = torch.ops.aten._convert_weight_to_int4pack(w, t)

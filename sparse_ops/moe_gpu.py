@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from hotcold.sparse_ops.gpu import activation
+from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES, split_blocks
+from hotcold.sparse_ops.quant import QTYPES
 
 triton = None
 if torch.cuda.is_available():  # the kernels run on CUDA only: a CPU run does not pay Triton's import
@@ -51,7 +53,7 @@ def triton_available(device) -> bool:
 class Q4Stack:
     """G matrices [N, K] in 4 bits, groups of 32 along K: codes uint8 [G, N, K / 2] (per group, byte i
     holds element i in its low nibble and element i + 16 in its high one), scale, zero fp16 [G, N, K / 32];
-    w = (code - 8) * scale + zero (gpu_quant.decode_int4_halves: exact for Q4_0 and Q4_1 up to the fp16
+    w = (code - 8) * scale + zero (gpu_quant.split_blocks: exact for Q4_0 and Q4_1 up to the fp16
     rounding of zero, for Q4_K up to that of scale and zero)."""
 
     codes: torch.Tensor
@@ -62,17 +64,14 @@ class Q4Stack:
     def from_quant(cls, mats, device) -> "Q4Stack":
         """Stack QuantMatrix's of one 4-bit type (Q4_0 | Q4_1 | Q4_K) and one shape on device: their blocks
         cross as they are, STACK_CHUNK matrices a copy, and split into codes, scales and zeros there by
-        torch ops (`_halves`; the same values as gpu_quant.decode_int4_halves, bit for bit)."""
-        from hotcold.sparse_ops.gpu_quant import GROUP_SIZE
-        from hotcold.sparse_ops.quant import QTYPES
-
+        torch ops (gpu_quant.split_blocks)."""
         mats = list(mats)
         n, k = mats[0].shape if mats else (0, GROUP_SIZE)
         if k % GROUP_SIZE:
             raise ValueError(f"a Q4Stack needs K divisible by {GROUP_SIZE}, got {k}")
         qtype = mats[0].qtype if mats else "Q4_0"
-        if qtype not in _HALVES:
-            raise ValueError(f"{qtype} cannot be kept as int4 (supported: {', '.join(_HALVES)})")
+        if qtype not in INT4_QTYPES:
+            raise ValueError(f"{qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
         with torch.inference_mode(False):
             out = cls(torch.empty((len(mats), n, k // 2), dtype=torch.uint8, device=device),
                       *(torch.empty((len(mats), n, k // GROUP_SIZE), dtype=torch.float16, device=device)
@@ -88,7 +87,7 @@ class Q4Stack:
                 with warnings.catch_warnings():  # a view of a read-only file mapping: only read
                     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                     raw[g].copy_(torch.from_numpy(data).view(n, k // bs, ts))
-            codes, scale, zero = _HALVES[qtype](raw)
+            codes, scale, zero = split_blocks(raw, qtype)  # (scale and zero rounded to fp16 as they are stored)
             s = slice(a, a + len(part))
             out.codes[s], out.scale[s], out.zero[s] = codes.reshape(len(part), n, -1), scale.reshape(len(part), n, -1), \
                 zero.reshape(len(part), n, -1)
@@ -130,44 +129,6 @@ class Q4Stack:
 
 
 STACK_CHUNK = 16  # matrices whose blocks cross to the device in one piece (bounds the raw bytes held beside the stack)
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    # uint8 [..., 2] little-endian fp16 -> float32 [...]
-    return b.contiguous().view(torch.float16)[..., 0].float()
-
-
-def _nibble_halves(qs: torch.Tensor) -> torch.Tensor:
-    # 32 quants a byte each [..., 32] -> [..., 16]: byte i = quant i | quant i + 16 << 4
-    return qs[..., :16] | (qs[..., 16:] << 4)
-
-
-def _halves_q4_0(b: torch.Tensor):
-    # b: uint8 [..., nb, 18] -> codes [..., nb * 16], scale, zero fp16 [..., nb]: Q4_0's bytes already pack so
-    d = _f16(b[..., 0:2])
-    return b[..., 2:18].flatten(-2), d.half(), torch.zeros_like(d, dtype=torch.float16)
-
-
-def _halves_q4_1(b: torch.Tensor):
-    # b: [..., nb, 20]; w = q d + m = (q - 8) d + (m + 8 d)
-    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    return b[..., 4:20].flatten(-2), d.half(), (m + 8 * d).half()
-
-
-def _halves_q4_k(b: torch.Tensor):
-    # b: [..., nb, 144] -> one group per sub-block: codes [..., nb * 8 * 16], scale, zero [..., nb * 8]
-    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [..., nb, 1]
-    s = b[..., 4:16]
-    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1).float()
-    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1).float()
-    qs = b[..., 16:144].unflatten(-1, (4, 32))  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
-    codes = torch.stack([_nibble_halves(qs & 15), _nibble_halves(qs >> 4)], dim=-2)  # [..., nb, 4, 2, 16]
-    scale = d * sc  # [..., nb, 8], exact in float32
-    zero = scale * 8 - dmin * mn  # (separate ops: rounded as gpu_quant's numpy decoder rounds them)
-    return codes.flatten(-4), scale.flatten(-2).half(), zero.flatten(-2).half()
-
-
-_HALVES = {"Q4_0": _halves_q4_0, "Q4_1": _halves_q4_1, "Q4_K": _halves_q4_k}
 
 
 def _weights(stack, s, dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 
 from hotcold.sparse_ops import quant
 from hotcold.sparse_ops.gpu_quant import (GROUP_SIZE, INT4_QTYPES, Int4Linear, Int4Matrix, decode_int4,
-                                          int4_padded, int4_supported, int4_unsupported_reason, quantize_int4)
+                                          decode_int4_halves, int4_padded, int4_supported, int4_unsupported_reason, quantize_int4)
 from hotcold.sparse_ops.quant import QuantMatrix
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -47,7 +47,7 @@ def deq(m: QuantMatrix) -> np.ndarray:
 def group_magnitude(m: QuantMatrix) -> np.ndarray:
     """A = 8 |scale| + |zero| per weight, float64 [N, K] (from our decoder; its values are checked
     against gguf in test_decode_matches_gguf)."""
-    _, scale, zero = decode_int4(m)
+    _, scale, zero = (t.numpy() for t in decode_int4(m))
     a = 8 * np.abs(scale.astype(np.float64)) + np.abs(zero.astype(np.float64))
     return np.repeat(a, GROUP_SIZE, axis=1)
 
@@ -86,16 +86,33 @@ def check_mm(m: QuantMatrix, device: str, seed: int) -> None:
 @pytest.mark.parametrize("qtype", INT4_QTYPES)
 @pytest.mark.parametrize("how", ["bytes", "floats"])
 def test_decode_matches_gguf(qtype, how):
-    # w = (code - 8) * scale + zero, codes packed with element 2j in the high nibble: exact in float64
+    # w = (code - 8) * scale + zero: exact in float64, codes packed with element 2j in the high nibble
+    # (decode_int4, tinygemm's) or per group of 32 element i low and i + 16 high (decode_int4_halves, Q4_0's)
     for n, k in shapes(qtype):
         m = random_q(qtype, (n, k), seed=n + k, how=how)
-        packed, scale, zero = decode_int4(m)
+        packed, scale, zero = (t.numpy() for t in decode_int4(m))
         assert packed.shape == (n, k // 2) and scale.shape == zero.shape == (n, k // GROUP_SIZE)
         codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(n, k).astype(np.float64)
         w = (codes - 8) * np.repeat(scale, GROUP_SIZE, 1) + np.repeat(zero, GROUP_SIZE, 1)
         np.testing.assert_array_equal(w, deq(m))
         if qtype == "Q4_0":
             assert not zero.any()
+        halves, s2, z2 = (t.numpy() for t in decode_int4_halves(m))
+        c = halves.reshape(n, k // GROUP_SIZE, 16)
+        codes = np.stack([c & 15, c >> 4], axis=-2).reshape(n, k).astype(np.float64)
+        w = (codes - 8) * np.repeat(s2, GROUP_SIZE, 1) + np.repeat(z2, GROUP_SIZE, 1)
+        np.testing.assert_array_equal(w, deq(m))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("qtype", INT4_QTYPES)
+def test_blocks_split_on_the_gpu_as_on_the_cpu(qtype):
+    # the split runs where the blocks are: the same codes, scales and zeros on CUDA (separate ops, no FMA)
+    for n, k in shapes(qtype):
+        m = random_q(qtype, (n, k), seed=n + k, how="bytes")
+        for a, b in zip(decode_int4(m), decode_int4(m, "cuda")):
+            assert b.is_cuda and torch.equal(a, b.cpu())
 
 
 @pytest.mark.parametrize("qtype", INT4_QTYPES)

@@ -132,7 +132,8 @@ def test_q4_stack_holds_the_blocks_weights(qtype):
 @pytest.mark.parametrize("qtype", Q4_TYPES)
 def test_q4_stack_splits_the_blocks_on_the_device_as_numpy_does(qtype, device):
     """from_quant moves the blocks as they are and splits them on the device: codes, scales and zeros
-    bit for bit gpu_quant.decode_int4_halves' (the numpy reference), for more matrices than one copy
+    bit for bit gpu_quant.decode_int4_halves' of each matrix alone (checked against gguf in
+    test_gpu_quant), scale and zero rounded to fp16, for more matrices than one copy
     takes (STACK_CHUNK), a row-interleaved one among them where the type has that layout."""
     from hotcold.sparse_ops.gpu_quant import decode_int4_halves
     from hotcold.sparse_ops.moe_gpu import STACK_CHUNK
@@ -145,7 +146,7 @@ def test_q4_stack_splits_the_blocks_on_the_device_as_numpy_does(qtype, device):
         assert mats[STACK_CHUNK].interleaved
     st = Q4Stack.from_quant(mats, device)
     for g, m in enumerate(mats):
-        codes, scale, zero = decode_int4_halves(m)
+        codes, scale, zero = (t.numpy() for t in decode_int4_halves(m))
         assert np.array_equal(st.codes[g].cpu().numpy(), codes)
         assert np.array_equal(st.scale[g].cpu().numpy(), scale.astype(np.float16))
         assert np.array_equal(st.zero[g].cpu().numpy(), zero.astype(np.float16))

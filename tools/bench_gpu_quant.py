@@ -40,11 +40,10 @@ SLEEP_CYCLES = 200_000  # --hot: ~100 us of GPU spin ahead of each timed call
 
 def dense_weight(q: quant.QuantMatrix, device: torch.device) -> torch.Tensor:
     """q dequantised to bf16 [N, K] on device, as the dequantise-at-load path holds it."""
-    packed, scale, zero = decode_int4(q)
-    p = torch.from_numpy(packed).to(device)
+    p, scale, zero = decode_int4(q, device)
     codes = torch.stack([p >> 4, p & 15], dim=-1).reshape(q.rows, q.cols).float()  # [N, K]
-    s = torch.from_numpy(scale).to(device).repeat_interleave(32, dim=1)
-    z = torch.from_numpy(zero).to(device).repeat_interleave(32, dim=1)
+    s = scale.repeat_interleave(32, dim=1)
+    z = zero.repeat_interleave(32, dim=1)
     return ((codes - 8) * s + z).to(torch.bfloat16)
 
 
