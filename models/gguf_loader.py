@@ -361,7 +361,7 @@ class GGUFFile:
         """Yield (canonical name, tensor) one at a time, dequantised into `dtype`. A matrix in a type
         `blocks_torch` decodes comes decoded by torch on `device` (its blocks cross to a GPU as they are,
         a quarter to a half of the float bytes; the same float32 values as gguf's numpy decoders,
-        which took 4 of a 48-layer MoE file's 4.5-minute GPU profile); other tensors come on the CPU.
+        which took most of a 48-layer MoE file's 4.5-minute GPU profile); other tensors come on the CPU.
 
         copy False: an F16 matrix yielded as float16 that needs no rearranging comes as a read-only
         view of the mapped file, valid until the next tensor is asked for (its pages are then dropped):

@@ -101,7 +101,6 @@ class Constants:
         return dataclasses.asdict(self)
 
 
-
 def expert_stream_budget(vram_bytes: int) -> int:
     """GPU bytes for prefill's streamed host experts under a `vram_bytes` budget: a 16th of it, within
     128-512 MiB. A bigger workspace streams bigger groups, fewer launches a chunk: on the H100 host a
@@ -109,6 +108,7 @@ def expert_stream_budget(vram_bytes: int) -> int:
     bound by the host's launches) and 199 ms with 512 MiB (36, bound by PCIe); those 384 MiB held ~136 of
     the 8 GiB plan's 2,173 resident experts, its coldest: about 7 of a token's 384 routings."""
     return int(min(max(vram_bytes // 16, 128 * MiB), 512 * MiB))
+
 
 @dataclass
 class LayerStats:
@@ -426,8 +426,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             # quantised host experts stream for prefill: two raw slots and the decoded group, at most all experts
             expert = 3 * h * cfg.moe_intermediate_size * (2 * wf + w)
             workspace += min(c.expert_stream_bytes, cfg.num_experts * expert)
-        int4_layers = [l for l in range(cfg.num_layers) if cfg.ffn_kind(l) == "moe" and any(fmt.experts_int4(l))]
-        if int4_layers:  # a prompt chunk decodes the GPU's 4-bit experts a group at a time into the dtype
+        if any(cfg.ffn_kind(l) == "moe" and any(fmt.experts_int4(l)) for l in range(cfg.num_layers)):
+            # a prompt chunk decodes the GPU's 4-bit experts a group at a time into the dtype
             workspace += c.expert_decode_group * 3 * h * cfg.moe_intermediate_size * w
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,

@@ -209,9 +209,13 @@ def split_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Ten
     are: codes uint8 [..., K / 2], per group of 32 byte i holding element i in its low nibble and
     element i + 16 in its high one (as Q4_0 packs them), scale and zero float32 [..., K / 32], so that
     w = (code - 8) * scale + zero: gguf's values exactly (Q4_K's one group per sub-block)."""
+    return _HALVES[_int4_type(qtype)](raw)
+
+
+def _int4_type(qtype: str) -> str:
     if qtype not in _HALVES:
         raise ValueError(f"{qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
-    return _HALVES[qtype](raw)
+    return qtype
 
 
 def halves_to_pairs(codes: torch.Tensor) -> torch.Tensor:
@@ -225,10 +229,8 @@ def halves_to_pairs(codes: torch.Tensor) -> torch.Tensor:
 def decode_int4_halves(q: QuantMatrix, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q's blocks moved to device as they are and split there (split_blocks): codes uint8 [N, K / 2],
     scale and zero float32 [N, K / 32], DECODE_ROWS_BYTES of blocks at a time."""
-    if q.qtype not in _HALVES:
-        raise ValueError(f"{q.qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
     n, k = q.shape
-    _, bs, ts = QTYPES[q.qtype]
+    _, bs, ts = QTYPES[_int4_type(q.qtype)]
     data = q.row_data() if q.interleaved else q.data  # (quant.pack_rows' layout: its GGUF rows, a copy)
     codes = torch.empty((n, k // 2), dtype=torch.uint8, device=device)
     scale = torch.empty((n, k // GROUP_SIZE), dtype=torch.float32, device=device)
