@@ -821,3 +821,23 @@ def test_cuda_bf16_generate(folder):
         out = list(Generator(eng.lm).generate(tokens(4)[0].tolist(), max_tokens=8,
                                              sampling=SamplingParams(temperature=0.0), ignore_eos=True))
         assert len(out) == 8
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 8, 15, 16, 17])
+def test_default_threads_keep_two_teams_within_the_cores(cores, monkeypatch):
+    """A CPU tier takes every physical core; a CUDA tier's CPU parts run on two threads (CUDA's host-node
+    thread and the one driving the GPU), each with its own OpenMP team: the most threads for which both
+    teams fit the cores (on 2 cores or fewer, every core)."""
+    import numba
+    import psutil
+
+    from hotcold.executors.cpu_executor import default_threads
+
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: cores)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 64)
+    assert default_threads(cuda=False) == cores
+    t = default_threads(cuda=True)
+    if cores <= 2:
+        assert t == cores
+    else:
+        assert 1 <= t and 2 * t <= cores < 2 * (t + 1)
