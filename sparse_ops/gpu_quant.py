@@ -209,20 +209,26 @@ def split_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Ten
     are: codes uint8 [..., K / 2], per group of 32 byte i holding element i in its low nibble and
     element i + 16 in its high one (as Q4_0 packs them), scale and zero float32 [..., K / 32], so that
     w = (code - 8) * scale + zero: gguf's values exactly (Q4_K's one group per sub-block)."""
-    return _HALVES[_int4_type(qtype)](raw)
+    return _HALVES[int4_type(qtype)](raw)
 
 
-def _int4_type(qtype: str) -> str:
+def int4_type(qtype: str) -> str:
+    """qtype, where its blocks can be kept as 4-bit codes (INT4_QTYPES); else ValueError."""
     if qtype not in _HALVES:
         raise ValueError(f"{qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
     return qtype
 
 
+def unpack_halves(codes: torch.Tensor) -> torch.Tensor:
+    """split_blocks' codes [..., K / 2] one a byte, in order: uint8 [..., K / 32, 32]."""
+    c = codes.unflatten(-1, (-1, 16))  # [..., groups, 16]
+    return torch.stack([c & 15, c >> 4], dim=-2).flatten(-2)
+
+
 def halves_to_pairs(codes: torch.Tensor) -> torch.Tensor:
     """split_blocks' codes [..., K / 2] repacked as tinygemm takes them: element 2j in the high nibble
     of byte j, element 2j + 1 in the low one."""
-    c = codes.unflatten(-1, (-1, 16))  # [..., groups, 16]
-    e = torch.stack([c & 15, c >> 4], dim=-2).flatten(-3)  # [..., K]: the elements in order
+    e = unpack_halves(codes).flatten(-2)  # [..., K]
     return (e[..., 0::2] << 4) | e[..., 1::2]
 
 
@@ -230,7 +236,7 @@ def decode_int4_halves(q: QuantMatrix, device="cpu") -> tuple[torch.Tensor, torc
     """q's blocks moved to device as they are and split there (split_blocks): codes uint8 [N, K / 2],
     scale and zero float32 [N, K / 32], DECODE_ROWS_BYTES of blocks at a time."""
     n, k = q.shape
-    _, bs, ts = QTYPES[_int4_type(q.qtype)]
+    _, bs, ts = QTYPES[int4_type(q.qtype)]
     data = q.row_data() if q.interleaved else q.data  # (quant.pack_rows' layout: its GGUF rows, a copy)
     codes = torch.empty((n, k // 2), dtype=torch.uint8, device=device)
     scale = torch.empty((n, k // GROUP_SIZE), dtype=torch.float32, device=device)

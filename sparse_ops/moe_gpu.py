@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from hotcold.sparse_ops.gpu import activation
-from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, INT4_QTYPES, split_blocks
+from hotcold.sparse_ops.gpu_quant import GROUP_SIZE, int4_type, split_blocks, unpack_halves
 from hotcold.sparse_ops.quant import QTYPES
 
 triton = None
@@ -69,9 +69,7 @@ class Q4Stack:
         n, k = mats[0].shape if mats else (0, GROUP_SIZE)
         if k % GROUP_SIZE:
             raise ValueError(f"a Q4Stack needs K divisible by {GROUP_SIZE}, got {k}")
-        qtype = mats[0].qtype if mats else "Q4_0"
-        if qtype not in INT4_QTYPES:
-            raise ValueError(f"{qtype} cannot be kept as int4 (supported: {', '.join(INT4_QTYPES)})")
+        qtype = int4_type(mats[0].qtype if mats else "Q4_0")
         with torch.inference_mode(False):
             out = cls(torch.empty((len(mats), n, k // 2), dtype=torch.uint8, device=device),
                       *(torch.empty((len(mats), n, k // GROUP_SIZE), dtype=torch.float16, device=device)
@@ -120,10 +118,7 @@ class Q4Stack:
             from hotcold.sparse_ops.blocks_gpu import dequantize_halves
 
             return dequantize_halves(self.codes[s], self.scale[s], self.zero[s], dtype)
-        c = self.codes[s]  # [..., N, K / 2]
-        lo, hi = (c & 15), (c >> 4)
-        q = torch.stack([lo.unflatten(-1, (-1, 16)), hi.unflatten(-1, (-1, 16))], dim=-2)  # [..., N, K/32, 2, 16]
-        q = q.flatten(-2).float() - 8  # [..., N, K / 32, 32]
+        q = unpack_halves(self.codes[s]).float() - 8  # [..., N, K / 32, 32]
         w = q * self.scale[s].float()[..., None] + self.zero[s].float()[..., None]
         return w.flatten(-2).to(dtype)  # [..., N, K]
 
