@@ -15,10 +15,12 @@ The routing crosses to the host once: the worker computes each routed cold exper
 only the routed GPU experts, so the fast tier never synchronises on data-dependent indexing. The
 main thread blocks twice: on the routing copy (while the shared expert runs) and on the CPU result.
 x is copied for every token (choosing the CPU-routed ones on the device would need a sync first).
-One token on CUDA finds its fast-tier experts on the device (sparse_ops/moe_gpu.py), without the
-routing sync; with CUDA graphs the router and the packed host input are replayed with the block's
-attention (`graph_pre`), the packed input goes down (`graph_send`), the shared and fast-tier experts
-are replayed in a second graph (`graph_fast`) while the CPU experts run (`graph_post`).
+One token on CUDA finds its fast-tier experts on the device (sparse_ops/moe_gpu.py), and so does a
+chunk of tokens (sparse_ops/moe_chunk_gpu.py: every routed pair in two kernels), without the routing
+sync: a layer with no host experts never waits for the host. With CUDA graphs the router and the
+packed host input are replayed with the block's attention (`graph_pre`), the packed input goes down
+(`graph_send`), the shared and fast-tier experts are replayed in a second graph (`graph_fast`) while
+the CPU experts run (`graph_post`).
 For a chunk of prompt tokens with a streamer (prefill.py), the routing reaches the host first and
 `moe_prefill_regime` picks where the host experts run: on the CPU worker, or on the fast tier from
 their rows streamed through the two slots (a long prompt routes tokens to nearly every expert, and
@@ -42,13 +44,9 @@ from hotcold.executors.stats import StatsBook, now
 from hotcold.executors.tier import FastTier
 from hotcold.models.layers import FFN, route
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
+from hotcold.sparse_ops.moe_chunk_gpu import chunk_experts, chunk_kernels_ready
 from hotcold.sparse_ops.moe_gpu import kernels_ready, routed_experts
 from hotcold.sparse_ops.quant import check_expert_stacks, qexperts_routed
-
-
-# kernel launches of a chunk's GPU experts through the decode kernels, per token (two, and the token's
-# rows), against FastExperts.group()'s per group of experts (HybridMoE._token_by_token)
-TOKEN_LAUNCHES = 6
 
 
 class Lookahead:
@@ -152,7 +150,8 @@ class HybridMoE(FFN):
         late = self.cpu.inline  # an inline job runs when submitted: queue the fast tier's work first
         routing, ready, job = self._send(x2, weights, ids, phase, submit=not late)
         y = self._shared(x2)  # [N, D]
-        device_side = n == 1 and tier.cuda  # one token on CUDA: the routing need not reach the host first
+        # one token on CUDA, or a chunk through the chunk kernels: the routing need not reach the host first
+        device_side = tier.cuda and (n == 1 or self.chunk_kernels())
         if self.fast.ids and device_side:
             y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
         elif self.fast.ids:
@@ -160,7 +159,7 @@ class HybridMoE(FFN):
             if ready is not None:
                 ready.synchronize()  # the routing on the host; the shared expert runs meanwhile
             book.add(phase, wait_s=now() - w0)
-            y = self._gpu_experts(x2, weights, routing.ids_np[:n], y, phase, ids)
+            y = self._gpu_experts(x2, weights, routing.ids_np[:n], y, phase)
         book.span(phase, "gpu_s", g0, tier.mark())
         book.add(phase, layer_calls=1)
         if job is not None:
@@ -169,7 +168,7 @@ class HybridMoE(FFN):
             y = self._receive(job, y, phase)
         if self.fast.ids and device_side and book.enabled:  # count the fast tier's experts (the routing has landed
             ready.synchronize()  # by now: the worker waited for it, or the GPU is past it)
-            book.add(phase, experts_gpu=int((self.pos[routing.ids_np[0]] < 0).sum()))
+            book.add(phase, experts_gpu=int((self.pos[routing.ids_np[:n]] < 0).sum()))
         return y.reshape(shape)
 
     def host_decode(self, x: np.ndarray, out: np.ndarray) -> bool:
@@ -417,6 +416,9 @@ class HybridMoE(FFN):
         book, tier, n = self.book, self.tier, x2.shape[0]
         routing, ready, job = self._send(x2, weights, ids, "prefill", submit=False)
         y = self._shared(x2)
+        early = self.fast.ids and self.chunk_kernels()  # the GPU experts need not wait for the routing's copy
+        if early:
+            y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
         w0 = now()
         if ready is not None:
             ready.synchronize()
@@ -426,8 +428,10 @@ class HybridMoE(FFN):
         late = self.cpu.inline  # an inline job runs when submitted: queue the fast tier's work first
         if regime == "cpu" and not late:
             self.cpu.submit(job)
-        if self.fast.ids:
-            y = self._gpu_experts(x2, weights, ids_np, y, "prefill", ids)
+        if early and book.enabled:
+            book.add("prefill", experts_gpu=int((self.pos[ids_np] < 0).sum()))
+        elif self.fast.ids and not early:
+            y = self._gpu_experts(x2, weights, ids_np, y, "prefill")
         if regime == "cpu" and late:
             self.cpu.submit(job)
         if regime == "stream":
@@ -480,22 +484,19 @@ class HybridMoE(FFN):
         return torch.sigmoid(self.shared_gate(x2)) * self.shared(x2)
 
     def _routed_fast(self, x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One token's routed fast-tier experts, found on the device (no host sync, only the routed
-        experts' weights read). x2: [1, D]; weights, ids: [1, k] on the fast tier -> float32 [1, D]."""
+        """The tokens' routed fast-tier experts, found on the device (no host sync, only the routed
+        experts' weights read): one token by routed_experts, a chunk by chunk_experts (chunk_kernels).
+        x2: [N, D]; weights, ids: [N, k] on the fast tier -> float32 [N, D]."""
         f = self.fast
+        if len(x2) > 1:
+            return chunk_experts(x2, ids, weights, f.slot_of, f.gate, f.up, f.down, f.act_name)
         return routed_experts(x2[0], ids[0], weights[0], f.slot_of, f.gate, f.up, f.down, f.act_name)[None]
 
     def _gpu_experts(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, y: torch.Tensor,
-                     phase: str, ids_dev: torch.Tensor | None = None) -> torch.Tensor:
+                     phase: str) -> torch.Tensor:
         """y + the routed GPU experts' outputs, each scaled by its routing weight, as MoEFFN.mix sums
-        them. x2, y: [N, D]; weights: [N, k] on the fast tier; ids: int64 [N, k] on the host, and
-        ids_dev the same on the fast tier (several tokens: token by token when that is fewer launches)."""
-        if ids_dev is not None and len(x2) > 1 and self._token_by_token(ids):
-            f = self.fast
-            out = torch.stack([routed_experts(x2[i], ids_dev[i], weights[i], f.slot_of, f.gate, f.up, f.down,
-                                              f.act_name) for i in range(len(x2))])  # float32 [N, D]
-            self.book.add(phase, experts_gpu=int((self.pos[ids] < 0).sum()))
-            return y + out.to(y.dtype)
+        them, from the routing on the host (without chunk_kernels). x2, y: [N, D]; weights: [N, k] on
+        the fast tier; ids: int64 [N, k] on the host."""
         if len(x2) > 1:
             return y + self._grouped_fast(x2, weights, ids, phase).to(y.dtype)
         out = torch.zeros_like(x2)
@@ -520,17 +521,11 @@ class HybridMoE(FFN):
         self.book.add(phase, experts_gpu=routes.pairs)
         return out
 
-    def _token_by_token(self, ids: np.ndarray) -> bool:
-        """Whether a chunk's GPU experts (routed ids [N, k] on the host) run token by token through the
-        decode kernels (sparse_ops/moe_gpu.py: two launches a token, reading its routed experts) rather
-        than a group of experts at a time (decoded where 4-bit, then three batched products: see
-        FastExperts.group): a short prompt routes to most of the GPU's experts."""
+    def chunk_kernels(self) -> bool:
+        """Whether a chunk of tokens runs the fast tier's experts by chunk_experts (CUDA, Triton,
+        contiguous stacks): two kernels over every routed pair, without the routing on the host."""
         f = self.fast
-        if not self.device_kernels():
-            return False
-        slots = self.slot_pos[ids]
-        size, launches = f.group()
-        return len(ids) * TOKEN_LAUNCHES < len(np.unique(slots[slots >= 0] // size)) * launches
+        return bool(f.ids) and chunk_kernels_ready(self.tier.device, f.gate, f.up, f.down, f.slot_of)
 
     def device_kernels(self) -> bool:
         """Whether the fast tier runs routed_experts' Triton kernels (CUDA, contiguous stacks)."""

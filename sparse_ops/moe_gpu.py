@@ -39,9 +39,9 @@ if torch.cuda.is_available():  # the kernels run on CUDA only: a CPU run does no
     except ImportError:  # pragma: no cover - depends on the install
         triton = None
 
-__all__ = ["Q4Stack", "routed_experts", "routed_experts_torch", "triton_available"]
+__all__ = ["ACT_CODES", "Q4Stack", "routed_experts", "routed_experts_torch", "triton_available"]
 
-_ACT_CODE = {"silu": 0, "gelu_tanh": 1, "relu": 2}
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "relu": 2}
 
 
 def triton_available(device) -> bool:
@@ -158,8 +158,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sl
     """One token's routed fast-tier experts (see the module docstring). x: [D]; ids: int [k];
     weights: [k]; slot_of: int32 [E]; gate, up: [G, I, D] (both tensors, or both Q4Stack);
     down: [G, D, I] (a tensor or a Q4Stack) -> float32 [D]."""
-    if act not in _ACT_CODE:
-        raise ValueError(f"act must be one of {tuple(_ACT_CODE)}, got {act!r}")
+    if act not in ACT_CODES:
+        raise ValueError(f"act must be one of {tuple(ACT_CODES)}, got {act!r}")
     q4_gu = isinstance(gate, Q4Stack)
     if q4_gu != isinstance(up, Q4Stack):
         raise ValueError("gate and up must both be Q4Stack or both tensors")
@@ -175,10 +175,10 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sl
     if q4_gu:
         _gate_up_q4_kernel[(k, triton.cdiv(I, _Q4_GU_ROWS))](
             x, ids, weights, slot_of, gate.codes, gate.scale, gate.zero, up.codes, up.scale, up.zero, h, I, D,
-            ACT=_ACT_CODE[act], BLOCK_N=_Q4_GU_ROWS, GROUPS=_Q4_GU_GROUPS)
+            ACT=ACT_CODES[act], BLOCK_N=_Q4_GU_ROWS, GROUPS=_Q4_GU_GROUPS)
     else:
         _gate_up_kernel[(k, triton.cdiv(I, _GU_ROWS))](
-            x, ids, weights, slot_of, gate, up, h, I, D, ACT=_ACT_CODE[act], BLOCK_N=_GU_ROWS, BLOCK_K=_GU_COLS)
+            x, ids, weights, slot_of, gate, up, h, I, D, ACT=ACT_CODES[act], BLOCK_N=_GU_ROWS, BLOCK_K=_GU_COLS)
     if isinstance(down, Q4Stack):
         _down_q4_kernel[(triton.cdiv(D, _Q4_DOWN_ROWS),)](
             h, ids, slot_of, down.codes, down.scale, down.zero, y, k, I, D,
@@ -205,7 +205,7 @@ _Q4_DOWN_ROWS, _Q4_DOWN_GROUPS = 2, 32
 if triton is not None:
 
     @triton.jit
-    def _act(z, ACT: tl.constexpr):
+    def triton_act(z, ACT: tl.constexpr):
         if ACT == 0:  # silu
             return z / (1.0 + tl.exp(-z))
         elif ACT == 1:  # gelu (tanh approximation); tanh(u) = 2 sigmoid(2u) - 1
@@ -238,7 +238,7 @@ if triton is not None:
             acc_g += tl.sum(g * xv[None, :], axis=1)
             acc_u += tl.sum(u * xv[None, :], axis=1)
         w = tl.where(valid, tl.load(w_ptr + j), 0.0)
-        tl.store(h_ptr + j * I + rows, _act(acc_g, ACT) * acc_u * w, mask=rows < I)
+        tl.store(h_ptr + j * I + rows, triton_act(acc_g, ACT) * acc_u * w, mask=rows < I)
 
     @triton.jit
     def _down_kernel(h_ptr, ids_ptr, slot_ptr, down_ptr, y_ptr, K, I, D,
@@ -300,7 +300,7 @@ if triton is not None:
             acc_g += _q4_dot(gq_ptr, gs_ptr, gz_ptr, base, rows, rmask, x_ptr, grp, gmask, D, GROUPS)
             acc_u += _q4_dot(uq_ptr, us_ptr, uz_ptr, base, rows, rmask, x_ptr, grp, gmask, D, GROUPS)
         w = tl.where(valid, tl.load(w_ptr + j), 0.0)
-        tl.store(h_ptr + j * I + rows, _act(acc_g, ACT) * acc_u * w, mask=rows < I)
+        tl.store(h_ptr + j * I + rows, triton_act(acc_g, ACT) * acc_u * w, mask=rows < I)
 
     @triton.jit
     def _down_q4_kernel(h_ptr, ids_ptr, slot_ptr, dq_ptr, ds_ptr, dz_ptr, y_ptr, K, I, D,

@@ -751,25 +751,29 @@ def test_cuda_gpu_int4_keeps_4bit_matrices_4bit(folder, family, kind):
 
 @pytest.mark.cuda
 @CUDA
-def test_cuda_prefill_int4_experts_token_by_token(folder, monkeypatch):
-    """A prompt's 4-bit GPU experts token by token through the Triton decode kernels (forced), and
-    expert by expert (each dequantised): the same prefill logits, both within the quantised tolerance."""
-    import hotcold.executors.moe as moe
+def test_cuda_prefill_int4_experts_chunk_kernels(folder, monkeypatch):
+    """A prompt's 4-bit GPU experts through the chunk kernels (codes dequantised in registers), and a
+    group of experts at a time (each group decoded, then batched products: chunk kernels turned off):
+    the same prefill logits, both within the quantised tolerance."""
+    from hotcold.executors.moe import HybridMoE
 
     ref = reference(folder, "qwen3_moe", "q4_0")
     toks = tokens(seed=1)
     with torch.inference_mode():
         want = ref.model(toks)
     got = {}
-    for by_token in (False, True):
-        monkeypatch.setattr(moe, "TOKEN_LAUNCHES", 0 if by_token else 10 ** 9)
+    for chunk in (False, True):
+        if not chunk:
+            monkeypatch.setattr(HybridMoE, "chunk_kernels", lambda self: False)
+        else:
+            monkeypatch.undo()
         lm = fresh(folder, "qwen3_moe", "q4_0")
         with make_hybrid(lm, {}, None, device="cuda", threads=2, gpu_int4=True,
                          gpu_experts=random_experts(lm, 0.5, seed=4)) as eng:
-            assert all(m.fast.int4 == ("gate", "up", "down") and m.device_kernels() for m in eng.moe.values())
+            assert all(m.fast.int4 == ("gate", "up", "down") and m.chunk_kernels() == chunk for m in eng.moe.values())
             with torch.inference_mode():
-                got[by_token] = lm.model(toks.cuda()).float().cpu()
-    assert rel_err(got[True], got[False]) < 1e-3
+                got[chunk] = lm.model(toks.cuda()).float().cpu()
+    assert rel_err(got[True], got[False]) < 1e-2
     assert rel_err(got[True], want) < 2 * TOL["q4_0"]
 
 

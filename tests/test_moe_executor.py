@@ -109,41 +109,35 @@ def test_prefill_and_decode_match_references(folder, family, placement):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
 @pytest.mark.parametrize("family", MOE)
-def test_prefill_gpu_experts_token_by_token(folder, family, device, monkeypatch):
-    """A chunk whose GPU experts take fewer launches token by token (the decode kernels, each token's
-    routed experts) than group by group: forced here (on the CPU tier through routed_experts' torch
-    twin), the same logits as the reference, every token through it once per MoE layer, every pair
-    counted."""
+def test_prefill_gpu_experts_chunk_kernels(folder, family, device, monkeypatch):
+    """A chunk's GPU experts: on CUDA through chunk_experts (every MoE layer once a chunk, no wait for
+    the routing), elsewhere a group of experts at a time from the routing on the host; the same
+    logits as the reference, every routed pair counted."""
     import hotcold.executors.moe as moe
 
     calls = []
 
     def counted(x, *a, **kw):
-        calls.append(x.shape)
-        return moe.routed_experts.__wrapped__(x, *a, **kw)
+        calls.append(tuple(x.shape))
+        return chunk_experts(x, *a, **kw)
 
-    counted.__wrapped__ = moe.routed_experts
+    chunk_experts = moe.chunk_experts
+    monkeypatch.setattr(moe, "chunk_experts", counted)
     ref = reference(folder, family, device)
     toks = tokens(seed=29, device=device)
     with torch.inference_mode():
         want = ref.model(toks)
     lm = fresh(folder, family, device)
-    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=random_experts(lm, 0.5, seed=2)) as eng:
-        layer = eng.moe[moe_layers(lm)[0]]
-        ids = np.array([[e] for e in layer.fast.ids])  # one token a GPU expert
-        assert layer.device_kernels() == (device == "cuda")  # Triton's kernels on CUDA only
-        monkeypatch.setattr(HybridMoE, "device_kernels", lambda self: True)
-        assert layer._token_by_token(ids[:1])  # one token: 6 launches against 12 for the group's batched products
-        assert not layer._token_by_token(np.repeat(ids[:1], 8, axis=0))  # 8 tokens, one group of float experts
-        monkeypatch.setattr(moe, "routed_experts", counted)
-        monkeypatch.setattr(moe, "TOKEN_LAUNCHES", 0)  # every chunk token by token
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=random_experts(lm, 0.5, seed=2),
+                     stats=True) as eng:
+        assert all(m.chunk_kernels() == (device == "cuda") for m in eng.moe.values())  # Triton's, on CUDA only
         with torch.inference_mode():
             got = lm.model(toks)
         st = eng.stats()["prefill"]
     assert_close(got, want, *([1e-4] if device == "cuda" else []))
     L = len(moe_layers(lm))
-    assert len(calls) == T * L and all(c == (lm.config.hidden_size,) for c in calls)
-    assert st["experts_gpu"] + st["experts_cpu"] == T * lm.config.top_k * L and st["experts_gpu"] > 0
+    assert calls == ([(toks.shape[1], lm.config.hidden_size)] * L if device == "cuda" else [])
+    assert st["experts_gpu"] + st["experts_cpu"] == toks.shape[1] * lm.config.top_k * L and st["experts_gpu"] > 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])

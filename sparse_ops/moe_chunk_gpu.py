@@ -1,0 +1,255 @@
+"""A chunk of tokens through the fast tier's experts in two kernels, the routing never on the host.
+
+The fast tier keeps G of a MoE layer's experts stacked as in moe_gpu.py (gate, up [G, I, D], down
+[G, D, I]: bf16 tensors or Q4Stack, `slot_of` [E] int32, -1 for experts elsewhere). For N tokens
+routed to ids [N, k] with weights [N, k], `chunk_experts` returns
+
+    y[t] = sum_j [slot_of[ids[t, j]] >= 0] * weights[t, j] * down[s] @ (act(gate[s] @ x[t]) * (up[s] @ x[t]))
+
+the way vLLM's fused MoE computes a batch: the N * k (token, expert) pairs are sorted by slot on the
+device and cut into blocks of BLOCK_M pairs of one expert each, an expert's last block padded
+(`align`); the first kernel multiplies a block's tokens by its expert's gate and up rows (4-bit codes
+dequantised in registers, never written out) and stores act(g) * u, the second multiplies that by
+down, scales each pair by its routing weight and stores the pair's row; a sum over the k pairs of a
+token gives y (no atomics: deterministic). Every launch has a fixed grid (as many blocks as the
+padded pairs could need; unused blocks return at once), so the launching thread never waits for the
+routing and the chunk can be captured or queued behind the router.
+Against decoding a group of experts into a bf16 workspace and three batched products per group
+(expert_stream.group_products), an expert's bytes are read once per block of its pairs and nothing
+is decoded to memory.
+
+A Q4Stack row holds group g's 32 weights in 16 bytes (element i in the low nibble of byte i, element
+i + 16 in the high one): the kernels multiply the low nibbles by x's columns g*32 + i and the high
+ones by g*32 + 16 + i, so the codes need no interleaving in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotcold.sparse_ops.moe_gpu import ACT_CODES, Q4Stack
+
+triton = None
+if torch.cuda.is_available():  # CUDA only (a CPU run does not pay Triton's import)
+    try:
+        import triton
+        import triton.language as tl
+
+        from hotcold.sparse_ops.moe_gpu import triton_act
+    except ImportError:  # pragma: no cover - depends on the install
+        triton = None
+
+__all__ = ["CHUNK_LAUNCHES", "align", "chunk_experts", "chunk_kernels_ready"]
+
+BLOCK_M = 16  # pairs a block: the tensor cores' smallest M; a 512-token chunk of Qwen3-30B-A3B gives ~32 pairs an expert
+CHUNK_LAUNCHES = 14  # align's torch ops, the two kernels, the buffers and the sum over k
+
+
+def chunk_kernels_ready(device, gate, up, down, slot_of) -> bool:
+    """Whether chunk_experts runs on these stacks: CUDA with Triton, at least one expert, contiguous
+    stacks, gate and up of one kind, a Q4Stack's K a multiple of its tile."""
+    if triton is None or torch.device(device).type != "cuda" or slot_of is None or gate.shape[0] == 0:
+        return False
+    if isinstance(gate, Q4Stack) != isinstance(up, Q4Stack):
+        return False
+    _, I, D = gate.shape
+    return (all(t.is_contiguous() for t in (gate, up, down, slot_of))
+            and D % (32 * _groups(D)) == 0 and I % (32 * _groups(I)) == 0)
+
+
+def _groups(k: int) -> int:
+    # 32-weight groups a K step of the 4-bit kernels (a power of two dividing k / 32, at most 4)
+    g = 4
+    while g > 1 and (k // 32) % g:
+        g //= 2
+    return g
+
+
+def align(ids: torch.Tensor, slot_of: torch.Tensor, G: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs of ids [N, k] sorted by slot, in blocks of block_m pairs of one slot,
+    by torch ops of fixed shapes on ids' device (no synchronisation).
+
+    Returns pairs int32 [B * block_m] (the pair index t * k + j, or N * k for padding and for pairs
+    whose expert has no slot) and block_slot int32 [B] (the block's slot, -1 for unused blocks), where
+    B = ceil((N * k + min(G, N * k) * (block_m - 1)) / block_m) bounds the blocks any routing needs."""
+    P = ids.numel()
+    dev = ids.device
+    s = slot_of[ids.reshape(-1)].long()
+    s = torch.where(s >= 0, s, G)  # pairs of experts elsewhere sort last and are dropped
+    order = torch.argsort(s, stable=True)  # pair indices by slot
+    counts = torch.bincount(s, minlength=G + 1)[:G]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts_padded, starts = ends - padded, torch.cumsum(counts, 0) - counts
+    B = -(-(P + min(G, P) * (block_m - 1)) // block_m)
+    ss = s[order]
+    sc = ss.clamp(max=G - 1)
+    dest = starts_padded[sc] + torch.arange(P, device=dev) - starts[sc]
+    dest = torch.where(ss < G, dest, B * block_m)  # dropped pairs go to the spare last entry
+    pairs = torch.full((B * block_m + 1,), P, dtype=torch.int32, device=dev)
+    pairs.scatter_(0, dest, order.to(torch.int32))
+    block_slot = torch.searchsorted(ends, torch.arange(B, device=dev) * block_m, right=True)
+    block_slot = torch.where(block_slot < G, block_slot, -1).to(torch.int32)
+    return pairs[:-1], block_slot
+
+
+def chunk_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+                  gate: torch.Tensor | Q4Stack, up: torch.Tensor | Q4Stack, down: torch.Tensor | Q4Stack,
+                  act: str) -> torch.Tensor:
+    """The chunk's routed fast-tier experts (see the module docstring). x: [N, D]; ids: int [N, k] and
+    weights [N, k] on x's device; slot_of: int32 [E]; gate, up: [G, I, D]; down: [G, D, I] (tensors in
+    x's dtype or Q4Stack) -> float32 [N, D]. chunk_kernels_ready must hold."""
+    if act not in ACT_CODES:
+        raise ValueError(f"act must be one of {tuple(ACT_CODES)}, got {act!r}")
+    G, I, D = gate.shape
+    N, k = ids.shape
+    x = x.contiguous()
+    pairs, block_slot = align(ids, slot_of, G)
+    B = block_slot.numel()
+    w = weights.reshape(-1).float().contiguous()
+    h = torch.empty((B * BLOCK_M, I), dtype=x.dtype, device=x.device)
+    out = torch.zeros((N * k, D), dtype=torch.float32, device=x.device)
+    bn_gu, bn_d = 64, 64
+    if isinstance(gate, Q4Stack):
+        _gate_up_q4[(B, triton.cdiv(I, bn_gu))](
+            x, pairs, block_slot, gate.codes, gate.scale, gate.zero, up.codes, up.scale, up.zero, h,
+            N * k, k, I, D, ACT=ACT_CODES[act], BM=BLOCK_M, BN=bn_gu, GK=_groups(D), num_warps=4)
+    else:
+        _gate_up[(B, triton.cdiv(I, bn_gu))](
+            x, pairs, block_slot, gate, up, h, N * k, k, I, D, ACT=ACT_CODES[act], BM=BLOCK_M, BN=bn_gu, BK=64,
+            num_warps=4)
+    if isinstance(down, Q4Stack):
+        _down_q4[(B, triton.cdiv(D, bn_d))](
+            h, pairs, block_slot, w, down.codes, down.scale, down.zero, out, N * k, I, D,
+            BM=BLOCK_M, BN=bn_d, GK=_groups(I), num_warps=4)
+    else:
+        _down[(B, triton.cdiv(D, bn_d))](
+            h, pairs, block_slot, w, down, out, N * k, I, D, BM=BLOCK_M, BN=bn_d, BK=64, num_warps=4)
+    return out.view(N, k, D).sum(1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _q4_tiles(q_ptr, s_ptr, z_ptr, row0, rows, rmask, g0, K, BN: tl.constexpr, GK: tl.constexpr, DT: tl.constexpr):
+        # rows [BN] of a Q4Stack matrix (row0: the expert's first row) over groups g0 .. g0 + GK:
+        # the low nibbles' weights and the high ones', each [BN, GK * 16] in DT
+        grp = g0 + tl.arange(0, GK)
+        ii = tl.arange(0, 16)
+        r64 = row0 + rows.to(tl.int64)
+        qoff = r64[:, None, None] * (K // 2) + (grp[:, None] * 16 + ii[None, :])[None, :, :]
+        b = tl.load(q_ptr + qoff, mask=rmask[:, None, None], other=0)  # uint8 [BN, GK, 16]
+        soff = r64[:, None] * (K // 32) + grp[None, :]
+        sc = tl.load(s_ptr + soff, mask=rmask[:, None], other=0.0).to(tl.float32)[:, :, None]
+        zr = tl.load(z_ptr + soff, mask=rmask[:, None], other=0.0).to(tl.float32)[:, :, None]
+        lo = ((b & 15).to(tl.float32) - 8.0) * sc + zr
+        hi = ((b >> 4).to(tl.float32) - 8.0) * sc + zr
+        return tl.reshape(lo, (BN, GK * 16)).to(DT), tl.reshape(hi, (BN, GK * 16)).to(DT)
+
+    @triton.jit
+    def _halves_cols(g0, GK: tl.constexpr):
+        # the columns the low nibbles of groups g0 .. g0 + GK multiply: g * 32 + i, [GK * 16]
+        grp = g0 + tl.arange(0, GK)
+        return tl.reshape(grp[:, None] * 32 + tl.arange(0, 16)[None, :], (GK * 16,))
+
+    @triton.jit
+    def _block(pairs_ptr, block_ptr, P, BM: tl.constexpr):
+        # this program's block: its slot (-1: unused) and its pairs [BM] (P: padding), valid mask
+        b = tl.program_id(0)
+        slot = tl.load(block_ptr + b)
+        m = b * BM + tl.arange(0, BM)
+        pair = tl.load(pairs_ptr + m)
+        return slot, m, pair, pair < P
+
+    @triton.jit
+    def _gate_up_q4(x_ptr, pairs_ptr, block_ptr, gq, gs, gz, uq, us, uz, h_ptr, P, K_TOP, I, D,
+                    ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr):
+        # h[m, n] = act(x[tok] . gate[slot, n]) * (x[tok] . up[slot, n]) for the block's pairs m, rows n
+        slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
+        if slot < 0:
+            return
+        tok = tl.where(valid, pair // K_TOP, 0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < I
+        row0 = slot.to(tl.int64) * I
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for g0 in range(0, D // 32, GK):
+            cols = _halves_cols(g0, GK)
+            xl = tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
+            xh = tl.load(x_ptr + tok[:, None] * D + cols[None, :] + 16, mask=valid[:, None], other=0.0)
+            gl, gh = _q4_tiles(gq, gs, gz, row0, n, nmask, g0, D, BN, GK, x_ptr.dtype.element_ty)
+            acc_g += tl.dot(xl, tl.trans(gl)) + tl.dot(xh, tl.trans(gh))
+            ul, uh = _q4_tiles(uq, us, uz, row0, n, nmask, g0, D, BN, GK, x_ptr.dtype.element_ty)
+            acc_u += tl.dot(xl, tl.trans(ul)) + tl.dot(xh, tl.trans(uh))
+        hv = triton_act(acc_g, ACT) * acc_u
+        tl.store(h_ptr + m.to(tl.int64)[:, None] * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
+
+    @triton.jit
+    def _gate_up(x_ptr, pairs_ptr, block_ptr, gate_ptr, up_ptr, h_ptr, P, K_TOP, I, D,
+                 ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # _gate_up_q4 over gate and up stacks in the compute dtype
+        slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
+        if slot < 0:
+            return
+        tok = tl.where(valid, pair // K_TOP, 0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < I
+        wrow = (slot.to(tl.int64) * I + n) * D
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            c = k0 + tl.arange(0, BK)
+            cm = c < D
+            xt = tl.load(x_ptr + tok[:, None] * D + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+            wm = nmask[:, None] & cm[None, :]
+            g = tl.load(gate_ptr + wrow[:, None] + c[None, :], mask=wm, other=0.0)
+            u = tl.load(up_ptr + wrow[:, None] + c[None, :], mask=wm, other=0.0)
+            acc_g += tl.dot(xt, tl.trans(g))
+            acc_u += tl.dot(xt, tl.trans(u))
+        hv = triton_act(acc_g, ACT) * acc_u
+        tl.store(h_ptr + m.to(tl.int64)[:, None] * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
+
+    @triton.jit
+    def _down_q4(h_ptr, pairs_ptr, block_ptr, w_ptr, dq, ds, dz, out_ptr, P, I, D,
+                 BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr):
+        # out[pair, n] = weight[pair] * (h[m] . down[slot, n]) for the block's pairs m, rows n of D
+        slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
+        if slot < 0:
+            return
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < D
+        row0 = slot.to(tl.int64) * D
+        hrow = m.to(tl.int64)[:, None] * I
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for g0 in range(0, I // 32, GK):
+            cols = _halves_cols(g0, GK)
+            hl = tl.load(h_ptr + hrow + cols[None, :])
+            hh = tl.load(h_ptr + hrow + cols[None, :] + 16)
+            dl, dh = _q4_tiles(dq, ds, dz, row0, n, nmask, g0, I, BN, GK, h_ptr.dtype.element_ty)
+            acc += tl.dot(hl, tl.trans(dl)) + tl.dot(hh, tl.trans(dh))
+        wt = tl.load(w_ptr + pair, mask=valid, other=0.0)
+        tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None],
+                 mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _down(h_ptr, pairs_ptr, block_ptr, w_ptr, down_ptr, out_ptr, P, I, D,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # _down_q4 over a down stack in the compute dtype
+        slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
+        if slot < 0:
+            return
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < D
+        wrow = (slot.to(tl.int64) * D + n) * I
+        hrow = m.to(tl.int64)[:, None] * I
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            c = k0 + tl.arange(0, BK)
+            cm = c < I
+            ht = tl.load(h_ptr + hrow + c[None, :], mask=cm[None, :], other=0.0)
+            wd = tl.load(down_ptr + wrow[:, None] + c[None, :], mask=nmask[:, None] & cm[None, :], other=0.0)
+            acc += tl.dot(ht, tl.trans(wd))
+        wt = tl.load(w_ptr + pair, mask=valid, other=0.0)
+        tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None],
+                 mask=valid[:, None] & nmask[None, :])
