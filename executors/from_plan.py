@@ -95,8 +95,9 @@ def _whole_moe(path: Path, dev: torch.device, dtype: str | None, quantize: str |
     on the fast tier: the experts keep their 4-bit codes (Q4Stack, about the file's bytes) and a
     token's routed experts run in two Triton kernels a layer without the host reading the routing,
     where the dense model would expand every expert to the dtype (3.5x the file) and loop over a
-    token's experts in Python behind a host sync each layer. Only the embedding table stays in host
-    memory (a token's row is copied up), as llama.cpp keeps it."""
+    token's experts in Python behind a host sync each layer. The embedding table goes to the GPU too
+    (in the dtype; llama.cpp keeps it on the host): looked up on the host, each step's token would be
+    read there first, a sync that leaves the GPU idle while the next step's graph is launched."""
     from hotcold.executors.engine import build_engine
     from hotcold.executors.options import EngineOptions, Placement
 
@@ -105,7 +106,7 @@ def _whole_moe(path: Path, dev: torch.device, dtype: str | None, quantize: str |
     cfg, layers = lm.config, range(lm.config.num_layers)
     placement = Placement(hot={l: torch.arange(cfg.intermediate_size) for l in layers if cfg.ffn_kind(l) != "moe"},
                           gpu_experts={l: list(range(cfg.num_experts)) for l in layers if cfg.ffn_kind(l) == "moe"},
-                          embed_cpu=True, gpu_int4=True)
+                          gpu_int4=True)
     engine = build_engine(lm, placement, None, EngineOptions(device=dev, dtype=dt, threads=threads, stats=stats), times)
     notes.append("a MoE model whole on the GPU: its experts keep their 4-bit blocks, a token's routed experts "
                  "run in two kernels a layer")

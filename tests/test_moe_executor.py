@@ -405,6 +405,11 @@ def test_a_moe_file_runs_whole_on_cuda_with_4bit_experts(tmp_path):
     setup = open_for_run(path, use_plan=False, device="cuda")
     try:
         assert setup.engine is not None and any("MoE model whole on the GPU" in n for n in setup.notes)
+        from hotcold.executors.host_attention import HostEmbedding
+
+        # the embedding on the GPU: a step's token is looked up there, not read on the host first
+        assert not isinstance(setup.lm.model.embed, HostEmbedding)
+        assert all(t.is_cuda for t in [*setup.lm.model.embed.parameters(), *setup.lm.model.embed.buffers()])
         moes = list(setup.engine.moe.values())
         assert len(moes) == ref.config.num_layers
         for m in moes:
