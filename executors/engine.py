@@ -206,12 +206,16 @@ def build_engine(lm: LoadedModel, placement: Placement, predictors: PredictorSet
     if tier.cuda:  # as the loader does: cuDNN attention rebuilds its graph at every decode step
         torch.backends.cuda.enable_cudnn_sdp(False)
     threads = options.threads or default_threads(tier.cuda)  # the worker's, CPU attention's and CPU predictors'
-    # every CPU part of the plan runs on this one executor (see HostAttention); inline on a CPU tier
+    # every CPU part of the plan runs on this one executor (see HostAttention): inline on a CPU tier
     # (nothing to overlap with: a worker only added hand-offs and a second OpenMP team on the same
-    # cores) and on CUDA with the FFNs' device half in per-layer graphs
+    # cores) and on CUDA with the FFNs' device half in per-layer graphs, unless the graphed steps run
+    # every CPU part as a host node: then a transient worker, gone while tokens are decoded
+    host_steps = (tier.cuda and options.per_layer_graphs and options.host_nodes and options.dense_host_nodes
+                  and not placement.attention_cpu and not placement.predictor_cpu)
     inline = options.cpu_inline if options.cpu_inline is not None else (
-        not tier.cuda or options.per_layer_graphs)
-    b = _Build(lm, placement, options, tier, CPUExecutor(threads, inline=inline), StatsBook(enabled=options.stats),
+        not tier.cuda or options.per_layer_graphs and not host_steps)
+    b = _Build(lm, placement, options, tier, CPUExecutor(threads, inline=inline, transient=host_steps),
+               StatsBook(enabled=options.stats),
                threads, options.int4_hot if options.int4_hot is not None else placement.gpu_int4 and tier.cuda,
                times)
     t_split = time.perf_counter()

@@ -114,7 +114,8 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
                 f" {'yes' if int4 else 'no':>5} {'yes' if fused else 'no':>5} {'yes' if host else 'no':>5}"
                 f" {'block' if block else 'spin':>5} {'yes' if pipeline else 'no':>5} {threads or 'auto':>7}"
                 f" {tps:>9.1f} {1e3 / tps:>9.2f}"
-                f" {graph_us(lm) if graphs is True else float('nan'):>9.0f}")
+                f" {graph_us(lm) if graphs is True else float('nan'):>9.0f}"
+                f" {'inline' if eng.cpu.inline else 'on' if eng.cpu.running else 'ended':>7}")
         if args.idle:
             line += "\n" + idle_shares(gen, lm, prompt, greedy, args.tokens)
         if args.profile:
@@ -167,7 +168,7 @@ def main() -> None:
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0
     print(f"model {args.model}, device {args.device}, {args.dtype}, greedy {args.tokens} tokens after 64")
-    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'wait':>5} {'pipe':>5} {'threads':>7} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9}"
+    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'wait':>5} {'pipe':>5} {'threads':>7} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9} {'worker':>7}"
           + (f" {'launches':>9}" if args.profile else ""))
     yes = {"yes": True, "no": False}
     configs = [(frac, graphs, inline, int4, fused, host, block, pipe, threads)
