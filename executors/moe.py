@@ -511,7 +511,7 @@ class HybridMoE(FFN):
     def _grouped_fast(self, x2: torch.Tensor, weights: torch.Tensor, ids: np.ndarray, phase: str) -> torch.Tensor:
         """A chunk's routed fast-tier experts a group of slots at a time, each group's experts in three
         batched products over their tokens (expert_stream.group_products). -> float32 [N, D]."""
-        f, step = self.fast, self.fast.group()[0]
+        f, step = self.fast, self.fast.group()
         routes = Routes.of(self.slot_pos[ids], len(f.ids))
         out = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
         starts = range(0, len(f.ids), step)

@@ -18,13 +18,10 @@ from hotcold.sparse_ops.moe_gpu import Q4Stack
 from hotcold.sparse_ops.quant import qdequantize
 
 
-# experts a chunk's products take together, and the kernel launches that costs: float stacks are
-# read in place (the padded activations bound the group); 4-bit ones are decoded for the group first,
-# by one Triton kernel a matrix on CUDA (bf16: 9.4 MB an expert of Qwen3-30B-A3B's shape) or by torch
-# ops through float32 temporaries (fewer at a time)
-FAST_GROUP, GROUP_LAUNCHES = 16, 9  # group_products' ops
-FAST_GROUP_INT4, GROUP_LAUNCHES_INT4 = 4, 45  # and ~12 a matrix decoded by torch ops
-FAST_GROUP_INT4_KERNEL, GROUP_LAUNCHES_INT4_KERNEL = 12, 12  # and one a matrix
+# experts a chunk's batched products take together where the chunk kernels do not run (no Triton,
+# the CPU tier): float stacks are read in place (the padded activations bound the group); 4-bit ones
+# are decoded for the group first by torch ops through float32 temporaries (fewer at a time)
+FAST_GROUP, FAST_GROUP_INT4 = 16, 4
 
 
 @dataclass
@@ -51,13 +48,9 @@ class FastExperts:
         gate, up, down = (self.weight(w, g, x.dtype) for w in ("gate", "up", "down"))
         return (self.act(x @ gate.T) * (x @ up.T)) @ down.T
 
-    def group(self) -> tuple[int, int]:
-        """(experts a group, kernel launches a group) of a chunk's batched products."""
-        if not self.int4:
-            return FAST_GROUP, GROUP_LAUNCHES
-        if all(getattr(self, w).kernel_decode for w in self.int4):
-            return FAST_GROUP_INT4_KERNEL, GROUP_LAUNCHES_INT4_KERNEL
-        return FAST_GROUP_INT4, GROUP_LAUNCHES_INT4
+    def group(self) -> int:
+        """Experts a group of a chunk's batched products (HybridMoE._grouped_fast)."""
+        return FAST_GROUP_INT4 if self.int4 else FAST_GROUP
 
     @property
     def int4(self) -> tuple[str, ...]:

@@ -70,7 +70,8 @@ class Constants:
     stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
     expert_stream_bytes: int = 128 * MiB  # bytes: prefill's streamed host experts (executors/expert_stream.py;
     #   `hotcold plan` sets it from the budget: expert_stream_budget)
-    expert_decode_group: int = 12  # GPU 4-bit experts a prompt chunk decodes at once (moe_parts.FAST_GROUP_INT4_KERNEL)
+    chunk_tokens: int = 512  # a prompt chunk's tokens (models.generate.PREFILL_CHUNK)
+    chunk_block: int = 16  # (token, expert) pairs a block of the GPU experts' chunk kernels (moe_chunk_gpu.BLOCK_M)
     expert_cache_bytes: int = 0  # bytes: the MoE expert cache's slice (`hotcold plan --expert-cache`; MoE models only)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
     # kernel launches on the GPU (each costs `launch_s` from the hardware profile)
@@ -426,9 +427,13 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
             # quantised host experts stream for prefill: two raw slots and the decoded group, at most all experts
             expert = 3 * h * cfg.moe_intermediate_size * (2 * wf + w)
             workspace += min(c.expert_stream_bytes, cfg.num_experts * expert)
-        if any(cfg.ffn_kind(l) == "moe" and any(fmt.experts_int4(l)) for l in range(cfg.num_layers)):
-            # a prompt chunk decodes the GPU's 4-bit experts a group at a time into the dtype
-            workspace += c.expert_decode_group * 3 * h * cfg.moe_intermediate_size * w
+        if any(cfg.ffn_kind(l) == "moe" for l in range(cfg.num_layers)):
+            # a prompt chunk's GPU experts (moe_chunk_gpu.workspace_bytes): act(g) * u of every padded
+            # (token, expert) pair in the dtype, each pair's float32 row and their sum, the index arrays
+            P, E = min(c.chunk_tokens, ctx) * cfg.top_k, cfg.num_experts  # (no chunk outgrows the context)
+            padded = -(-(P + min(E, P) * (c.chunk_block - 1)) // c.chunk_block) * c.chunk_block
+            workspace += (padded * cfg.moe_intermediate_size * w + (P + P // cfg.top_k) * h * 4 + 7 * P * 8
+                          + padded * 4)
     return ModelCosts(
         layers=layers, head_bytes=head_bytes,
         head_gpu_s=head_bytes / head_speed / gbw + c.head_gpu_kernels * launch,

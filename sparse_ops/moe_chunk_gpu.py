@@ -39,10 +39,9 @@ if torch.cuda.is_available():  # CUDA only (a CPU run does not pay Triton's impo
     except ImportError:  # pragma: no cover - depends on the install
         triton = None
 
-__all__ = ["CHUNK_LAUNCHES", "align", "chunk_experts", "chunk_kernels_ready"]
+__all__ = ["align", "chunk_experts", "chunk_kernels_ready", "workspace_bytes"]
 
 BLOCK_M = 16  # pairs a block: the tensor cores' smallest M; a 512-token chunk of Qwen3-30B-A3B gives ~32 pairs an expert
-CHUNK_LAUNCHES = 14  # align's torch ops, the two kernels, the buffers and the sum over k
 
 
 def chunk_kernels_ready(device, gate, up, down, slot_of) -> bool:
@@ -55,6 +54,15 @@ def chunk_kernels_ready(device, gate, up, down, slot_of) -> bool:
     _, I, D = gate.shape
     return (all(t.is_contiguous() for t in (gate, up, down, slot_of))
             and D % (32 * _groups(D)) == 0 and I % (32 * _groups(I)) == 0)
+
+
+def workspace_bytes(tokens: int, top_k: int, experts: int, dim: int, hidden: int, itemsize: int) -> int:
+    """Device bytes chunk_experts allocates for `tokens` tokens over a layer's `experts` fast-tier
+    experts: act(g) * u for every padded pair (itemsize bytes a weight), each pair's float32 row and
+    their sum, align's index arrays (the planner reserves this: planner/costs.py)."""
+    P = tokens * top_k
+    B = -(-(P + min(experts, P) * (BLOCK_M - 1)) // BLOCK_M)
+    return B * BLOCK_M * hidden * itemsize + (P + tokens) * dim * 4 + 7 * P * 8 + B * BLOCK_M * 4
 
 
 def _groups(k: int) -> int:
@@ -110,21 +118,22 @@ def chunk_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slo
     h = torch.empty((B * BLOCK_M, I), dtype=x.dtype, device=x.device)
     out = torch.zeros((N * k, D), dtype=torch.float32, device=x.device)
     bn_gu, bn_d = 64, 64
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 weights multiply exactly, as torch's do
     if isinstance(gate, Q4Stack):
         _gate_up_q4[(B, triton.cdiv(I, bn_gu))](
             x, pairs, block_slot, gate.codes, gate.scale, gate.zero, up.codes, up.scale, up.zero, h,
-            N * k, k, I, D, ACT=ACT_CODES[act], BM=BLOCK_M, BN=bn_gu, GK=_groups(D), num_warps=4)
+            N * k, k, I, D, ACT=ACT_CODES[act], BM=BLOCK_M, BN=bn_gu, GK=_groups(D), PREC=prec, num_warps=4)
     else:
         _gate_up[(B, triton.cdiv(I, bn_gu))](
             x, pairs, block_slot, gate, up, h, N * k, k, I, D, ACT=ACT_CODES[act], BM=BLOCK_M, BN=bn_gu, BK=64,
-            num_warps=4)
+            PREC=prec, num_warps=4)
     if isinstance(down, Q4Stack):
         _down_q4[(B, triton.cdiv(D, bn_d))](
             h, pairs, block_slot, w, down.codes, down.scale, down.zero, out, N * k, I, D,
-            BM=BLOCK_M, BN=bn_d, GK=_groups(I), num_warps=4)
+            BM=BLOCK_M, BN=bn_d, GK=_groups(I), PREC=prec, num_warps=4)
     else:
         _down[(B, triton.cdiv(D, bn_d))](
-            h, pairs, block_slot, w, down, out, N * k, I, D, BM=BLOCK_M, BN=bn_d, BK=64, num_warps=4)
+            h, pairs, block_slot, w, down, out, N * k, I, D, BM=BLOCK_M, BN=bn_d, BK=64, PREC=prec, num_warps=4)
     return out.view(N, k, D).sum(1)
 
 
@@ -161,9 +170,9 @@ if triton is not None:
         pair = tl.load(pairs_ptr + m)
         return slot, m, pair, pair < P
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
     def _gate_up_q4(x_ptr, pairs_ptr, block_ptr, gq, gs, gz, uq, us, uz, h_ptr, P, K_TOP, I, D,
-                    ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr):
+                    ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, PREC: tl.constexpr):
         # h[m, n] = act(x[tok] . gate[slot, n]) * (x[tok] . up[slot, n]) for the block's pairs m, rows n
         slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
         if slot < 0:
@@ -179,15 +188,15 @@ if triton is not None:
             xl = tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
             xh = tl.load(x_ptr + tok[:, None] * D + cols[None, :] + 16, mask=valid[:, None], other=0.0)
             gl, gh = _q4_tiles(gq, gs, gz, row0, n, nmask, g0, D, BN, GK, x_ptr.dtype.element_ty)
-            acc_g += tl.dot(xl, tl.trans(gl)) + tl.dot(xh, tl.trans(gh))
+            acc_g += tl.dot(xl, tl.trans(gl), input_precision=PREC) + tl.dot(xh, tl.trans(gh), input_precision=PREC)
             ul, uh = _q4_tiles(uq, us, uz, row0, n, nmask, g0, D, BN, GK, x_ptr.dtype.element_ty)
-            acc_u += tl.dot(xl, tl.trans(ul)) + tl.dot(xh, tl.trans(uh))
+            acc_u += tl.dot(xl, tl.trans(ul), input_precision=PREC) + tl.dot(xh, tl.trans(uh), input_precision=PREC)
         hv = triton_act(acc_g, ACT) * acc_u
         tl.store(h_ptr + m.to(tl.int64)[:, None] * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
     def _gate_up(x_ptr, pairs_ptr, block_ptr, gate_ptr, up_ptr, h_ptr, P, K_TOP, I, D,
-                 ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
         # _gate_up_q4 over gate and up stacks in the compute dtype
         slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
         if slot < 0:
@@ -205,14 +214,14 @@ if triton is not None:
             wm = nmask[:, None] & cm[None, :]
             g = tl.load(gate_ptr + wrow[:, None] + c[None, :], mask=wm, other=0.0)
             u = tl.load(up_ptr + wrow[:, None] + c[None, :], mask=wm, other=0.0)
-            acc_g += tl.dot(xt, tl.trans(g))
-            acc_u += tl.dot(xt, tl.trans(u))
+            acc_g += tl.dot(xt, tl.trans(g), input_precision=PREC)
+            acc_u += tl.dot(xt, tl.trans(u), input_precision=PREC)
         hv = triton_act(acc_g, ACT) * acc_u
         tl.store(h_ptr + m.to(tl.int64)[:, None] * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
     def _down_q4(h_ptr, pairs_ptr, block_ptr, w_ptr, dq, ds, dz, out_ptr, P, I, D,
-                 BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, PREC: tl.constexpr):
         # out[pair, n] = weight[pair] * (h[m] . down[slot, n]) for the block's pairs m, rows n of D
         slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
         if slot < 0:
@@ -227,14 +236,14 @@ if triton is not None:
             hl = tl.load(h_ptr + hrow + cols[None, :])
             hh = tl.load(h_ptr + hrow + cols[None, :] + 16)
             dl, dh = _q4_tiles(dq, ds, dz, row0, n, nmask, g0, I, BN, GK, h_ptr.dtype.element_ty)
-            acc += tl.dot(hl, tl.trans(dl)) + tl.dot(hh, tl.trans(dh))
+            acc += tl.dot(hl, tl.trans(dl), input_precision=PREC) + tl.dot(hh, tl.trans(dh), input_precision=PREC)
         wt = tl.load(w_ptr + pair, mask=valid, other=0.0)
         tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None],
                  mask=valid[:, None] & nmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
     def _down(h_ptr, pairs_ptr, block_ptr, w_ptr, down_ptr, out_ptr, P, I, D,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
         # _down_q4 over a down stack in the compute dtype
         slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
         if slot < 0:
@@ -249,7 +258,7 @@ if triton is not None:
             cm = c < I
             ht = tl.load(h_ptr + hrow + c[None, :], mask=cm[None, :], other=0.0)
             wd = tl.load(down_ptr + wrow[:, None] + c[None, :], mask=nmask[:, None] & cm[None, :], other=0.0)
-            acc += tl.dot(ht, tl.trans(wd))
+            acc += tl.dot(ht, tl.trans(wd), input_precision=PREC)
         wt = tl.load(w_ptr + pair, mask=valid, other=0.0)
         tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None],
                  mask=valid[:, None] & nmask[None, :])

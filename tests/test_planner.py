@@ -336,13 +336,20 @@ def test_streamed_experts_workspace_follows_the_budget_into_the_plan(tmp_path):
     assert ws(q4, 1000) - ws(q4, 0) == 1000
     assert ws(q4, 512 * MiB) - ws(q4, 0) == pytest.approx(cfg.num_experts * expert)
     assert ws(weight_format("bf16"), 1000) == ws(weight_format("bf16"), 0)  # float experts do not stream
-    # the GPU's 4-bit experts decode a group at a time for a prompt chunk: that group is reserved too
-    from hotcold.executors.moe_parts import FAST_GROUP_INT4_KERNEL
+    # a prompt chunk's GPU experts run in the chunk kernels: their buffers are reserved as the kernels allocate them
+    from hotcold.models.generate import PREFILL_CHUNK
+    from hotcold.sparse_ops.moe_chunk_gpu import BLOCK_M, workspace_bytes
 
-    assert TOY_CONSTANTS.expert_decode_group == FAST_GROUP_INT4_KERNEL
-    q4_gpu = dataclasses.replace(q4, gpu_experts_int4=True)
-    decoded = FAST_GROUP_INT4_KERNEL * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # bf16
-    assert ws(q4_gpu, 0) - ws(q4, 0) == decoded
+    assert (TOY_CONSTANTS.chunk_tokens, TOY_CONSTANTS.chunk_block) == (PREFILL_CHUNK, BLOCK_M)
+
+    def chunk_ws(tokens):
+        c = dataclasses.replace(TOY_CONSTANTS, chunk_tokens=tokens)
+        return build_costs(cfg, stats, toy_hw(), q4, ctx=64, block_size=8, constants=c).workspace_bytes
+
+    for tokens in (PREFILL_CHUNK, 3):  # a chunk of at most the context's 64 tokens
+        want = workspace_bytes(min(tokens, 64), cfg.top_k, cfg.num_experts, cfg.hidden_size,
+                               cfg.moe_intermediate_size, 2)
+        assert chunk_ws(tokens) - chunk_ws(0) == want
     c = dataclasses.replace(TOY_CONSTANTS, expert_stream_bytes=192 * MiB)
     costs = build_costs(cfg, stats, toy_hw(), q4, ctx=64, block_size=8, constants=c)
     req = dataclasses.replace(_req(costs.gpu_fixed_bytes + 0.5 * (model_bytes(costs) - costs.gpu_fixed_bytes),
