@@ -797,7 +797,7 @@ def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
         last = max(gpu_experts)
         gpu_experts[last] = list(range(lm.config.num_experts))  # every expert of the last MoE layer on the GPU
         with make_hybrid(lm, {}, None, device="cuda", threads=2, gpu_int4=int4, stats=False, host_nodes=host,
-                         gpu_experts=gpu_experts) as eng:
+                         gpu_experts=gpu_experts, cpu_inline=not host) as eng:
             got[host] = decode_logits(lm, toks.cuda()).cpu()
             blocks = {l: b for l, b in enumerate(lm.model.layers) if isinstance(b, GraphedBlock)}
             assert all(b.replays == T for b in blocks.values())
@@ -805,7 +805,7 @@ def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
             assert lm.model.one_token_step.replays == 0
             ran[host] = {l: (b.captured.out is not None, m._node.calls if m._node is not None else 0)
                          for l, m in eng.moe.items() for b in [blocks[l]]}
-            # host nodes: a transient worker, ended by the steps (inline otherwise)
+            # host nodes with a worker: a transient one, ended by the steps
             assert (eng.cpu.inline, eng.cpu.transient, eng.cpu.running) == ((False, True, False) if host else
                                                                              (True, False, False))
     assert ran[False] == {l: (False, 0) for l in ran[False]}
