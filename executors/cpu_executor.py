@@ -10,32 +10,17 @@ numba's thread count is per calling thread, so the worker sets it itself, once, 
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
-import psutil
 import torch
 
 from hotcold.executors.stats import now
 from hotcold.executors.weights import ColdFFN
+from hotcold.machine import default_threads
 from hotcold.sparse_ops.cpu import ffn_dense, ffn_rows, ffn_rows_batch, get_threads, set_threads
-
-
-def default_threads(cuda: bool) -> int:
-    """One numba thread per physical core on a CPU tier (hyper-threads only contend for memory
-    bandwidth). With a CUDA tier, half of them: its CPU parts run on CUDA's host-node thread and on the
-    thread driving the GPU, numba's OpenMP layer keeps a thread team per calling thread, and libgomp
-    counts both teams together: once they outnumber the cores, idle threads stop spinning and every
-    parallel region wakes its team through the kernel. On the 16-core H100 host the 8 GiB
-    Qwen3-30B-A3B-shaped plan's CPU experts took 9.9 ms a token with 8 threads and 18.2 with 15
-    (decode 43.0 and 41.1 tok/s); on the H200 host 8 threads read 37 GB/s where 15 read 23."""
-    n = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    n = min(numba.config.NUMBA_NUM_THREADS, n)
-    return max(1, n // 2) if cuda and n > 2 else n
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from hotcold.executors.cpu_executor import CPUExecutor, HostRows, default_threads
+from hotcold.executors.cpu_executor import CPUExecutor, HostRows
 from hotcold.executors.graphs import graph_blocks
 from hotcold.executors.gpu_executor import HOST_PREDICTOR_QTYPE, GPUExecutor, LearnedMask, OracleMask, predictor_dtype
 from hotcold.executors.host_attention import HostAttention, HostEmbedding, HostHead
@@ -38,6 +38,7 @@ from hotcold.executors.split_cache import open_split_memo
 from hotcold.executors.stats import StatsBook
 from hotcold.executors.tier import FastTier
 from hotcold.executors.weights import check_hot, split_ffn, whole_int4, whole_int4_reason
+from hotcold.machine import default_threads
 from hotcold.models.gguf_loader import drop_file_pages
 from hotcold.models.layers import DenseFFN, GatedFFN, MoEFFN, Rotary
 from hotcold.models.load_times import LoadTimes

@@ -72,7 +72,7 @@ class EngineOptions:
     dtype: torch.dtype | None = None  # the fast tier's dtype (default: the model's)
     cpu_dtype: str = "bf16"  # storage of float cold rows: f32, bf16, f16 or i8 (a quantised model's host
     #   rows keep their GGUF blocks, W_down transposed as Q8_0: this does not apply)
-    threads: int | None = None  # the CPU worker's threads (default: cpu_executor.default_threads)
+    threads: int | None = None  # the CPU worker's threads (default: hotcold.machine.default_threads)
     stats: bool = True  # time GPU work and transfers with CUDA events (worker times are always kept)
     prefill: str = "auto"  # "auto" (prefill_regime decides per layer and prompt), "cpu", "dense", "stream"
     costs: PrefillCosts | None = None  # the rates prefill_regime weighs (default: PrefillCosts(); without

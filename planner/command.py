@@ -15,6 +15,10 @@ def probe(
     force: bool = typer.Option(False, "--force", help="Measure again even if this machine has a cached profile."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes: a rough profile in a few seconds (tests)."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads to measure the kernels "
+                                          "with (default: what `run` takes here: one a physical core, half of "
+                                          "them with a GPU). To plan for another count: `probe --threads N --json "
+                                          "> hw.json`, then `plan --hardware hw.json`."),
 ) -> None:
     """Measure this machine's GPU, CPU kernels and PCIe once; the result is cached per host for `plan`."""
     from rich.console import Console
@@ -25,7 +29,7 @@ def probe(
     log = (lambda m: err.print(f"[dim]{m}[/dim]")) if not as_json else None
     if log and (force or not hardware_path().is_file()):
         err.print("measuring this machine (about 10 s)...")
-    hw, path, measured = load_hardware(None, force=force, quick=quick, log=log)
+    hw, path, measured = load_hardware(None, force=force, quick=quick, log=log, threads=threads)
     if hw.busy_warning():
         err.print(f"[yellow]warning: {hw.busy_warning()}[/yellow]")
     if as_json:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotcold.errors import HotcoldError
-from hotcold.machine import busy, llc_bytes
+from hotcold.machine import busy, default_threads, llc_bytes
 from hotcold.planner.probe_step import handoff_s, layer_step_s, matrix_fixed_s, sample_costs
 from hotcold.planner.timing import _call_time, _median_time, _rate
 
@@ -251,16 +251,18 @@ def hardware_path(hostname: str | None = None) -> Path:
 
 
 def load_hardware(spec: str | Path | None = None, force: bool = False, quick: bool = False,
-                  log=None) -> tuple[HardwareProfile, Path | None, bool]:
+                  log=None, threads: int | None = None) -> tuple[HardwareProfile, Path | None, bool]:
     """(profile, its file, measured now?). spec: None (this machine: cached, or probed and cached; a
-    cached profile that was measured on a busy machine is measured again once the machine is idle),
-    a preset name, or a JSON file written by `hotcold probe`."""
+    cached profile that was measured on a busy machine, or with another thread count than `threads`,
+    is measured again), a preset name, or a JSON file written by `hotcold probe`. threads: the CPU
+    kernels' threads (default: what a run takes here, `run_threads`)."""
     if spec is not None and str(spec) in PRESETS:
         return preset(str(spec)), None, False
     if spec is not None:
         path = Path(spec).expanduser()
         return read_hardware(path), path, False
     path = hardware_path()
+    threads = threads or run_threads()
     cached = None
     if path.is_file() and not force:
         try:
@@ -269,12 +271,15 @@ def load_hardware(spec: str | Path | None = None, force: bool = False, quick: bo
             if log:
                 log(f"{path}: unreadable, measuring again")
         else:
-            if cached.busy_warning() is None or not _idle_now(cached):
+            if cached.cpu_threads != threads and cached.cpu_kernel == "hotcold.sparse_ops.cpu":
+                if log:  # memory-bound kernels read at another rate with another thread count
+                    log(f"{path} was measured with {cached.cpu_threads} CPU threads; measuring with {threads}")
+            elif cached.busy_warning() is None or not _idle_now(cached):
                 return cached, path, False
-            if log:  # a busy probe's rates are several times too low; an idle machine measures them right
+            elif log:  # a busy probe's rates are several times too low; an idle machine measures them right
                 log(f"{path} was measured on a busy machine (load average {cached.load_before:.1f}); "
                     "measuring again now that it is idle")
-    hw = probe(quick=quick, log=log)
+    hw = probe(quick=quick, log=log, threads=threads)
     if cached is not None:  # work that started during this probe cannot undo what the last one measured
         hw = hw.best_of(cached)
     write_hardware(hw, path)
@@ -563,12 +568,32 @@ def _probe_cuda(hw: HardwareProfile, quick: bool, log) -> None:
             f"round trip {hw.roundtrip_s * 1e6:.0f} µs")
 
 
-def probe(quick: bool = False, log=None) -> HardwareProfile:
-    """Measure this machine (about 10 s on 2 cores; `quick` uses small sizes, for tests)."""
+def run_threads() -> int:
+    """The CPU threads a run on this machine takes by default (hotcold.machine.default_threads): the
+    probe measures the CPU kernels with as many, so that the plan's rates are the run's."""
+    import torch
+
+    return default_threads(cuda=torch.cuda.is_available())
+
+
+def probe(quick: bool = False, log=None, threads: int | None = None) -> HardwareProfile:
+    """Measure this machine (about 10 s on 2 cores; `quick` uses small sizes, for tests), the CPU
+    kernels with `threads` numba threads (default: run_threads)."""
     t0 = time.perf_counter()
     hw = HardwareProfile(hostname=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                          load_before=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
-    _probe_cpu(hw, quick, log)
+    try:
+        from hotcold.sparse_ops.cpu import get_threads, set_threads
+    except ImportError:  # pragma: no cover - the kernels ship with hotcold
+        get_threads = set_threads = None
+    before = get_threads() if get_threads else None
+    if set_threads:
+        set_threads(threads or run_threads())
+    try:
+        _probe_cpu(hw, quick, log)
+    finally:
+        if set_threads:
+            set_threads(before)
     hw.thread_handoff_s = handoff_s(quick)
     try:
         _probe_cuda(hw, quick, log)

@@ -862,7 +862,7 @@ def test_default_threads_keep_two_teams_within_the_cores(cores, monkeypatch):
     import numba
     import psutil
 
-    from hotcold.executors.cpu_executor import default_threads
+    from hotcold.machine import default_threads
 
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: cores)
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 64)

@@ -602,7 +602,8 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
         assert hw.gpu_gemv_Bps is None and hw.roundtrip_s is None
     calls = []
     quiet = dataclasses.replace(hw, load_before=0.0)  # (this test's own probe may have met a busy moment)
-    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: calls.append(1) or quiet)
+    monkeypatch.setattr("hotcold.planner.probe.probe",
+                        lambda quick=False, log=None, threads=None: calls.append(1) or quiet)
     a, path, measured = load_hardware(None)
     assert measured and path.is_file() and path.parent == tmp_path and path.name.startswith("hardware-")
     b, _, measured2 = load_hardware(None)
@@ -610,16 +611,35 @@ def test_probe_quick_and_cache(tmp_path, monkeypatch):
     load_hardware(None, force=True)
     assert len(calls) == 2
     assert read_hardware(path) == a
+    # a profile measured with another CPU thread count than the run's is measured again
+    _, _, measured_t = load_hardware(None, threads=a.cpu_threads + 1)
+    assert measured_t and len(calls) == 3
+    calls.pop()
     # a cached profile measured on a busy machine is kept while the machine is still busy, and measured
     # again (and replaced) once it is idle: its rates were too low for every plan made with them
     busy = dataclasses.replace(a, source="measured", cpu_threads=2, load_before=3.0)
     path.write_text(busy.to_json())
     monkeypatch.setattr("os.getloadavg", lambda: (2.5, 2.0, 2.0))
-    c, _, measured3 = load_hardware(None)
+    c, _, measured3 = load_hardware(None, threads=2)
     assert not measured3 and c == busy and len(calls) == 2
     monkeypatch.setattr("os.getloadavg", lambda: (0.2, 1.0, 2.0))
-    d, _, measured4 = load_hardware(None)
+    d, _, measured4 = load_hardware(None, threads=2)
     assert measured4 and d == a and len(calls) == 3 and read_hardware(path) == a
+
+
+def test_probe_measures_with_the_runs_threads():
+    """The probe's CPU kernels run with the thread count asked (default: what a run takes here), which
+    the profile records; the caller's numba thread count is left as it was."""
+    from hotcold.machine import default_threads
+    from hotcold.planner.probe import run_threads
+    from hotcold.sparse_ops.cpu import get_threads
+
+    import torch
+
+    assert run_threads() == default_threads(cuda=torch.cuda.is_available())
+    before = get_threads()
+    assert probe(quick=True, threads=1).cpu_threads == 1
+    assert get_threads() == before
 
 
 def test_best_of_two_probes():
@@ -724,7 +744,7 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     # (256 MiB workspace + the 512 MiB CUDA context the presets assume + two FFN layers' stream slots)
     assert isinstance(r.exception, BudgetError) and "--vram 769MiB or more" in str(r.exception)
     # no hardware profile yet for this machine: plan probes once and caches it
-    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: toy_hw(cuda=False))
+    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None, threads=None: toy_hw(cuda=False))
     r = _cli("plan", model, "--vram", "1GiB", "--ram", "4GiB")
     assert r.exit_code == 0, r.output
     assert list((tmp_path / "home").glob("hardware-*.json"))
@@ -736,7 +756,7 @@ def test_cli_probe_and_error_line(tmp_path, monkeypatch):
     from conftest import run_cli
 
     monkeypatch.setenv("HOTCOLD_HOME", str(tmp_path))
-    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None: toy_hw(cuda=False))
+    monkeypatch.setattr("hotcold.planner.probe.probe", lambda quick=False, log=None, threads=None: toy_hw(cuda=False))
     r = _cli("probe")
     assert r.exit_code == 0, r.output
     assert "hardware profile" in r.output and list(tmp_path.glob("hardware-*.json"))
