@@ -25,6 +25,8 @@ ones by g*32 + 16 + i, so the codes need no interleaving in registers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hotcold.sparse_ops.moe_gpu import ACT_CODES, Q4Stack
@@ -39,21 +41,37 @@ if torch.cuda.is_available():  # CUDA only (a CPU run does not pay Triton's impo
     except ImportError:  # pragma: no cover - depends on the install
         triton = None
 
-__all__ = ["align", "chunk_experts", "chunk_kernels_ready", "workspace_bytes"]
+__all__ = ["TILES", "Tiles", "align", "chunk_experts", "chunk_kernels_ready", "workspace_bytes"]
 
-BLOCK_M = 16  # pairs a block: the tensor cores' smallest M; a 512-token chunk of Qwen3-30B-A3B gives ~32 pairs an expert
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The kernels' tiles: bm pairs a block (align's blocks), bn_gu / bn_d rows of gate/up and of down a
+    program, up to gk 32-weight groups (4-bit) or bk weights (16-bit) a K step; warps and pipeline
+    stages a program (stages None: Triton's default). tools/bench_moe_chunk.py times alternatives."""
+
+    bm: int = 16  # the tensor cores' smallest M; a 512-token chunk of Qwen3-30B-A3B gives ~32 pairs an expert
+    bn_gu: int = 64
+    bn_d: int = 64
+    gk: int = 4
+    bk: int = 64
+    warps: int = 4
+    stages: int | None = None
+
+
+TILES = Tiles()
+BLOCK_M = TILES.bm
 
 
 def chunk_kernels_ready(device, gate, up, down, slot_of) -> bool:
     """Whether chunk_experts runs on these stacks: CUDA with Triton, at least one expert, contiguous
-    stacks, gate and up of one kind, a Q4Stack's K a multiple of its tile."""
+    stacks, gate and up of one kind."""
     if triton is None or torch.device(device).type != "cuda" or slot_of is None or gate.shape[0] == 0:
         return False
     if isinstance(gate, Q4Stack) != isinstance(up, Q4Stack):
         return False
-    _, I, D = gate.shape
-    return (all(t.is_contiguous() for t in (gate, up, down, slot_of))
-            and D % (32 * _groups(D)) == 0 and I % (32 * _groups(I)) == 0)
+    return all(t.is_contiguous() for t in (gate, up, down, slot_of))  # (a Q4Stack's K is whole groups of 32)
 
 
 def workspace_bytes(tokens: int, top_k: int, experts: int, dim: int, hidden: int, itemsize: int) -> int:
@@ -65,9 +83,9 @@ def workspace_bytes(tokens: int, top_k: int, experts: int, dim: int, hidden: int
     return B * BLOCK_M * hidden * itemsize + (P + tokens) * dim * 4 + 7 * P * 8 + B * BLOCK_M * 4
 
 
-def _groups(k: int) -> int:
-    # 32-weight groups a K step of the 4-bit kernels (a power of two dividing k / 32, at most 4)
-    g = 4
+def _groups(k: int, most: int = TILES.gk) -> int:
+    # 32-weight groups a K step of the 4-bit kernels (a power of two dividing k / 32, at most `most`)
+    g = most
     while g > 1 and (k // 32) % g:
         g //= 2
     return g
@@ -103,7 +121,7 @@ def align(ids: torch.Tensor, slot_of: torch.Tensor, G: int, block_m: int = BLOCK
 
 def chunk_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
                   gate: torch.Tensor | Q4Stack, up: torch.Tensor | Q4Stack, down: torch.Tensor | Q4Stack,
-                  act: str) -> torch.Tensor:
+                  act: str, tiles: Tiles = TILES) -> torch.Tensor:
     """The chunk's routed fast-tier experts (see the module docstring). x: [N, D]; ids: int [N, k] and
     weights [N, k] on x's device; slot_of: int32 [E]; gate, up: [G, I, D]; down: [G, D, I] (tensors in
     x's dtype or Q4Stack) -> float32 [N, D]. chunk_kernels_ready must hold."""
@@ -112,28 +130,29 @@ def chunk_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slo
     G, I, D = gate.shape
     N, k = ids.shape
     x = x.contiguous()
-    pairs, block_slot = align(ids, slot_of, G)
+    t = tiles
+    pairs, block_slot = align(ids, slot_of, G, t.bm)
     B = block_slot.numel()
     w = weights.reshape(-1).float().contiguous()
-    h = torch.empty((B * BLOCK_M, I), dtype=x.dtype, device=x.device)
+    h = torch.empty((B * t.bm, I), dtype=x.dtype, device=x.device)
     out = torch.zeros((N * k, D), dtype=torch.float32, device=x.device)
-    bn_gu, bn_d = 64, 64
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 weights multiply exactly, as torch's do
+    launch = dict(num_warps=t.warps, **({"num_stages": t.stages} if t.stages else {}))
     if isinstance(gate, Q4Stack):
-        _gate_up_q4[(B, triton.cdiv(I, bn_gu))](
+        _gate_up_q4[(B, triton.cdiv(I, t.bn_gu))](
             x, pairs, block_slot, gate.codes, gate.scale, gate.zero, up.codes, up.scale, up.zero, h,
-            N * k, k, I, D, ACT=ACT_CODES[act], BM=BLOCK_M, BN=bn_gu, GK=_groups(D), PREC=prec, num_warps=4)
+            N * k, k, I, D, ACT=ACT_CODES[act], BM=t.bm, BN=t.bn_gu, GK=_groups(D, t.gk), PREC=prec, **launch)
     else:
-        _gate_up[(B, triton.cdiv(I, bn_gu))](
-            x, pairs, block_slot, gate, up, h, N * k, k, I, D, ACT=ACT_CODES[act], BM=BLOCK_M, BN=bn_gu, BK=64,
-            PREC=prec, num_warps=4)
+        _gate_up[(B, triton.cdiv(I, t.bn_gu))](
+            x, pairs, block_slot, gate, up, h, N * k, k, I, D, ACT=ACT_CODES[act], BM=t.bm, BN=t.bn_gu, BK=t.bk,
+            PREC=prec, **launch)
     if isinstance(down, Q4Stack):
-        _down_q4[(B, triton.cdiv(D, bn_d))](
+        _down_q4[(B, triton.cdiv(D, t.bn_d))](
             h, pairs, block_slot, w, down.codes, down.scale, down.zero, out, N * k, I, D,
-            BM=BLOCK_M, BN=bn_d, GK=_groups(I), PREC=prec, num_warps=4)
+            BM=t.bm, BN=t.bn_d, GK=_groups(I, t.gk), PREC=prec, **launch)
     else:
-        _down[(B, triton.cdiv(D, bn_d))](
-            h, pairs, block_slot, w, down, out, N * k, I, D, BM=BLOCK_M, BN=bn_d, BK=64, PREC=prec, num_warps=4)
+        _down[(B, triton.cdiv(D, t.bn_d))](
+            h, pairs, block_slot, w, down, out, N * k, I, D, BM=t.bm, BN=t.bn_d, BK=t.bk, PREC=prec, **launch)
     return out.view(N, k, D).sum(1)
 
 
