@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from hotcold.errors import HotcoldError
+from hotcold.machine import default_threads
 from hotcold.models.load_times import LoadTimes
 from hotcold.models.loader import (LoadedModel, describe_model, gpu_free_bytes, load_model, resolve_device,
                                    resolve_dtype, stored_half_dtype)
@@ -264,6 +265,11 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
     if dev.type == "cuda" and p.mode == "cpu":
         notes.append("the plan is all-CPU; running it on the CPU")
         dev = torch.device("cpu")
+    run_threads = threads or default_threads(dev.type == "cuda")
+    if p.cpu_threads and p.cpu_threads != run_threads:  # memory-bound kernels read at another rate
+        notes.append(f"the plan's CPU rates were measured with {p.cpu_threads} threads and this run takes "
+                     f"{run_threads}: its prediction does not hold (`hotcold probe --threads {run_threads} --json "
+                     "> hw.json`, then `hotcold plan MODEL --hardware hw.json`)")
     if p.mode == "hybrid" and dev.type != "cuda":
         notes.append("the plan splits between GPU and CPU but no CUDA GPU is in use: the CPU is the fast tier")
     dt = run_dtype(path, dtype, dev) if not quantize else resolve_dtype(dtype, dev)

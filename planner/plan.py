@@ -74,6 +74,11 @@ class Plan:
         return t
 
     @property
+    def cpu_threads(self) -> int | None:
+        """The CPU threads its hardware profile measured the kernels with (None: not recorded)."""
+        return self.meta.get("hardware", {}).get("cpu_threads")
+
+    @property
     def batch(self) -> int | None:
         """The sequences whose KV caches the budget holds, where `plan --batch N` chose them (None:
         planned for one sequence by default)."""

@@ -1159,7 +1159,8 @@ def test_run_dtype_on_the_cpu_follows_a_half_precision_checkpoint(tmp_path):
 def test_open_for_run_notes_host_functions_that_had_to_be_compiled(tmp_path, monkeypatch):
     """A run whose host functions take long to build (numba's cache cold: a first run) says so once
     in its notes; one that builds them quickly (loaded from the cache) does not. The build is timed
-    around make_hybrid: the CPU plan's layers step as compiled calls (LayerHostNode)."""
+    around make_hybrid: the CPU plan's layers step as compiled calls (LayerHostNode). A run with
+    another CPU thread count than the plan's hardware profile measured with is told so too."""
     import torch
     import transformers as T
 
@@ -1187,3 +1188,8 @@ def test_open_for_run_notes_host_functions_that_had_to_be_compiled(tmp_path, mon
         setup.close()
     assert len(notes[0.0]) == 1 and re.search(r"in \d+ s; later runs load them", notes[0.0][0])
     assert notes[1e9] == []
+    # a run with another thread count than the profile measured (toy: 2) is told its prediction is off
+    for threads, said in ((2, False), (1, True)):
+        setup = from_plan.open_for_run(model, tmp_path / "p", device="cpu", threads=threads)
+        assert any("measured with 2 threads and this run takes 1" in n for n in setup.notes) == said
+        setup.close()
