@@ -417,7 +417,7 @@ class HybridMoE(FFN):
         book, tier, n = self.book, self.tier, x2.shape[0]
         routing, ready, job = self._send(x2, weights, ids, "prefill", submit=False)
         y = self._shared(x2)
-        early = self.fast.ids and self.chunk_kernels()  # the GPU experts need not wait for the routing's copy
+        early = self.chunk_kernels()  # the GPU experts need not wait for the routing's copy
         if early:
             y = y + self._routed_fast(x2, weights, ids).to(y.dtype)
         w0 = now()
