@@ -167,7 +167,7 @@ def _prefill_costs(kind: str):
     """This machine's rates for prefill's cost rule, from its cached hardware profile (`hotcold
     probe`, or the one `hotcold plan` made); None (the defaults) when there is none."""
     from hotcold.executors.prefill import PrefillCosts
-    from hotcold.planner.probe import hardware_path, read_hardware
+    from hotcold.planner.hardware import hardware_path, read_hardware
 
     path = hardware_path()
     try:

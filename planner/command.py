@@ -23,7 +23,8 @@ def probe(
     """Measure this machine's GPU, CPU kernels and PCIe once; the result is cached per host for `plan`."""
     from rich.console import Console
 
-    from hotcold.planner.probe import hardware_path, load_hardware
+    from hotcold.planner.hardware import hardware_path
+    from hotcold.planner.probe import load_hardware
 
     err = Console(stderr=True)
     log = (lambda m: err.print(f"[dim]{m}[/dim]")) if not as_json else None
@@ -106,7 +107,8 @@ def plan(
     from hotcold.profiler.artifact import find_profile
     from hotcold.planner.make import PlanRequest, plan_json, plan_tensors
     from hotcold.planner.plan import write_plan
-    from hotcold.planner.probe import PRESETS, load_hardware
+    from hotcold.planner.hardware import PRESETS
+    from hotcold.planner.probe import load_hardware
     from hotcold.planner.sizes import parse_size
 
     err = Console(stderr=True)

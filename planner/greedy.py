@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hotcold.planner.costs import ModelCosts, Placement
+from hotcold.planner.costs import ModelCosts
+from hotcold.planner.evaluate import Placement
 
 
 def greedy(costs: ModelCosts, vram: float) -> Placement:

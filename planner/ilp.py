@@ -43,7 +43,8 @@ import numpy as np
 import pulp
 
 from hotcold.errors import HotcoldError
-from hotcold.planner.costs import LayerCosts, ModelCosts, Placement
+from hotcold.planner.costs import LayerCosts, ModelCosts
+from hotcold.planner.evaluate import Placement
 
 US = 1e6  # objective unit: microseconds
 MB = float(1 << 20)  # byte unit in constraints: MiB
@@ -69,7 +70,7 @@ class SolveResult:
 def prefix_options(lc: LayerCosts) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
     """For a in (0, 1, 2) (0: attention and predictor on the CPU, 1: both on the GPU, 2: the attention
     on the CPU, the predictor on the GPU): (a, time_s[n], gpu_bytes[n], host_bytes[n]) of a hybrid
-    layer whose n hottest blocks are on the GPU, n = 0..K. Written apart from costs.evaluate (tests
+    layer whose n hottest blocks are on the GPU, n = 0..K. Written apart from evaluate.evaluate (tests
     compare them)."""
     K = lc.n_units
     n = np.arange(K + 1)
@@ -301,7 +302,7 @@ def _placement(costs: ModelCosts, layer_vars, group_vars, hd) -> Placement:
 
 def _start_values(costs: ModelCosts, warm: Placement, layer_vars, group_vars, hd) -> dict:
     """Initial values of every variable from a feasible placement (CBC's -mips start)."""
-    from hotcold.planner.costs import evaluate
+    from hotcold.planner.evaluate import evaluate
 
     ev = evaluate(costs, Placement("hybrid", warm.attn_gpu, warm.on_gpu, warm.head_gpu, warm.pred_gpu))
     vals: dict = {hd: int(bool(warm.head_gpu))}

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from hotcold.errors import HotcoldError
-from hotcold.planner.costs import (Constants, Evaluation, ModelCosts, Placement, build_costs, evaluate,
-                                   without_needless_predictors)
+from hotcold.planner.costs import Constants, ModelCosts, build_costs
+from hotcold.planner.evaluate import Evaluation, Placement, evaluate, without_needless_predictors
 from hotcold.planner.weight_format import WeightFormat
 from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import SolveResult, solve
-from hotcold.planner.probe import HardwareProfile
+from hotcold.planner.hardware import HardwareProfile
 from hotcold.planner.sizes import format_size, size_arg
 
 

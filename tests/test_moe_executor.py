@@ -272,7 +272,7 @@ def test_bad_expert_placements(folder):
 
 def _slow_cpu_hardware(path: Path) -> Path:
     """The H200 preset with a CPU 1000x slower: on a tiny model, splitting experts then pays."""
-    from hotcold.planner.probe import preset
+    from hotcold.planner.hardware import preset
 
     hw = preset("h200")
     slow = {f: {k: v / 1000 for k, v in getattr(hw, f).items()}

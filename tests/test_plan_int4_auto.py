@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from conftest import smollm2_gguf
-from hotcold.planner.probe import preset
+from hotcold.planner.hardware import preset
 from test_gguf_loader import base_kv, quantize, rnd, write_gguf
 from test_planner import TINY, _cli, make_model_folder
 

@@ -16,13 +16,15 @@ import pytest
 from hotcold.artifacts import ArtifactError
 from hotcold.errors import HotcoldError
 from hotcold.models.config import config_from_hf
-from hotcold.planner.costs import Constants, LayerStats, Placement, build_costs, evaluate, expert_stream_budget
+from hotcold.planner.costs import Constants, LayerStats, build_costs, expert_stream_budget
+from hotcold.planner.evaluate import Placement, evaluate
 from hotcold.planner.weight_format import quantize_format, quantized_format, weight_format
 from hotcold.planner.greedy import greedy
 from hotcold.planner.ilp import solve
 from hotcold.planner.make import BudgetError, PlanRequest, make_plan, plan_json, plan_tensors
 from hotcold.planner.plan import load_plan, write_plan
-from hotcold.planner.probe import QKINDS, HardwareProfile, load_hardware, preset, probe, read_hardware
+from hotcold.planner.hardware import QKINDS, HardwareProfile, preset, read_hardware
+from hotcold.planner.probe import load_hardware, probe
 from hotcold.planner.sizes import GiB, KiB, MiB, parse_size
 
 # ------------------------------------------------------------------------------------------- helpers

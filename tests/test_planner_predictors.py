@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from hotcold.executors.options import Placement as EnginePlacement
-from hotcold.planner.costs import LayerStats, Placement, build_costs, evaluate, without_needless_predictors
+from hotcold.planner.costs import LayerStats, build_costs
+from hotcold.planner.evaluate import Placement, evaluate, without_needless_predictors
 from hotcold.planner.inputs import predictors_within_budget, read_profile
 from hotcold.planner.make import make_plan, plan_json, plan_tensors
 from hotcold.planner.plan import load_plan, write_plan
