@@ -45,7 +45,7 @@ from hotcold.executors.tier import FastTier
 from hotcold.models.layers import FFN, route
 from hotcold.sparse_ops.fused_gpu import MAX_EXPERTS, fused_ready, route_pack_cuda
 from hotcold.sparse_ops.moe_chunk_gpu import chunk_experts, chunk_kernels_ready
-from hotcold.sparse_ops.moe_gpu import kernels_ready, routed_experts
+from hotcold.sparse_ops.moe_gpu import routed_experts
 from hotcold.sparse_ops.quant import check_expert_stacks, qexperts_routed
 
 
@@ -527,11 +527,6 @@ class HybridMoE(FFN):
         contiguous stacks): two kernels over every routed pair, without the routing on the host."""
         f = self.fast
         return bool(f.ids) and chunk_kernels_ready(self.tier.device, f.gate, f.up, f.down, f.slot_of)
-
-    def device_kernels(self) -> bool:
-        """Whether the fast tier runs routed_experts' Triton kernels (CUDA, contiguous stacks)."""
-        f = self.fast
-        return kernels_ready(self.tier.device, f.gate, f.up, f.down, f.slot_of)
 
     # ------------------------------------------------------------------ the CPU side
 
