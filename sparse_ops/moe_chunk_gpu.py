@@ -83,6 +83,11 @@ def workspace_bytes(tokens: int, top_k: int, experts: int, dim: int, hidden: int
     return B * BLOCK_M * hidden * itemsize + (P + tokens) * dim * 4 + 7 * P * 8 + B * BLOCK_M * 4
 
 
+def _operands(m) -> tuple:
+    # a stack as the kernels take it: a Q4Stack's codes, scales and zeros, or a tensor three times
+    return (m.codes, m.scale, m.zero) if isinstance(m, Q4Stack) else (m, m, m)
+
+
 def _groups(k: int, most: int = TILES.gk) -> int:
     # 32-weight groups a K step of the 4-bit kernels (a power of two dividing k / 32, at most `most`)
     g = most
@@ -138,21 +143,14 @@ def chunk_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slo
     out = torch.zeros((N * k, D), dtype=torch.float32, device=x.device)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 weights multiply exactly, as torch's do
     launch = dict(num_warps=t.warps, **({"num_stages": t.stages} if t.stages else {}))
-    if isinstance(gate, Q4Stack):
-        _gate_up_q4[(B, triton.cdiv(I, t.bn_gu))](
-            x, pairs, block_slot, gate.codes, gate.scale, gate.zero, up.codes, up.scale, up.zero, h,
-            N * k, k, I, D, ACT=ACT_CODES[act], BM=t.bm, BN=t.bn_gu, GK=_groups(D, t.gk), PREC=prec, **launch)
-    else:
-        _gate_up[(B, triton.cdiv(I, t.bn_gu))](
-            x, pairs, block_slot, gate, up, h, N * k, k, I, D, ACT=ACT_CODES[act], BM=t.bm, BN=t.bn_gu, BK=t.bk,
-            PREC=prec, **launch)
-    if isinstance(down, Q4Stack):
-        _down_q4[(B, triton.cdiv(D, t.bn_d))](
-            h, pairs, block_slot, w, down.codes, down.scale, down.zero, out, N * k, I, D,
-            BM=t.bm, BN=t.bn_d, GK=_groups(I, t.gk), PREC=prec, **launch)
-    else:
-        _down[(B, triton.cdiv(D, t.bn_d))](
-            h, pairs, block_slot, w, down, out, N * k, I, D, BM=t.bm, BN=t.bn_d, BK=t.bk, PREC=prec, **launch)
+    q4_gu, q4_d = isinstance(gate, Q4Stack), isinstance(down, Q4Stack)
+    g, u, d = (_operands(m) for m in (gate, up, down))
+    _gate_up[(B, triton.cdiv(I, t.bn_gu))](
+        x, pairs, block_slot, *g, *u, h, N * k, k, I, D, ACT=ACT_CODES[act], BM=t.bm, BN=t.bn_gu,
+        GK=_groups(D, t.gk), BK=t.bk, Q4=q4_gu, PREC=prec, **launch)
+    _down[(B, triton.cdiv(D, t.bn_d))](
+        h, pairs, block_slot, w, *d, out, N * k, I, D, BM=t.bm, BN=t.bn_d, GK=_groups(I, t.gk), BK=t.bk, Q4=q4_d,
+        PREC=prec, **launch)
     return out.view(N, k, D).sum(1)
 
 
@@ -189,95 +187,58 @@ if triton is not None:
         pair = tl.load(pairs_ptr + m)
         return slot, m, pair, pair < P
 
+    @triton.jit
+    def _product(a_ptr, arow, amask, w0, w1, w2, row0, n, nmask, K, Q4: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, GK: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        # A[rows] . W[row0 + n] over K -> float32 [BM, BN]: A's rows at a_ptr + arow (element offsets,
+        # amask where real), W a Q4Stack matrix (w0, w1, w2: codes, scale, zero) with Q4, else a matrix
+        # in A's dtype (w0)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if Q4:
+            for g0 in range(0, K // 32, GK):
+                cols = _halves_cols(g0, GK)
+                al = tl.load(a_ptr + arow[:, None] + cols[None, :], mask=amask[:, None], other=0.0)
+                ah = tl.load(a_ptr + arow[:, None] + cols[None, :] + 16, mask=amask[:, None], other=0.0)
+                wl, wh = _q4_tiles(w0, w1, w2, row0, n, nmask, g0, K, BN, GK, a_ptr.dtype.element_ty)
+                acc += tl.dot(al, tl.trans(wl), input_precision=PREC) + tl.dot(ah, tl.trans(wh), input_precision=PREC)
+        else:
+            wrow = (row0 + n.to(tl.int64)) * K
+            for k0 in range(0, K, BK):
+                c = k0 + tl.arange(0, BK)
+                cm = c < K
+                at = tl.load(a_ptr + arow[:, None] + c[None, :], mask=amask[:, None] & cm[None, :], other=0.0)
+                wt = tl.load(w0 + wrow[:, None] + c[None, :], mask=nmask[:, None] & cm[None, :], other=0.0)
+                acc += tl.dot(at, tl.trans(wt), input_precision=PREC)
+        return acc
+
     @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
-    def _gate_up_q4(x_ptr, pairs_ptr, block_ptr, gq, gs, gz, uq, us, uz, h_ptr, P, K_TOP, I, D,
-                    ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, PREC: tl.constexpr):
+    def _gate_up(x_ptr, pairs_ptr, block_ptr, g0, g1, g2, u0, u1, u2, h_ptr, P, K_TOP, I, D, ACT: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, BK: tl.constexpr, Q4: tl.constexpr,
+                 PREC: tl.constexpr):
         # h[m, n] = act(x[tok] . gate[slot, n]) * (x[tok] . up[slot, n]) for the block's pairs m, rows n
         slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
         if slot < 0:
             return
-        tok = tl.where(valid, pair // K_TOP, 0).to(tl.int64)
+        xrow = tl.where(valid, pair // K_TOP, 0).to(tl.int64) * D
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < I
         row0 = slot.to(tl.int64) * I
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for g0 in range(0, D // 32, GK):
-            cols = _halves_cols(g0, GK)
-            xl = tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
-            xh = tl.load(x_ptr + tok[:, None] * D + cols[None, :] + 16, mask=valid[:, None], other=0.0)
-            gl, gh = _q4_tiles(gq, gs, gz, row0, n, nmask, g0, D, BN, GK, x_ptr.dtype.element_ty)
-            acc_g += tl.dot(xl, tl.trans(gl), input_precision=PREC) + tl.dot(xh, tl.trans(gh), input_precision=PREC)
-            ul, uh = _q4_tiles(uq, us, uz, row0, n, nmask, g0, D, BN, GK, x_ptr.dtype.element_ty)
-            acc_u += tl.dot(xl, tl.trans(ul), input_precision=PREC) + tl.dot(xh, tl.trans(uh), input_precision=PREC)
+        acc_g = _product(x_ptr, xrow, valid, g0, g1, g2, row0, n, nmask, D, Q4, BM, BN, GK, BK, PREC)
+        acc_u = _product(x_ptr, xrow, valid, u0, u1, u2, row0, n, nmask, D, Q4, BM, BN, GK, BK, PREC)
         hv = triton_act(acc_g, ACT) * acc_u
         tl.store(h_ptr + m.to(tl.int64)[:, None] * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
 
     @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
-    def _gate_up(x_ptr, pairs_ptr, block_ptr, gate_ptr, up_ptr, h_ptr, P, K_TOP, I, D,
-                 ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-        # _gate_up_q4 over gate and up stacks in the compute dtype
-        slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
-        if slot < 0:
-            return
-        tok = tl.where(valid, pair // K_TOP, 0).to(tl.int64)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < I
-        wrow = (slot.to(tl.int64) * I + n) * D
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            c = k0 + tl.arange(0, BK)
-            cm = c < D
-            xt = tl.load(x_ptr + tok[:, None] * D + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
-            wm = nmask[:, None] & cm[None, :]
-            g = tl.load(gate_ptr + wrow[:, None] + c[None, :], mask=wm, other=0.0)
-            u = tl.load(up_ptr + wrow[:, None] + c[None, :], mask=wm, other=0.0)
-            acc_g += tl.dot(xt, tl.trans(g), input_precision=PREC)
-            acc_u += tl.dot(xt, tl.trans(u), input_precision=PREC)
-        hv = triton_act(acc_g, ACT) * acc_u
-        tl.store(h_ptr + m.to(tl.int64)[:, None] * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
-
-    @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
-    def _down_q4(h_ptr, pairs_ptr, block_ptr, w_ptr, dq, ds, dz, out_ptr, P, I, D,
-                 BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, PREC: tl.constexpr):
+    def _down(h_ptr, pairs_ptr, block_ptr, w_ptr, d0, d1, d2, out_ptr, P, I, D, BM: tl.constexpr, BN: tl.constexpr,
+              GK: tl.constexpr, BK: tl.constexpr, Q4: tl.constexpr, PREC: tl.constexpr):
         # out[pair, n] = weight[pair] * (h[m] . down[slot, n]) for the block's pairs m, rows n of D
         slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
         if slot < 0:
             return
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < D
-        row0 = slot.to(tl.int64) * D
-        hrow = m.to(tl.int64)[:, None] * I
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for g0 in range(0, I // 32, GK):
-            cols = _halves_cols(g0, GK)
-            hl = tl.load(h_ptr + hrow + cols[None, :])
-            hh = tl.load(h_ptr + hrow + cols[None, :] + 16)
-            dl, dh = _q4_tiles(dq, ds, dz, row0, n, nmask, g0, I, BN, GK, h_ptr.dtype.element_ty)
-            acc += tl.dot(hl, tl.trans(dl), input_precision=PREC) + tl.dot(hh, tl.trans(dh), input_precision=PREC)
-        wt = tl.load(w_ptr + pair, mask=valid, other=0.0)
-        tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None],
-                 mask=valid[:, None] & nmask[None, :])
-
-    @triton.jit(do_not_specialize=["P"])  # one build for every chunk length
-    def _down(h_ptr, pairs_ptr, block_ptr, w_ptr, down_ptr, out_ptr, P, I, D,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-        # _down_q4 over a down stack in the compute dtype
-        slot, m, pair, valid = _block(pairs_ptr, block_ptr, P, BM)
-        if slot < 0:
-            return
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < D
-        wrow = (slot.to(tl.int64) * D + n) * I
-        hrow = m.to(tl.int64)[:, None] * I
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            c = k0 + tl.arange(0, BK)
-            cm = c < I
-            ht = tl.load(h_ptr + hrow + c[None, :], mask=cm[None, :], other=0.0)
-            wd = tl.load(down_ptr + wrow[:, None] + c[None, :], mask=nmask[:, None] & cm[None, :], other=0.0)
-            acc += tl.dot(ht, tl.trans(wd), input_precision=PREC)
+        acc = _product(h_ptr, m.to(tl.int64) * I, m >= 0, d0, d1, d2, slot.to(tl.int64) * D, n, nmask, I, Q4, BM,
+                       BN, GK, BK, PREC)
         wt = tl.load(w_ptr + pair, mask=valid, other=0.0)
         tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None],
                  mask=valid[:, None] & nmask[None, :])
