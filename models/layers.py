@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from hotcold.models.config import ModelConfig, MoEConfig
 from hotcold.sparse_ops.attention import decode_attention
@@ -254,6 +255,8 @@ class Attention(nn.Module):
             if k.device.type == "cpu" and k.dtype == torch.float16:  # a half model's CPU cache (see kv_dtype)
                 k, v = k.float(), v.float()
             q = q.to(k.dtype)  # float32 over a half model's CPU cache
+            if T > 1 and q.is_cuda and self.window is None:
+                return self._attend_chunk(q, k, v, x.dtype)
         return self._attend(q, k, v, positions, x.dtype)
 
     def forward_static(self, x: torch.Tensor, positions: torch.Tensor, cache_kv: tuple) -> torch.Tensor:
@@ -318,6 +321,18 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
         )  # [B, H, T, Dh]
+        return project(self.o, out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(dtype))
+
+    def _attend_chunk(self, q, k, v, dtype) -> torch.Tensor:
+        """_attend for a prompt chunk on CUDA whose keys are every position up to its last (the cache's
+        first S): the causal mask aligned to the keys' end, which the flash and memory-efficient kernels
+        apply without writing the [H, T, S] scores a boolean mask costs (512 MiB for 32 heads, a
+        1,024-token chunk and 4,096 keys). Those kernels take the queries' heads: GQA's keys and values
+        are repeated (2 x H x S x Dh elements)."""
+        B, _, T, _ = q.shape
+        if self.n_kv != self.n_heads:
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, 1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, k.shape[2]), scale=self.scale)
         return project(self.o, out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(dtype))
 
 

@@ -230,6 +230,24 @@ def test_cuda_matches_cpu(family, tiny_dir):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_chunked_prefill_matches_cpu(family, dtype, tiny_dir):
+    """A prompt prefilled in chunks through the KV cache on CUDA (each chunk's causal mask aligned to
+    the keys' end: flash or memory-efficient attention) gives the CPU's whole-prompt logits."""
+    path = make_tiny(family, tiny_dir)
+    cpu, gpu = load_model(path, "cpu", "float32"), load_model(path, "cuda", dtype)
+    ids = _prompt(24, seed=5)
+    expected = cpu.model(ids)[0]
+    cache = KVCache(gpu.config, 32, device="cuda", dtype=getattr(torch, dtype))
+    with torch.inference_mode():
+        got = torch.cat([gpu.model(ids[:, a:b].cuda(), a, cache)[0].float().cpu() for a, b in ((0, 9), (9, 20), (20, 24))])
+    err = (got - expected).norm() / expected.norm()
+    assert err < (1e-4 if dtype == "float32" else 3e-2), err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_bf16_close_to_transformers(family, tiny_dir):
     path = make_tiny(family, tiny_dir)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
