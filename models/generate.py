@@ -18,7 +18,8 @@ from hotcold.models.loader import LoadedModel
 from hotcold.models.sampling import SamplingParams, penalise, sample_id
 from hotcold.models.transformer import KVCache
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 1024  # prompt tokens a forward pass: on the H100 host, a 2,048-token prompt of the 48-layer
+# Qwen3-30B-A3B shape at its 8 GiB plan prefilled at 1,812 tok/s in chunks of 512, 2,598 of 1,024
 
 
 @dataclass

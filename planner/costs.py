@@ -70,7 +70,7 @@ class Constants:
     stream_slots_bytes: int = 128 * MiB  # bytes: the two slots prefill streams cold weights through (at most two FFN layers)
     expert_stream_bytes: int = 128 * MiB  # bytes: prefill's streamed host experts (executors/expert_stream.py;
     #   `hotcold plan` sets it from the budget: expert_stream_budget)
-    chunk_tokens: int = 512  # a prompt chunk's tokens (models.generate.PREFILL_CHUNK)
+    chunk_tokens: int = 1024  # a prompt chunk's tokens (models.generate.PREFILL_CHUNK)
     chunk_block: int = 16  # (token, expert) pairs a block of the GPU experts' chunk kernels (moe_chunk_gpu.BLOCK_M)
     expert_cache_bytes: int = 0  # bytes: the MoE expert cache's slice (`hotcold plan --expert-cache`; MoE models only)
     host_reserve_bytes: int = 1 << 30  # bytes of host RAM for Python, torch, pinned buffers, tokenizer
@@ -423,6 +423,8 @@ def build_costs(cfg, stats: list[LayerStats], hw: HardwareProfile, fmt: WeightFo
     if has_gpu:  # the process's own GPU memory outside the weights: inside the --vram budget too
         ctx_bytes = hw.gpu_context_bytes if hw.gpu_context_bytes is not None else c.cuda_context_bytes
         workspace += ctx_bytes + min(c.stream_slots_bytes, 2 * _dense_ffn_bytes(cfg) * w)
+        if cfg.num_kv_heads != cfg.num_heads:  # a prompt chunk's keys and values repeated to the query's heads
+            workspace += 2 * cfg.num_heads * ctx * cfg.head_dim * fmt.kv_bytes  # (Attention._attend_chunk)
         if fmt.host_ffn_bytes_per_weight is not None and any(cfg.ffn_kind(l) == "moe" for l in range(cfg.num_layers)):
             # quantised host experts stream for prefill: two raw slots and the decoded group, at most all experts
             expert = 3 * h * cfg.moe_intermediate_size * (2 * wf + w)

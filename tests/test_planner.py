@@ -272,24 +272,27 @@ def test_extremes_all_gpu_and_all_cpu():
 
 
 def test_gpu_reserve_counts_cuda_context_and_stream_slots():
-    """The budget holds the process's CUDA context (measured, else the constant) and the prefill
-    streamer's slots (at most two FFN layers); no GPU, no reserve."""
+    """The budget holds the process's CUDA context (measured, else the constant), the prefill
+    streamer's slots (at most two FFN layers) and, under GQA, a prompt chunk's keys and values
+    repeated to the query's heads over the context; no GPU, no reserve."""
     cfg = tiny_cfg("llama_relu", num_hidden_layers=3)
+    assert cfg.num_kv_heads < cfg.num_heads
     stats = power_law_stats(cfg, np.random.default_rng(2))
     fmt = weight_format("bf16")
     consts = dataclasses.replace(TOY_CONSTANTS, stream_slots_bytes=128 * MiB)
     ffn_layer = (3 if cfg.ffn_kind(0) == "gated" else 2) * cfg.hidden_size * cfg.intermediate_size * 2  # bf16
+    gqa = 2 * cfg.num_heads * 64 * cfg.head_dim * 2  # bf16 keys and values, 64 positions
 
     def ws(hw, c=consts):
         return build_costs(cfg, stats, hw, fmt, ctx=64, block_size=8, constants=c).workspace_bytes
 
     base = ws(toy_hw(cuda=False))
-    assert ws(toy_hw()) == base + 2 * ffn_layer  # measured context 0; slots capped at two layers
-    assert ws(dataclasses.replace(toy_hw(), gpu_context_bytes=300 * MiB)) == base + 300 * MiB + 2 * ffn_layer
+    assert ws(toy_hw()) == base + 2 * ffn_layer + gqa  # measured context 0; slots capped at two layers
+    assert ws(dataclasses.replace(toy_hw(), gpu_context_bytes=300 * MiB)) == base + 300 * MiB + 2 * ffn_layer + gqa
     unmeasured = dataclasses.replace(toy_hw(), gpu_context_bytes=None)
-    assert ws(unmeasured) == base + consts.cuda_context_bytes + 2 * ffn_layer
+    assert ws(unmeasured) == base + consts.cuda_context_bytes + 2 * ffn_layer + gqa
     big = dataclasses.replace(consts, stream_slots_bytes=1000)
-    assert ws(toy_hw(), big) == base + 1000
+    assert ws(toy_hw(), big) == base + 1000 + gqa
     # a plan at a budget just above the reserve keeps its weights under budget - reserve
     hw = dataclasses.replace(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6), gpu_context_bytes=64 * KiB)
     costs = build_costs(cfg, stats, hw, fmt, ctx=64, block_size=8, constants=consts)
@@ -392,7 +395,8 @@ def test_infeasible_budgets_say_the_minimum():
     consts = dataclasses.replace(TOY_CONSTANTS, workspace_bytes=64 * KiB)
     costs = build_costs(cfg, stats, hw, weight_format("bf16"), ctx=64, block_size=8, constants=consts)
     full = model_bytes(costs)
-    with pytest.raises(BudgetError, match=r"cannot hold the GPU workspace.*--vram 64KiB or more.*--vram 0") as e:
+    minimum = f"{costs.workspace_bytes / KiB:.0f}KiB"  # 64 KiB and a chunk's repeated keys and values
+    with pytest.raises(BudgetError, match=rf"cannot hold the GPU workspace.*--vram {minimum} or more.*--vram 0") as e:
         make_plan(cfg, stats, hw, _req(8 * KiB, constants=consts))
     assert "\n" not in str(e.value)
     # RAM too small for an all-CPU plan
@@ -698,14 +702,14 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
                   power_law_stats(info.config, np.random.default_rng(1)))
     hw_file = tmp_path / "toy.json"
     hw_file.write_text(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6).to_json())
-    r = _cli("plan", model, "--vram", "120KiB", "--workspace", "16KiB", "--hardware", hw_file, "--ctx", "128",
+    r = _cli("plan", model, "--vram", "150KiB", "--workspace", "16KiB", "--hardware", hw_file, "--ctx", "128",
              "--explain")
     assert r.exit_code == 0, r.output
     assert "tok/s" in r.output and "greedy" in r.output
     p = load_plan(tmp_path / "tiny.hotcold", info.fingerprint)
     meta = p.meta
     assert meta["mode"] == "hybrid" and meta["budget"]["ctx"] == 128 and p.mode == "hybrid"
-    assert 0 < meta["bytes"]["gpu"]["total"] <= parse_size("120KiB")
+    assert 0 < meta["bytes"]["gpu"]["total"] <= parse_size("150KiB")
     assert len(meta["layers"]) == 3 and meta["solver"]["name"] == "cbc" and meta["solver"]["status"] == "optimal"
     assert meta["hardware"]["file"] == str(hw_file)
     # the small budget holds hot neurons or CPU attentions' predictors (the planner weighs both)
@@ -716,7 +720,7 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     busy = tmp_path / "busy.json"
     busy.write_text(dataclasses.replace(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6),
                                         source="measured", load_before=1.5).to_json())  # toy: 2 CPUs
-    r = _cli("plan", model, "--vram", "120KiB", "--workspace", "16KiB", "--hardware", busy, "--ctx", "128",
+    r = _cli("plan", model, "--vram", "150KiB", "--workspace", "16KiB", "--hardware", busy, "--ctx", "128",
              "--out", tmp_path / "busy-plan")
     flat = " ".join(r.output.split())  # the console wraps the line
     assert r.exit_code == 0 and "was busy when it was measured" in flat and "hotcold probe --force" in flat
@@ -724,7 +728,7 @@ def test_cli_plan_end_to_end(tmp_path, monkeypatch):
     idle16 = tmp_path / "idle16.json"
     idle16.write_text(dataclasses.replace(toy_hw(cpu_bw=0.5e9, rt=0.5e-6, handoff=0.2e-6), source="measured",
                                           cpu_threads=16, load_before=1.5).to_json())
-    r = _cli("plan", model, "--vram", "120KiB", "--workspace", "16KiB", "--hardware", idle16, "--ctx", "128",
+    r = _cli("plan", model, "--vram", "150KiB", "--workspace", "16KiB", "--hardware", idle16, "--ctx", "128",
              "--out", tmp_path / "idle16-plan")
     assert r.exit_code == 0 and "busy" not in r.output
     # a budget for the whole model: all on the GPU; --vram 0: all on the CPU
