@@ -103,22 +103,14 @@ class CPUExecutor:
 
     inline: no worker thread; submit() runs the job at once in the calling thread. For a CPU fast
     tier there is nothing to overlap with, and a second thread only adds hand-offs and a second
-    OpenMP team contending for the same cores (Q4_0 7B shape, 4 layers, 2 cores: see engine.py).
-    transient: the engine's graphed decode steps run their CPU work as CUDA host nodes, on CUDA's
-    callback thread, which keeps an OpenMP team of its own; each such step calls release(), which
-    ends the worker thread and its team with it (a prompt's next chunk starts another), so one team
-    alone holds the cores while tokens are decoded (see default_threads). One-token work submitted
-    to the worker (a layer stepped without a host node, CPU attention) ends that for good: the
-    worker is then needed at every step."""
+    OpenMP team contending for the same cores (Q4_0 7B shape, 4 layers, 2 cores: see engine.py)."""
 
-    def __init__(self, threads: int | None = None, name: str = "hotcold-cpu", inline: bool = False,
-                 transient: bool = False):
+    def __init__(self, threads: int | None = None, name: str = "hotcold-cpu", inline: bool = False):
         self.threads = threads or default_threads(cuda=False)
-        self.inline, self.transient, self.name = inline, transient and not inline, name
+        self.inline, self.name = inline, name
         self._closed = False
         self._thread: threading.Thread | None = None
         self.thread_count: int | None = None  # numba threads as seen inside the worker
-        self.starts = 0  # worker threads started
         if inline:  # the caller's thread runs the kernels: its numba thread count is set here
             set_threads(self.threads)
             self.thread_count = get_threads()
@@ -131,7 +123,6 @@ class CPUExecutor:
         self._thread = threading.Thread(target=self._loop, args=(started,), name=self.name, daemon=True)
         self._thread.start()
         started.wait()
-        self.starts += 1
 
     def _loop(self, started: threading.Event) -> None:
         set_threads(self.threads)
@@ -148,15 +139,6 @@ class CPUExecutor:
             finally:
                 job.done.set()
 
-    def release(self) -> None:
-        """A transient executor's worker ends once its queued jobs are done (no-op otherwise, or with
-        no worker running); the next submit starts another."""
-        if not self.transient or self._thread is None or self._closed:
-            return
-        self._jobs.put(None)
-        self._thread.join()
-        self._thread = None
-
     def submit(self, job: ColdJob) -> ColdJob:
         if self._closed:
             raise RuntimeError("CPU executor is closed")
@@ -168,10 +150,6 @@ class CPUExecutor:
             finally:
                 job.done.set()
             return job
-        if self.transient and (isinstance(job, CallJob) or len(job.x) == 1):
-            self.transient = False  # one-token work (a step's split layer, CPU attention): the worker stays
-        if self._thread is None:  # released
-            self._start()
         self._jobs.put(job)
         return job
 
@@ -184,14 +162,9 @@ class CPUExecutor:
         return job.result
 
     @property
-    def running(self) -> bool:
-        """Whether a worker thread (and its OpenMP team) exists now."""
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
     def alive(self) -> bool:
-        """Whether jobs may still be submitted (a released worker starts again on the next one)."""
-        return not self._closed and (self.inline or self._thread is None or self._thread.is_alive())
+        """Whether jobs may still be submitted."""
+        return not self._closed and (self.inline or self._thread.is_alive())
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker after the jobs already submitted; idempotent."""

@@ -217,7 +217,6 @@ class HybridFFN(FFN):
             self.book.add("decode", tokens=1, forwards=1)
         self.book.add("decode", layer_calls=1)
         self._node.check()
-        self.cpu.release()  # a transient worker's team leaves the cores to the host node's
 
     # ------------------------------------------------------------------ CPU regime
 

@@ -391,7 +391,6 @@ class HybridMoE(FFN):
             self.book.add("decode", tokens=1, forwards=1)
         self.book.add("decode", layer_calls=1)
         self._node.check()
-        self.cpu.release()  # a transient worker's team leaves the cores to the host node's
 
     # ------------------------------------------------------------------ prefill: the CPU or streamed experts
 

@@ -593,37 +593,6 @@ def test_worker_thread_lifecycle(folder):
         cpu.submit(bad)
 
 
-def test_transient_worker_ends_on_release_until_one_token_work_comes(folder):
-    """A transient executor (CUDA steps whose CPU parts are host nodes): release() ends the worker
-    thread once its jobs are done, the next job starts another with the same results; a one-token
-    job means the steps need the worker, and release() leaves it running from then on."""
-    lm = fresh(folder, "llama")
-    eng = make_hybrid(lm, random_hot(lm, 0.5), None, cpu_dtype="f32", threads=1, cpu_inline=False)
-    cold = eng.layers[0].cold
-    cpu = CPUExecutor(threads=1, transient=True)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, cold.up.shape[1])).astype(np.float32)
-
-    def run(rows: int) -> np.ndarray:
-        job = ColdJob(cold, x[:rows], None, np.zeros((rows, x.shape[1]), np.float32))
-        cpu.submit(job).wait()
-        return job.out
-
-    first = run(4)
-    n = threading.active_count()
-    cpu.release()
-    assert threading.active_count() == n - 1 and cpu.alive and not cpu.running and cpu.starts == 1
-    cpu.release()  # nothing running: nothing to do
-    np.testing.assert_array_equal(run(4), first)
-    assert cpu.starts == 2 and threading.active_count() == n
-    run(1)  # one token's work: the worker stays
-    cpu.release()
-    assert not cpu.transient and threading.active_count() == n and cpu.starts == 2
-    cpu.close()
-    eng.close()
-    assert not cpu.alive
-
-
 def test_cpu_tier_runs_cold_parts_inline(folder):
     """On a CPU fast tier the cold parts run in the calling thread (no worker thread, no second
     OpenMP team); an error still fails the job with the same message; results are the worker's."""
