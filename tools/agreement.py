@@ -58,7 +58,15 @@ def _metadata(model: Path) -> dict:
 
 
 def llama_logits(model: Path, ids: list[int], threads: int, gpu_layers: int, repack: bool) -> np.ndarray:
-    """[T, V] float32: llama.cpp's logits at every position, one batch."""
+    """[T, V] float32: llama.cpp's logits at every position, one batch, computed in a child process
+    (llama.cpp's CUDA build and torch's in one process crashed: a segmentation fault on the H100 host)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_llama_logits, (model, ids, threads, gpu_layers, repack))
+
+
+def _llama_logits(model: Path, ids: list[int], threads: int, gpu_layers: int, repack: bool) -> np.ndarray:
     from llama_cpp import Llama
 
     with llama_model_params(**({} if repack else NO_REPACK)):
