@@ -290,7 +290,7 @@ def test_cli_profile_plan_run(tmp_path, monkeypatch, device):
     model = add_tiny_tokenizer(make_tiny("qwen3_moe", tmp_path))
     r = run_cli("profile", model, "--tokens", "1024", "--seq-len", "64", "--samples", "256", "--device", device)
     assert r.returncode == 0, r.stderr
-    r = run_cli("plan", model, "--vram", "282KiB", "--workspace", "16KiB", "--ctx", "128", "--expert-cache", "32KiB",
+    r = run_cli("plan", model, "--vram", "314KiB", "--workspace", "16KiB", "--ctx", "128", "--expert-cache", "32KiB",
                 "--hardware", _slow_cpu_hardware(tmp_path / "hw.json"))
     assert r.returncode == 0, r.stderr
     plan = load_plan(model.parent / f"{model.name}.hotcold")
