@@ -229,11 +229,13 @@ def test_cuda_matches_cpu(family, tiny_dir):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family,dtype", [(f, "float32") for f in FAMILIES]
+                         + [(f, "bfloat16") for f in FAMILIES if f != "mixtral"])
 def test_cuda_chunked_prefill_matches_cpu(family, dtype, tiny_dir):
     """A prompt prefilled in chunks through the KV cache on CUDA (each chunk's causal mask aligned to
-    the keys' end: flash or memory-efficient attention) gives the CPU's whole-prompt logits."""
+    the keys' end: flash or memory-efficient attention) gives the CPU's whole-prompt logits. Not the
+    tiny mixtral in bfloat16: its random router has near-tied experts, which bfloat16's rounding
+    turns into others (0.12 relative error on the H100; float32 checks its attention)."""
     path = make_tiny(family, tiny_dir)
     cpu, gpu = load_model(path, "cpu", "float32"), load_model(path, "cuda", dtype)
     ids = _prompt(24, seed=5)
