@@ -316,12 +316,11 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, positions, dtype) -> torch.Tensor:
         # q: [B, H, T, Dh]; k, v: [B, Hkv, S, Dh] (key s at absolute position s) -> [B, T, D]
-        B, _, T, _ = q.shape
         mask = attention_mask(positions, k.shape[2], self.window)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
         )  # [B, H, T, Dh]
-        return project(self.o, out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(dtype))
+        return self._out(out, dtype)
 
     def _attend_chunk(self, q, k, v, dtype) -> torch.Tensor:
         """_attend for a prompt chunk on CUDA whose keys are every position up to its last (the cache's
@@ -329,10 +328,15 @@ class Attention(nn.Module):
         apply without writing the [H, T, S] scores a boolean mask costs (512 MiB for 32 heads, a
         1,024-token chunk and 4,096 keys). Those kernels take the queries' heads: GQA's keys and values
         are repeated (2 x H x S x Dh elements)."""
-        B, _, T, _ = q.shape
+        T = q.shape[2]
         if self.n_kv != self.n_heads:
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, 1) for t in (k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, k.shape[2]), scale=self.scale)
+        return self._out(out, dtype)
+
+    def _out(self, out: torch.Tensor, dtype) -> torch.Tensor:
+        # the heads' outputs [B, H, T, Dh] through o -> [B, T, D] in dtype
+        B, _, T, _ = out.shape
         return project(self.o, out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(dtype))
 
 
