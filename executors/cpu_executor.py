@@ -116,9 +116,6 @@ class CPUExecutor:
             self.thread_count = get_threads()
             return
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._start()
-
-    def _start(self) -> None:
         started = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(started,), name=self.name, daemon=True)
         self._thread.start()
@@ -168,7 +165,7 @@ class CPUExecutor:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker after the jobs already submitted; idempotent."""
-        if self.inline or self._thread is None:
+        if self.inline:
             self._closed = True
             return
         if not self._closed:
