@@ -2,6 +2,7 @@
 
     python tools/bench_grammar.py                      # SmolLM2 on the CPU, 2 threads
     python tools/bench_grammar.py MODEL --device cuda  # any model hotcold loads
+    python tools/bench_grammar.py MODEL --device cuda --plan --threads 8   # by the model's plan (hybrid)
     python tools/bench_grammar.py --engines            # llguidance vs xgrammar on SmolLM2's and Gemma 3's tokenizers
 
 The decode comparison alternates free and constrained runs of the same length (the free one with
@@ -67,7 +68,12 @@ def bench_decode(args) -> None:
     from hotcold.server.constrain import compile_json
 
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model or smollm2_gguf(), args.device)
+    if args.plan:  # the engine `hotcold run` builds from the model's plan (hybrid on CUDA)
+        from hotcold.executors.from_plan import open_for_run
+
+        lm = open_for_run(Path(args.model), device=args.device, threads=args.threads).lm
+    else:
+        lm = load_model(args.model or smollm2_gguf(), args.device)
     tok = lm.tokenizer
     gen = Generator(lm, max_context=2048)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]), add_special_tokens=False)
@@ -177,6 +183,7 @@ def main() -> None:
     p.add_argument("model", nargs="?", help="a GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--plan", action="store_true", help="load MODEL by its plan (`hotcold plan`), as `run` does")
     p.add_argument("--tokens", type=int, default=160, help="most tokens per constrained run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--engines", action="store_true", help="compare llguidance and xgrammar instead")
