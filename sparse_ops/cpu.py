@@ -32,11 +32,11 @@ from hotcold.sparse_ops.quant.matrix import QuantMatrix
 from hotcold.sparse_ops.quant.vector import _IR_ROWS
 from hotcold.sparse_ops.quant.ops import qaxpy_rows, qffn_rows, qffn_rows_batch, qgemv, qgemv_rows
 from hotcold.sparse_ops.selection import (ACTS, activate, as_rows, batch_input, get_threads, index_map, keep_active,
-                                          mask_to_rows, set_threads, split_rows)
+                                          mask_to_rows, release_threads, set_threads, split_rows)
 
 __all__ = [
     "HostMatrix", "quantize_i8", "gemv_rows", "gemv", "axpy_rows", "ffn_rows", "ffn_rows_batch",
-    "ffn_dense", "torch_view", "advise_hugepages", "host_empty", "gather_columns", "set_threads", "get_threads", "mask_to_rows", "index_map", "split_rows", "ACTS", "KINDS",
+    "ffn_dense", "torch_view", "advise_hugepages", "host_empty", "gather_columns", "set_threads", "get_threads", "release_threads", "mask_to_rows", "index_map", "split_rows", "ACTS", "KINDS",
 ]
 
 _JIT = dict(parallel=True, nogil=True, fastmath=True, cache=True)

@@ -7,6 +7,9 @@ Kept apart from both kernel modules so that neither imports the other's internal
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import numba
 import numpy as np
 from numba import njit
@@ -63,6 +66,51 @@ def set_threads(n: int) -> None:
 def get_threads() -> int:
     """numba's thread count for the calling thread."""
     return numba.get_num_threads()
+
+
+_pauses: list | None = None  # omp_pause_resource_all of each OpenMP runtime loaded, once resolved
+
+
+def _openmp_pauses() -> list:
+    """omp_pause_resource_all of every OpenMP runtime in the process (Linux: /proc/self/maps). torch
+    brings a libgomp of its own beside the system's that numba's omppool links, and which copy
+    numba's regions bind to depends on the order of imports; pausing both is harmless."""
+    found, pauses = set(), []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                name = os.path.basename(parts[5].strip()) if len(parts) == 6 else ""
+                if name.startswith(("libgomp", "libomp", "libiomp")) and ".so" in name:
+                    found.add(parts[5].strip())
+    except OSError:
+        return []
+    for path in sorted(found):
+        try:
+            fn = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):  # gone, or a runtime before OpenMP 5.0
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        pauses.append(fn)
+    return pauses
+
+
+def release_threads() -> bool:
+    """End the calling thread's numba thread team: its idle OpenMP threads exit, and the thread's
+    next parallel call starts a new team (~0.1 ms). libgomp counts every thread's idle team against
+    the cores, and once they outnumber the cores the threads of every team stop spinning between
+    parallel regions and sleep, so each region pays the kernel's wake-ups. A CUDA run decodes its CPU
+    work in the driver's host-function thread (executors/host_node.py); the team a prompt's CPU work
+    left in the main thread must go first (2 threads on 2 cores: a 45 µs region took 100 beside it).
+    Returns whether a team could be released (numba's OpenMP layer, loaded; not inside a region)."""
+    global _pauses
+    if _pauses is None:
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel region has run in this process: no team anywhere
+            return False
+        _pauses = _openmp_pauses() if layer == "omp" else []
+    return any([pause(1) == 0 for pause in _pauses])  # omp_pause_soft, in every runtime
 
 
 def as_rows(rows: np.ndarray, n: int) -> np.ndarray:

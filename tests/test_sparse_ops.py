@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numba
 import numpy as np
@@ -383,6 +385,48 @@ def test_set_threads_clamps():
         assert cpu.get_threads() == 1
     finally:
         cpu.set_threads(before)
+
+
+def _tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="a team of one thread has no idle threads")
+def test_release_threads_ends_the_calling_threads_team():
+    up_w, down_w, (gate_w, gate_m), _, (up_m, down_m, _) = ffn_case("bf16", "gated", n=200, d=100)
+    rows = selection(200, "some", np.int64)
+    x = np.random.default_rng(17).standard_normal(100).astype(np.float32)
+    seen = {}
+
+    def settle(cond) -> int:  # released threads leave the barrier and then exit: wait for /proc to agree
+        for _ in range(200):
+            n = _tasks()
+            if cond(n):
+                return n
+            time.sleep(0.01)
+        return _tasks()
+
+    def thread():  # a thread of its own, as CUDA's host-function thread: its team is the one released
+        cpu.set_threads(numba.config.NUMBA_NUM_THREADS)
+        seen["ref"] = cpu.ffn_rows(x, rows, up_m, down_m, "silu", gate=gate_m)
+        seen["with team"] = _tasks()
+        seen["released"] = cpu.release_threads()
+        seen["after"] = settle(lambda n: n < seen["with team"])
+        seen["again"] = cpu.ffn_rows(x, rows, up_m, down_m, "silu", gate=gate_m)
+        seen["team again"] = _tasks()
+        cpu.release_threads()
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    worker.join()
+    if numba.threading_layer() != "omp":
+        assert not seen["released"]  # only OpenMP keeps a team per calling thread
+        return
+    assert seen["released"]
+    assert seen["after"] <= seen["with team"] - (numba.config.NUMBA_NUM_THREADS - 1)
+    assert seen["team again"] > seen["after"]  # the next parallel call starts a new team
+    assert_close(seen["again"], seen["ref"], 0)
 
 
 # --------------------------------------------------------------------------------------------

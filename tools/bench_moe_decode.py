@@ -25,9 +25,7 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
-from numba import njit, prange
 
 import hotcold.executors.moe as moe
 import hotcold.models.layers as layers
@@ -37,28 +35,11 @@ from hotcold.models.generate import Generator
 from hotcold.models.loader import load_model
 from hotcold.planner.sizes import parse_size
 from hotcold.models.sampling import SamplingParams
-from hotcold.sparse_ops.selection import get_threads, set_threads
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 FUSED_READY = layers.fused_ready
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def _region(a):
-    for i in prange(a.shape[0]):
-        a[i] += 1.0
-
-
-def shrink_main_team() -> None:
-    """A two-thread parallel region in this (the main) thread: libgomp then releases the rest of the
-    thread's pool, whose idle threads otherwise count against the cores beside the host nodes' team
-    (a one-thread region leaves the pool as it is)."""
-    n = get_threads()
-    set_threads(2)
-    _region(np.zeros(64))
-    set_threads(n)
 
 
 def graph_us(lm) -> float:
@@ -113,7 +94,7 @@ def idle_shares(gen, lm, prompt, greedy, n: int) -> str:
 
 
 def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, int4: bool, fused: bool,
-            host: bool, block: bool, pipeline: bool, threads: int | None, shrink: bool, args) -> str:
+            host: bool, block: bool, pipeline: bool, threads: int | None, release: bool, args) -> str:
     layers.fused_ready = moe.fused_ready = FUSED_READY if fused else (lambda x: False)  # read at each call
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
@@ -122,11 +103,10 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
     try:
         gen = Generator(eng.lm, 512)
         gen.blocking_wait, gen.pipeline = block, "auto" if pipeline else False
+        gen.release_threads = release
         prompt, greedy = [(100 + i) % lm.config.vocab_size for i in range(64)], SamplingParams(temperature=0.0)
         for _ in gen.generate(prompt, 8, greedy, ignore_eos=True):  # warm-up (compilation, capture)
             pass
-        if shrink:  # after the prompt's CPU experts ran in this thread (the measured runs reuse its logits)
-            shrink_main_team()
         for _ in gen.generate(prompt, args.tokens, greedy, ignore_eos=True):
             pass
         tps = gen.stats.decode_tok_per_s
@@ -136,7 +116,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
                 f" {'block' if block else 'spin':>5} {'yes' if pipeline else 'no':>5} {threads or 'auto':>7}"
                 f" {tps:>9.1f} {1e3 / tps:>9.2f}"
                 f" {graph_us(lm) if graphs is True else float('nan'):>9.0f}"
-                f" {'inline' if eng.cpu.inline else 'worker':>7} {'shrunk' if shrink else 'kept':>6}")
+                f" {'inline' if eng.cpu.inline else 'worker':>7} {'ended' if release else 'kept':>6}")
         if args.idle:
             line += "\n" + idle_shares(gen, lm, prompt, greedy, args.tokens)
         if args.profile:
@@ -184,9 +164,9 @@ def main() -> None:
                     "before reading the token (the default) rather than after: no / yes / no,yes")
     ap.add_argument("--repeats", type=int, default=1, help="run the configurations this many times, alternating")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
-    ap.add_argument("--main-team", default="keep", help="after the prompt, keep the main thread's OpenMP team "
-                    "or shrink it to two threads (a test of the two-teams explanation of 15 threads): keep / shrink "
-                    "/ keep,shrink")
+    ap.add_argument("--main-team", default="release", help="on CUDA, end the main thread's numba team once the "
+                    "prompt is in (Generator.release_threads, the engine's default) or keep it beside the host "
+                    "nodes' team: release / keep / keep,release")
     ap.add_argument("--idle", action="store_true", help="per configuration, the share of decode time the GPU "
                     "(its kernels) and the CPU (its experts, timed by the host nodes) each sit idle")
     args = ap.parse_args()
@@ -195,7 +175,7 @@ def main() -> None:
     print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'wait':>5} {'pipe':>5} {'threads':>7} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9} {'worker':>7} {'main team':>6}"
           + (f" {'launches':>9}" if args.profile else ""))
     yes = {"yes": True, "no": False}
-    configs = [(frac, graphs, inline, int4, fused, host, block, pipe, threads, shrink)
+    configs = [(frac, graphs, inline, int4, fused, host, block, pipe, threads, release)
                for frac in (float(f) for f in args.fractions.split(","))
                for graphs in (yes.get(g.strip(), g.strip()) for g in args.graphs.split(","))
                for inline in (yes.get(i.strip()) for i in args.inline.split(","))
@@ -205,7 +185,7 @@ def main() -> None:
                for block in (w.strip() == "block" for w in args.wait.split(","))
                for pipe in (p.strip() == "yes" for p in args.pipeline.split(","))
                for threads in (None if t.strip() == "auto" else int(t) for t in args.threads.split(","))
-               for shrink in (m.strip() == "shrink" for m in args.main_team.split(","))]
+               for release in (m.strip() == "release" for m in args.main_team.split(","))]
     for _ in range(args.repeats):
         for config in configs:
             print(measure(args.model, config[0], cache, *config[1:], args), flush=True)
