@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from hotcold.models.config import ModelConfig, MoEConfig
 from hotcold.sparse_ops.attention import decode_attention
@@ -328,6 +327,8 @@ class Attention(nn.Module):
         apply without writing the [H, T, S] scores a boolean mask costs (512 MiB for 32 heads, a
         1,024-token chunk and 4,096 keys). Those kernels take the queries' heads: GQA's keys and values
         are repeated (2 x H x S x Dh elements)."""
+        from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: ~1 s of every start
+
         T = q.shape[2]
         if self.n_kv != self.n_heads:
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, 1) for t in (k, v))
