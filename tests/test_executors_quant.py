@@ -805,9 +805,7 @@ def test_cuda_host_node_steps_match_split_graphs(folder, family, int4):
             assert lm.model.one_token_step.replays == 0
             ran[host] = {l: (b.captured.out is not None, m._node.calls if m._node is not None else 0)
                          for l, m in eng.moe.items() for b in [blocks[l]]}
-            # host nodes with a worker: a transient one, ended by the steps
-            assert (eng.cpu.inline, eng.cpu.transient, eng.cpu.running) == ((False, True, False) if host else
-                                                                             (True, False, False))
+            assert eng.cpu.inline == (not host)  # host nodes with a worker (prompts' CPU experts)
     assert ran[False] == {l: (False, 0) for l in ran[False]}
     assert ran[True] == {l: (l != last, T if l != last else 0) for l in ran[True]}, ran[True]
     assert rel_err(got[True], got[False]) < 1e-5
