@@ -26,8 +26,8 @@ DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU; on CPU "
                                                "float32, for `run` a float16/bfloat16 checkpoint's own dtype)")
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="CPU threads, torch's and the CPU kernels' (default: about "
-                                                           "one a core; half the physical cores where the model "
-                                                           "runs split with a GPU).")
+                                                           "one a core; where the model runs split with a GPU, "
+                                                           "two fewer than the CPUs at most).")
 QuantizeOpt = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's matrices at load: q8_0, q4_0 or q4_k "
                                                     "(GGUF files keep their own quantisation).")
 MapExpertsOpt = typer.Option(False, "--map-experts", help="By a plan, read a quantised MoE model's CPU experts in "

@@ -33,17 +33,37 @@ def busy(cpus: int | None = None) -> bool:
     return hasattr(os, "getloadavg") and os.getloadavg()[0] >= 0.5 * cpus
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_threads(cuda: bool) -> int:
     """One numba thread per physical core on a CPU tier (hyper-threads only contend for memory
-    bandwidth). With a CUDA tier, half of them: its CPU parts run on CUDA's host-node thread and on the
-    thread driving the GPU, numba's OpenMP layer keeps a thread team per calling thread, and libgomp
-    counts both teams together: once they outnumber the cores, idle threads stop spinning and every
-    parallel region wakes its team through the kernel. On the 16-core H100 host the 8 GiB
-    Qwen3-30B-A3B-shaped plan's CPU experts took 9.9 ms a token with 8 threads and 18.2 with 15
-    (decode 43.0 and 41.1 tok/s); on the H200 host 8 threads read 37 GB/s where 15 read 23."""
+    bandwidth). With a CUDA tier, as many but two fewer than the CPUs: decoding's CPU experts run as a
+    team led by CUDA's host-node thread, whose idle members spin between the step's layers, and the
+    thread driving the GPU (and CUDA's own) needs a CPU beside them; a spinning team that a busy thread
+    preempts stalls every region until the member runs again (see `spare_cpus_for_spinning`). On the
+    16-core H100 host, a 24-layer Qwen3-30B-A3B-shaped cut decoded at 110-119 tok/s with 8 threads and
+    122-124 with 14 (the main thread's team ended, Generator.release_threads), and at 8 with 15."""
     import numba
     import psutil
 
     n = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     n = min(numba.config.NUMBA_NUM_THREADS, n)
-    return max(1, n // 2) if cuda and n > 2 else n
+    if cuda and n > 2:
+        n = max(1, min(n, available_cpus() - 2))
+    return n
+
+
+def spare_cpus_for_spinning(threads: int) -> bool:
+    """Whether a team of `threads` (its leader included) leaves two CPUs to the rest of a CUDA run (the
+    thread driving the GPU, CUDA's threads): then its idle members may spin between regions. libgomp
+    lets them spin only while the threads of all its pools fit the CPUs; ending another thread's idle
+    pool (sparse_ops.selection.release_threads) lets this team spin, which pays where it has room
+    (H100 host, 16 CPUs: 94.7 -> 124.3 tok/s at 14 threads) and stalls it where it has none (101 -> 7.7
+    tok/s at 15)."""
+    return threads + 2 <= available_cpus()

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hotcold.errors import ContextLengthError
+from hotcold.machine import spare_cpus_for_spinning
 from hotcold.models.loader import LoadedModel
 from hotcold.models.sampling import SamplingParams, penalise, sample_id
 from hotcold.models.transformer import KVCache
-from hotcold.sparse_ops.selection import release_threads
+from hotcold.sparse_ops.selection import get_threads, release_threads
 
 PREFILL_CHUNK = 1024  # prompt tokens a forward pass: on the H100 host, a 2,048-token prompt of the 48-layer
 # Qwen3-30B-A3B shape at its 8 GiB plan prefilled at 1,812 tok/s in chunks of 512, 2,598 of 1,024
@@ -95,7 +96,8 @@ class Generator:
         self._token_host: torch.Tensor | None = None  # pinned [1] int64: the sampled id's landing place
         self._event: tuple | None = None  # (blocking, the torch.cuda.Event the host waits on for a step)
         # on CUDA, end the main thread's numba thread team once the prompt is in (release_threads):
-        # decoding's CPU work runs in CUDA's host-function thread, whose team the idle one would slow
+        # decoding's CPU work runs in CUDA's host-function thread, whose team may then spin between
+        # regions where it leaves room (machine.spare_cpus_for_spinning); False keeps it (to compare)
         self.release_threads = True
 
     def _ensure_cache(self, needed: int) -> None:
@@ -169,7 +171,7 @@ class Generator:
             self.last_prompt = (list(prompt_ids), logits.clone())
         self.cached_ids = list(prompt_ids)
         on_gpu = logits.is_cuda and torch.device(self.lm.device).type == "cuda"
-        if on_gpu and self.release_threads:
+        if on_gpu and self.release_threads and spare_cpus_for_spinning(get_threads()):
             release_threads()
         pipelined = logprobs is None and (self.pipeline is True or (self.pipeline == "auto" and on_gpu))
         device = logits.device if pipelined else torch.device("cpu")

@@ -16,8 +16,8 @@ def probe(
     quick: bool = typer.Option(False, "--quick", help="Small sizes: a rough profile in a few seconds (tests)."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads to measure the kernels "
-                                          "with (default: what `run` takes here: one a physical core, half of "
-                                          "them with a GPU). To plan for another count: `probe --threads N --json "
+                                          "with (default: what `run` takes here: one a physical core; with a GPU, "
+                                          "two fewer than the CPUs at most). To plan for another count: `probe --threads N --json "
                                           "> hw.json`, then `plan --hardware hw.json`."),
 ) -> None:
     """Measure this machine's GPU, CPU kernels and PCIe once; the result is cached per host for `plan`."""

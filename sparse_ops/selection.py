@@ -101,7 +101,8 @@ def release_threads() -> bool:
     the cores, and once they outnumber the cores the threads of every team stop spinning between
     parallel regions and sleep, so each region pays the kernel's wake-ups. A CUDA run decodes its CPU
     work in the driver's host-function thread (executors/host_node.py); the team a prompt's CPU work
-    left in the main thread must go first (2 threads on 2 cores: a 45 µs region took 100 beside it).
+    left in the main thread must go first (2 threads on 2 cores: a 45 µs region took 100 beside it),
+    where the spinning team has room (hotcold.machine.spare_cpus_for_spinning).
     Returns whether a team could be released (numba's OpenMP layer, loaded; not inside a region)."""
     global _pauses
     if _pauses is None:

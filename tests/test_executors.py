@@ -824,20 +824,23 @@ def test_cuda_bf16_generate(folder):
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 4, 8, 15, 16, 17])
-def test_default_threads_keep_two_teams_within_the_cores(cores, monkeypatch):
-    """A CPU tier takes every physical core; a CUDA tier's CPU parts run on two threads (CUDA's host-node
-    thread and the one driving the GPU), each with its own OpenMP team: the most threads for which both
-    teams fit the cores (on 2 cores or fewer, every core)."""
+@pytest.mark.parametrize("smt", [1, 2])
+def test_default_threads_leave_two_cpus_beside_a_gpu(cores, smt, monkeypatch):
+    """A CPU tier takes every physical core; beside a GPU the CPU experts' team leaves two CPUs to the
+    thread driving the GPU and CUDA's threads (on 2 cores or fewer, every core), and only such a team
+    may spin once the main thread's team is ended."""
     import numba
     import psutil
 
-    from hotcold.machine import default_threads
+    from hotcold import machine
 
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: cores)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: cores * smt if logical else cores)
+    monkeypatch.setattr(machine, "available_cpus", lambda: cores * smt)
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 64)
-    assert default_threads(cuda=False) == cores
-    t = default_threads(cuda=True)
+    assert machine.default_threads(cuda=False) == cores
+    t = machine.default_threads(cuda=True)
     if cores <= 2:
         assert t == cores
     else:
-        assert 1 <= t and 2 * t <= cores < 2 * (t + 1)
+        assert t == min(cores, cores * smt - 2) and t >= 1
+        assert machine.spare_cpus_for_spinning(t) and not machine.spare_cpus_for_spinning(cores * smt - 1)
