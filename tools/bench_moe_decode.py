@@ -31,10 +31,12 @@ import hotcold.executors.moe as moe
 import hotcold.models.layers as layers
 from hotcold.executors import make_hybrid
 from hotcold.executors.moe import random_experts
+from hotcold.machine import spare_cpus_for_spinning
 from hotcold.models.generate import Generator
 from hotcold.models.loader import load_model
 from hotcold.planner.sizes import parse_size
 from hotcold.models.sampling import SamplingParams
+from hotcold.sparse_ops.selection import get_threads
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
@@ -104,6 +106,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
         gen = Generator(eng.lm, 512)
         gen.blocking_wait, gen.pipeline = block, "auto" if pipeline else False
         gen.release_threads = release
+        ended = release and spare_cpus_for_spinning(get_threads())  # what the generator will do
         prompt, greedy = [(100 + i) % lm.config.vocab_size for i in range(64)], SamplingParams(temperature=0.0)
         for _ in gen.generate(prompt, 8, greedy, ignore_eos=True):  # warm-up (compilation, capture)
             pass
@@ -116,7 +119,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
                 f" {'block' if block else 'spin':>5} {'yes' if pipeline else 'no':>5} {threads or 'auto':>7}"
                 f" {tps:>9.1f} {1e3 / tps:>9.2f}"
                 f" {graph_us(lm) if graphs is True else float('nan'):>9.0f}"
-                f" {'inline' if eng.cpu.inline else 'worker':>7} {'ended' if release else 'kept':>6}")
+                f" {'inline' if eng.cpu.inline else 'worker':>7} {'ended' if ended else 'kept':>6}")
         if args.idle:
             line += "\n" + idle_shares(gen, lm, prompt, greedy, args.tokens)
         if args.profile:
@@ -165,8 +168,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="run the configurations this many times, alternating")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per configuration")
     ap.add_argument("--main-team", default="release", help="on CUDA, end the main thread's numba team once the "
-                    "prompt is in (Generator.release_threads, the engine's default) or keep it beside the host "
-                    "nodes' team: release / keep / keep,release")
+                    "prompt is in (Generator.release_threads, the engine's default, where the decoding team leaves "
+                    "two CPUs: the last column says what ran) or keep it beside the host nodes' team: release / "
+                    "keep / keep,release")
     ap.add_argument("--idle", action="store_true", help="per configuration, the share of decode time the GPU "
                     "(its kernels) and the CPU (its experts, timed by the host nodes) each sit idle")
     args = ap.parse_args()
