@@ -48,7 +48,7 @@ def default_threads(cuda: bool) -> int:
     thread driving the GPU (and CUDA's own) needs a CPU beside them; a spinning team that a busy thread
     preempts stalls every region until the member runs again (see `spare_cpus_for_spinning`). On the
     16-core H100 host, a 24-layer Qwen3-30B-A3B-shaped cut decoded at 110-119 tok/s with 8 threads and
-    122-124 with 14 (the main thread's team ended, Generator.release_threads), and at 8 with 15."""
+    122-124 with 14 (the main thread's team ended, Generator.release_threads), and at 7.7-9.1 with 15."""
     import numba
     import psutil
 

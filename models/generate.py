@@ -100,6 +100,11 @@ class Generator:
         # regions where it leaves room (machine.spare_cpus_for_spinning); False keeps it (to compare)
         self.release_threads = True
 
+    def ends_main_team(self) -> bool:
+        """Whether a CUDA generation ends the main thread's numba team once its prompt is in: asked for
+        (release_threads) and the run's team leaves two CPUs (machine.spare_cpus_for_spinning)."""
+        return self.release_threads and spare_cpus_for_spinning(get_threads())
+
     def _ensure_cache(self, needed: int) -> None:
         if self.cache is None or self.cache.max_len < needed:
             size = min(self.max_context, max(needed, 256))
@@ -171,7 +176,7 @@ class Generator:
             self.last_prompt = (list(prompt_ids), logits.clone())
         self.cached_ids = list(prompt_ids)
         on_gpu = logits.is_cuda and torch.device(self.lm.device).type == "cuda"
-        if on_gpu and self.release_threads and spare_cpus_for_spinning(get_threads()):
+        if on_gpu and self.ends_main_team():
             release_threads()
         pipelined = logprobs is None and (self.pipeline is True or (self.pipeline == "auto" and on_gpu))
         device = logits.device if pipelined else torch.device("cpu")

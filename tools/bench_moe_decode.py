@@ -31,12 +31,10 @@ import hotcold.executors.moe as moe
 import hotcold.models.layers as layers
 from hotcold.executors import make_hybrid
 from hotcold.executors.moe import random_experts
-from hotcold.machine import spare_cpus_for_spinning
 from hotcold.models.generate import Generator
 from hotcold.models.loader import load_model
 from hotcold.planner.sizes import parse_size
 from hotcold.models.sampling import SamplingParams
-from hotcold.sparse_ops.selection import get_threads
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
@@ -106,7 +104,7 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
         gen = Generator(eng.lm, 512)
         gen.blocking_wait, gen.pipeline = block, "auto" if pipeline else False
         gen.release_threads = release
-        ended = release and spare_cpus_for_spinning(get_threads())  # what the generator will do
+        ended = gen.ends_main_team()
         prompt, greedy = [(100 + i) % lm.config.vocab_size for i in range(64)], SamplingParams(temperature=0.0)
         for _ in gen.generate(prompt, 8, greedy, ignore_eos=True):  # warm-up (compilation, capture)
             pass
