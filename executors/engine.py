@@ -152,7 +152,7 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                 cuda_graphs: bool | str = True, gpu_int4: bool = False, cpu_inline: bool | None = None,
                 embed_cpu: bool = False, head_cpu: bool = False,
                 int4_hot: bool | None = None, int4_down: bool = INT4_DOWN_DEFAULT,
-                host_nodes: bool = True, dense_host_nodes: bool = True,
+                host_nodes: bool = True, dense_host_nodes: bool = True, defer_experts: bool = False,
                 host_block_steps: bool = True, layer_nodes: bool = True, layer_graphs: bool = True,
                 map_experts: bool = False, times: LoadTimes | None = None) -> HybridEngine:
     """build_engine from keywords (tests and tools): `hot`, `gpu_experts`, `attention_cpu`,
@@ -167,7 +167,8 @@ def make_hybrid(lm: LoadedModel, hot: dict[int, torch.Tensor], predictors: Predi
                             expert_stream_bytes=expert_stream_bytes, prefetch_experts=prefetch_experts,
                             expert_cache_policy=expert_cache_policy, thresholds=thresholds or {},
                             cuda_graphs=cuda_graphs, cpu_inline=cpu_inline, int4_hot=int4_hot,
-                            host_nodes=host_nodes, dense_host_nodes=dense_host_nodes, host_blocks=host_block_steps,
+                            host_nodes=host_nodes, dense_host_nodes=dense_host_nodes, defer_experts=defer_experts,
+                            host_blocks=host_block_steps,
                             layer_nodes=layer_nodes, layer_graphs=layer_graphs, map_experts=map_experts)
     return build_engine(lm, placement, predictors, options, times)
 
@@ -405,6 +406,7 @@ def _wrap_steps(b: _Build, hybrid: dict[int, HybridFFN], moe: dict[int, HybridMo
     graphs = tier.cuda and o.per_layer_graphs  # on a CPU tier nothing is captured
     for m in moe.values():
         m.host_nodes = bool(o.host_nodes and o.per_layer_graphs)
+        m.defer = bool(m.host_nodes and o.defer_experts)
     for h in hybrid.values():
         h.host_nodes = bool(o.dense_host_nodes and o.per_layer_graphs)
     if o.host_blocks:  # before graph_blocks, which wraps only the plain Blocks left

@@ -179,7 +179,8 @@ def _prefill_costs(kind: str):
 def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, device: str | None = None,
                  dtype: str | None = None, threads: int | None = None, stats: bool = False,
                  quantize: str | None = None, gpu_int4: bool | None = None,
-                 compile_announced: bool = False, input_sparse: bool = True, map_experts: bool = False) -> RunSetup:
+                 compile_announced: bool = False, input_sparse: bool = True, map_experts: bool = False,
+                 defer_experts: bool = False) -> RunSetup:
     """Load `path` per its plan (`plan` names one; otherwise the model's own, if any). quantize: see
     `load_model` (HF checkpoints quantised at load). gpu_int4: on CUDA, a quantised model's 4-bit
     matrices stay 4-bit on the GPU, the split FFNs' hot rows included (see make_hybrid); a plan made
@@ -190,12 +191,16 @@ def open_for_run(path: Path, plan: Path | None = None, use_plan: bool = True, de
     input_sparse: apply the profile's input sparsity (executors/input_sparse.py) where it chose some, to
     a dense run (a plan's split engine runs without it so far, and says so). map_experts: a plan's CPU
     experts of a quantised MoE model read in place from the file (EngineOptions.map_experts).
+    defer_experts: a plan's CPU experts join the residual one layer late (EngineOptions.defer_experts).
     The setup's load_times says where the time went."""
     times = LoadTimes()
     setup = _open_timed(times, path, plan, use_plan, device, dtype, threads, stats, quantize, gpu_int4,
-                        compile_announced, map_experts)
+                        compile_announced, map_experts, defer_experts)
     with times.stage("split"):
         _input_sparsity(setup, input_sparse)
+    if defer_experts and not (setup.engine is not None and any(m.defer_host() for m in setup.engine.moe.values())):
+        setup.notes.append("--defer-experts: no layer defers its experts (that needs a plan's MoE layers with CPU "
+                           "experts on CUDA, quantised whole, and no --stats)")
     setup.load_times = times.finish()
     return setup
 
@@ -221,7 +226,8 @@ def _input_sparsity(setup: RunSetup, enabled: bool) -> None:
 
 def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool, device: str | None,
                 dtype: str | None, threads: int | None, stats: bool, quantize: str | None,
-                gpu_int4: bool | None, compile_announced: bool, map_experts: bool = False) -> RunSetup:
+                gpu_int4: bool | None, compile_announced: bool, map_experts: bool = False,
+                defer_experts: bool = False) -> RunSetup:
     """open_for_run, each stage's time added to `times`."""
     from hotcold.planner.plan import find_plan, load_plan
 
@@ -303,7 +309,7 @@ def _open_timed(times: LoadTimes, path: Path, plan: Path | None, use_plan: bool,
             notes.append(f"expert cache: {placement.expert_cache_bytes // one} experts on the GPU, filled by "
                          "look-ahead prefetch")
     options = EngineOptions(device=dev, dtype=dt, cpu_dtype=cpu_dtype, threads=threads, stats=stats,
-                            costs=_prefill_costs(cpu_dtype), map_experts=map_experts,
+                            costs=_prefill_costs(cpu_dtype), map_experts=map_experts, defer_experts=defer_experts,
                             expert_stream_bytes=p.expert_stream_bytes)
     built = host_node.BUILD_S[0]
     engine = build_engine(lm, placement, preds, options, times)

@@ -26,6 +26,19 @@ Python), so the host does one replay a layer:
     attention half ─ graph_pre ─ D2H packed ─ host node: CPU experts ─ H2D sum ─┐
                               └ (forked stream) graph_fast ─────────────────────── + ─ res + h
 
+With expert deferral (EngineOptions.defer_experts, opt-in), a "host" layer followed by another one
+leaves its CPU experts to the next layer's graph ("defer" mode), where they run on a third stream
+beside that layer's attention, routing and fast experts, and their sum joins that layer's output:
+
+    layer L     attention half ─ graph_pre ─ graph_fast ───────────────────── + carry of L-1 ─ out_L
+    layer L+1   ┌ D2H packed_L ─ host node: L's CPU experts ─ H2D ─────────┐
+                └ attention half ─ graph_pre ─ graph_fast ──────────────── + ─ out_L+1
+
+so the GPU no longer idles while the CPU computes a layer's experts. Layer L+1's attention and
+routing then see the residual without L's CPU experts (later layers see it whole): KTransformers'
+expert deferral, an approximation, unlike every other mode here. The last such layer, prefill and
+blocks with sandwich norms are exact.
+
 A HybridFFN with dense_host_nodes on takes the same "host" mode, its cold rows the host node. A dense
 or gated FFN wholly on the device (a dense run on the GPU, a layer kept int4 whole), and a split FFN
 with no host share (`device_only`: a MoE layer whose experts are all on the GPU) are captured whole
@@ -68,6 +81,8 @@ class _Captured:
     fast: torch.cuda.CUDAGraph | None = None  # the second graph of a split FFN: graph_fast
     y: torch.Tensor | None = None  # its static output
     out: torch.Tensor | None = None  # the block's output when the whole step is one graph ("host")
+    carry: "GraphedBlock | None" = None  # the previous block, whose deferred CPU experts this graph runs
+    carry_src: "_Captured | None" = None  # that block's capture whose packed input this graph reads
 
 
 class GraphedBlock(BlockWrapper):
@@ -82,30 +97,33 @@ class GraphedBlock(BlockWrapper):
         self.captured: _Captured | None = None
         self.replays = 0
         self._device_ffn: bool | None = None
+        # the neighbouring GraphedBlocks (graph_blocks links them; set past nn.Module's registration,
+        # which would make them submodules): expert deferral hands a layer's CPU experts to the next
+        object.__setattr__(self, "prev_block", None)
+        object.__setattr__(self, "next_block", None)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, start: int | None = None) -> torch.Tensor:
         b = self.block
         if not self.graphable(x, cache_kv):
             return b(x, positions, cache_kv, start)
-        split = x.shape[0] == 1 and self.split_ffn()  # the split steps take one token
-        if split and b.ffn.device_only():
-            split = "whole"  # its parts in one graph with the attention half
-        elif split and self.host_ffn():
-            split = "host"
-        elif not split and self.device_ffn():
-            split = "whole"
+        split = self.mode(x.shape[0])
+        carry = None
+        if split == "host":
+            carry = self.prev_block if self.prev_block is not None and self.prev_block.defers() else None
+            if carry is not None or self.defers():
+                split = "defer"
         key = (cache_kv[0].data_ptr(), tuple(cache_kv[0].shape), tuple(x.shape), x.dtype, split)
         c = self.captured
-        if c is None or c.key != key:
+        if c is None or c.key != key or c.carry is not carry or (carry is not None and c.carry_src is not carry.captured):
             self.captured = None  # frees the old graph before capturing the new one
-            c = self.captured = self._capture(key, x, positions, cache_kv, split)
+            c = self.captured = self._capture(key, x, positions, cache_kv, split, carry)
         else:
             c.x.copy_(x)
             c.positions.copy_(positions)
         if c.out is not None:  # the whole step in one graph, the CPU experts a host node; its output
             # is the graph's static tensor, which the next block copies in (valid until the next replay)
             c.graph.replay()
-            b.ffn.host_step()
+            b.ffn.host_step()  # (a deferred node is checked by its own layer's next host_step)
             self.replays += 1
             return c.out
         if c.h is not None:
@@ -125,6 +143,28 @@ class GraphedBlock(BlockWrapper):
         if b.sandwich:
             h = b.post_ffn_norm(h)
         return c.res + h
+
+    def mode(self, batch: int = 1) -> bool | str:
+        """How a one-token step of `batch` sequences is captured: "whole" (the FFN in the graph with the
+        attention half), "host" (one graph, the CPU share a host node), True (split graphs) or False
+        (the FFN eager); deferral may turn "host" into "defer" (forward)."""
+        split = batch == 1 and self.split_ffn()  # the split steps take one token
+        if split and self.block.ffn.device_only():
+            return "whole"  # its parts in one graph with the attention half
+        if split and self.host_ffn():
+            return "host"
+        if not split and self.device_ffn():
+            return "whole"
+        return split
+
+    def defers(self) -> bool:
+        """Whether this block's one-token step leaves its CPU experts to the next block's graph
+        (expert deferral, see the module docstring): its FFN allows it (HostNodeStep.defer_host), both
+        blocks step as one graph with a host node, and neither has sandwich norms."""
+        nxt, ffn = self.next_block, self.block.ffn
+        return bool(nxt is not None and isinstance(ffn, HostNodeStep) and ffn.defer_host()
+                    and self.block_graphable() and nxt.block_graphable() and not self.block.sandwich
+                    and not nxt.block.sandwich and self.mode() == "host" and nxt.mode() == "host")
 
     def graphable(self, x: torch.Tensor, cache_kv) -> bool:
         return (x.is_cuda and x.shape[1] == 1 and cache_kv is not None and cache_kv[0].is_cuda
@@ -174,7 +214,8 @@ class GraphedBlock(BlockWrapper):
     def step_mode(self, cache_kv) -> str | None:
         """How this block's one-token step was last captured for cache_kv: "host" or "whole" (the
         whole step is device work and host nodes, so a larger graph can hold it: StepGraph), another
-        mode, or None (not captured for this cache)."""
+        mode ("defer" among them: its graph leans on its neighbour's), or None (not captured for this
+        cache)."""
         c = self.captured
         if c is None or c.key[0] != cache_kv[0].data_ptr() or c.key[1] != tuple(cache_kv[0].shape):
             return None
@@ -190,25 +231,44 @@ class GraphedBlock(BlockWrapper):
             h = self.block.post_ffn_norm(h)
         return res + h
 
-    def _host_body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv) -> tuple:
+    def _host_body(self, x: torch.Tensor, positions: torch.Tensor, cache_kv, defer: bool = False,
+                   carry: "GraphedBlock | None" = None) -> tuple:
         # the "host" graph: the attention half, graph_pre, then graph_fast on a forked stream while
         # the main stream copies the packed input down, runs the host node and copies its sum up;
-        # joined, added, and the block's output. -> (res, f_in, pre, y, out) [.., D]
+        # joined, added, and the block's output. defer: this block's host node is left to the next
+        # block's graph; carry: the previous block's host node runs here, on a third stream from the
+        # start, and its sum is added too. -> (res, f_in, pre, y, out) [.., D]
         b, ffn = self.block, self.block.ffn
+        main = torch.cuda.current_stream(x.device)
+        late = None
+        if carry is not None:
+            back = _side_stream(x.device, "host")
+            back.wait_stream(main)
+            with torch.cuda.stream(back):
+                late = carry.block.ffn.graph_host(carry.captured.pre)  # [1, D] float32
         res, f_in = self._attention_half(x, positions, cache_kv)
         pre = ffn.graph_pre(f_in)
-        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side = _side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             y = ffn.graph_fast(f_in, pre)  # [1, D]
-        y_cpu = ffn.graph_host(pre)  # [1, D] float32
+        y_cpu = None
+        if not defer:
+            if late is not None:
+                main.wait_stream(back)  # one host node at a time: the CPU runs one team of threads
+            y_cpu = ffn.graph_host(pre)  # [1, D] float32
         main.wait_stream(side)
-        h = y.add_(y_cpu).reshape(f_in.shape)
+        h = y if y_cpu is None else y.add_(y_cpu)
+        if late is not None:
+            main.wait_stream(back)
+            h = h.add_(late)
+        h = h.reshape(f_in.shape)
         if b.sandwich:
             h = b.post_ffn_norm(h)
         return res, f_in, pre, y, res + h
 
-    def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool | str) -> _Captured:
+    def _capture(self, key: tuple, x: torch.Tensor, positions: torch.Tensor, cache_kv, split: bool | str,
+                 carry: "GraphedBlock | None" = None) -> _Captured:
         sx, sp = x.clone(), positions.clone()
         # warm up on a side stream (lazy initialisations, Triton compilation, must not happen inside
         # the capture); it writes this step's key/value at its position, as the replay will again
@@ -221,11 +281,12 @@ class GraphedBlock(BlockWrapper):
                 ffn.graph_fast(f_in, pre)
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if split == "host":
+        if split in ("host", "defer"):
             ffn.host_node_setup()
             with torch.cuda.graph(graph, pool=self.pool):
-                res, f_in, pre, y, out = self._host_body(sx, sp, cache_kv)
-            return _Captured(key, graph, sx, sp, res, f_in, pre, y=y, out=out)
+                res, f_in, pre, y, out = self._host_body(sx, sp, cache_kv, split == "defer" and self.defers(), carry)
+            return _Captured(key, graph, sx, sp, res, f_in, pre, y=y, out=out, carry=carry,
+                             carry_src=None if carry is None else carry.captured)
         with torch.cuda.graph(graph, pool=self.pool):
             res, f_in, pre, h = self._body(sx, sp, cache_kv, split)
         c = _Captured(key, graph, sx, sp, res, f_in, pre, h)
@@ -244,15 +305,17 @@ def _on_cuda(module: nn.Module) -> bool:
             and all(getattr(getattr(q, "device", None), "type", None) == "cuda" for q in quant))
 
 
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE: dict[tuple, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One warm-up stream per device for every capture: cuBLAS keeps a workspace per stream it ran on
-    (32 MiB on an H200), so a new stream per layer held 0.68 GiB more VRAM on a 20-layer 13B shape."""
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
+def _side_stream(device: torch.device, use: str = "fast") -> torch.cuda.Stream:
+    """One warm-up (and forked "fast") stream per device for every capture: cuBLAS keeps a workspace
+    per stream it ran on (32 MiB on an H200), so a new stream per layer held 0.68 GiB more VRAM on a
+    20-layer 13B shape; and one "host" stream for deferred host nodes (copies and the node only)."""
+    key = (torch.device(device), use)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device)
+    return _SIDE[key]
 
 
 @dataclass
@@ -364,6 +427,10 @@ def graph_blocks(model: nn.Module, ffn: bool = True, step: bool | str = True) ->
         if isinstance(block, Block):
             model.layers[i] = GraphedBlock(block, pool, ffn)
             done.append(i)
+    for a, b in zip(model.layers, list(model.layers)[1:]):  # neighbours, for expert deferral
+        if isinstance(a, GraphedBlock) and isinstance(b, GraphedBlock):
+            object.__setattr__(a, "next_block", b)
+            object.__setattr__(b, "prev_block", a)
     if step and ffn:
         model.attach_step(StepGraph(model, pool, host_nodes=step == "host"))
     return done

@@ -211,6 +211,10 @@ class HybridFFN(FFN):
         self._node.launch(torch.cuda.current_stream(self.tier.device))
         return self._y_node.copy_(self.decode_io.out[:1], non_blocking=True)
 
+    def defer_host(self) -> bool:
+        """False: a dense layer's cold rows are never deferred (expert deferral is for MoE experts)."""
+        return False
+
     def host_step(self) -> None:
         """After a host-node step's replay: count it (the node itself cannot fail on valid buffers)."""
         if self.first:

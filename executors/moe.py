@@ -109,6 +109,7 @@ class HybridMoE(FFN):
         self._y_cpu = None  # device float32 [1, D]: a decode step's CPU sum, copied in (_receive)
         self._graph_job: MoEJob | None = None  # a graphed decode step's job, reused (graph_post)
         self.host_nodes = False  # a graphed decode step may be one graph, the CPU experts a host node (make_hybrid)
+        self.defer = False  # ... and those CPU experts may join the next layer's graph (expert deferral)
         self._node: HostNode | None = None
         self._y_node: torch.Tensor | None = None  # device float32 [1, D]: the host node's sum, copied in
         if self.n_cold and self.cold.down is not None:  # whole quantised experts: checked once, see MoEJob
@@ -383,6 +384,11 @@ class HybridMoE(FFN):
         self.packed.copy_(pre[0], non_blocking=True)
         self._node.launch(stream)
         return self._y_node.copy_(self.decode_io.out[:1], non_blocking=True)
+
+    def defer_host(self) -> bool:
+        """Whether a host-node step may leave its CPU experts to the next layer's graph (expert
+        deferral, executors/graphs.py): turned on (make_hybrid defer_experts) where host nodes are."""
+        return self.defer and self.host_node_ready()
 
     def host_step(self) -> None:
         """After a host-node step's replay: count it, and raise if the previous step's node met an

@@ -102,6 +102,8 @@ class EngineOptions:
     #   twin kernels (tests).
     host_nodes: bool = True  # a graphed MoE step runs its CPU experts as a CUDA host node (host_node.py)
     dense_host_nodes: bool = True  # the same for a dense/gated layer's cold rows (FFNHostNode)
+    defer_experts: bool = False  # a MoE layer's host-node CPU experts join the residual one layer late,
+    #   beside the next layer's GPU work (expert deferral, graphs.py): faster, not exact (opt-in)
     host_blocks: bool = True  # a layer whose attention and predictor are both on the CPU steps as a
     #   HostBlock (host_block.py: the residual stream on the host for its step)
     layer_nodes: bool = True  # such a HostBlock's host share as one compiled call (layer_node.py)

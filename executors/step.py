@@ -9,7 +9,7 @@ share, in a graph of its own) and graph_post (the host's share received and adde
 host share at all (`device_only`) is graph_pre and graph_fast alone, in the block's graph. A layer that
 can run its host share as a CUDA host node (executors/host_node.py) also implements HostNodeStep:
 graph_host records the node inside the capture, host_step does the host's bookkeeping after each
-replay. `split_step` runs the four parts eagerly: it must equal the layer's forward."""
+replay, and defer_host says whether the node may run in the next layer's graph instead. `split_step` runs the four parts eagerly: it must equal the layer's forward."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ class HostNodeStep(SplitStep, Protocol):
 
     def host_step(self) -> None:
         """After each replay: the host node's bookkeeping (statistics, caches)."""
+
+    def defer_host(self) -> bool:
+        """Whether the host share may join the residual one layer late, its host node in the next
+        layer's graph (expert deferral: EngineOptions.defer_experts)."""
 
 
 def split_step(ffn: SplitStep, f_in: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,10 @@ QuantizeOpt = typer.Option(None, "--quantize", help="Quantise an HF checkpoint's
 MapExpertsOpt = typer.Option(False, "--map-experts", help="By a plan, read a quantised MoE model's CPU experts in "
                              "place from the file (no repacked copy: faster load, memory shared with the page "
                              "cache; their kernel ~1.2x slower where the CPU's arithmetic, not memory, bounds it).")
+DeferExpertsOpt = typer.Option(False, "--defer-experts", help="By a plan on CUDA, add each MoE layer's CPU "
+                               "experts to the residual one layer late, so the CPU computes them while the GPU "
+                               "runs the next layer (KTransformers' expert deferral): faster decoding, not the "
+                               "model's exact function (docs/architecture.md says how far it moves).")
 GpuInt4Opt = typer.Option(None, "--gpu-int4/--no-gpu-int4", help="On CUDA, keep a quantised model's Q4_0/Q4_1/Q4_K "
                           "matrices 4-bit on the GPU (torch's int4 kernels) or expand them to --dtype. Default: as "
                           "the plan chose; without a plan, 4-bit where the GPU runs the int4 kernels.")
@@ -132,6 +136,7 @@ def run(
     quantize: Optional[str] = QuantizeOpt,
     gpu_int4: Optional[bool] = GpuInt4Opt,
     map_experts: bool = MapExpertsOpt,
+    defer_experts: bool = DeferExpertsOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE",
                                                help="Constrain the reply to JSON that follows the JSON schema in "
@@ -145,7 +150,7 @@ def run(
         raise HotcoldError("--json needs --prompt")
     schema = _read_schema(json_schema, prompt) if json_schema is not None else None
     setup = _open(model, plan, no_plan or bool(sparse), device, dtype, threads, stats, quantize, gpu_int4,
-                  input_sparse=sparse is None, map_experts=map_experts)
+                  input_sparse=sparse is None, map_experts=map_experts, defer_experts=defer_experts)
     lm = setup.lm
     try:
         if lm.tokenizer is None:
@@ -170,7 +175,7 @@ def run(
 
 def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtype, threads, stats: bool,
           quantize: Optional[str] = None, gpu_int4: Optional[bool] = None, input_sparse: bool = True,
-          map_experts: bool = False):
+          map_experts: bool = False, defer_experts: bool = False):
     """The model per its plan (or dense), with the notes saying which printed to stderr."""
     import torch
 
@@ -186,7 +191,8 @@ def _open(model: Optional[Path], plan: Optional[Path], dense: bool, device, dtyp
     compiling = _compile_note(device)
     with _loading(path):
         setup = open_for_run(path, plan, not dense, device, dtype, threads, stats, quantize, gpu_int4,
-                             compile_announced=compiling, input_sparse=input_sparse, map_experts=map_experts)
+                             compile_announced=compiling, input_sparse=input_sparse, map_experts=map_experts,
+                             defer_experts=defer_experts)
     return setup
 
 

@@ -48,6 +48,9 @@ def serve(
                                      "experts in place from the file (no repacked copy: faster load, memory "
                                      "shared with the page cache; their kernel ~1.2x slower where the CPU's "
                                      "arithmetic, not memory, bounds it)."),
+    defer_experts: bool = typer.Option(False, "--defer-experts", help="By a plan on CUDA, add each MoE layer's "
+                                       "CPU experts to the residual one layer late, beside the next layer's GPU "
+                                       "work (expert deferral): faster decoding, not the model's exact function."),
     no_sparse: bool = typer.Option(False, "--no-sparse", help="Without the profile's input sparsity (by default "
                                    "each projection skips the weights of its small inputs where the profile chose "
                                    "some): the model's exact function."),
@@ -85,7 +88,7 @@ def serve(
         log.warning("%s", warning)
     log.info("serving %s as '%s' on http://%s:%d/v1 once it has loaded", path, name, host, sock.getsockname()[1])
     engine = ServingEngine(lambda: _open(path, plan, no_plan, device, dtype, quantize, gpu_int4, map_experts,
-                                         input_sparse=not no_sparse),
+                                         input_sparse=not no_sparse, defer_experts=defer_experts),
                            max_concurrency, ctx, parallel=parallel, cache_slots=cache_slots)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host=host, port=sock.getsockname()[1],
                                            log_level="info", timeout_graceful_shutdown=5))
@@ -122,13 +125,14 @@ def resolve_parallel(parallel: Optional[int], plan_meta: Optional[dict]) -> tupl
 
 
 def _open(path: Path, plan: Optional[Path], no_plan: bool, device, dtype, quantize: Optional[str] = None,
-          gpu_int4: Optional[bool] = None, map_experts: bool = False, input_sparse: bool = True):
+          gpu_int4: Optional[bool] = None, map_experts: bool = False, input_sparse: bool = True,
+          defer_experts: bool = False):
     """The model per its plan (hybrid) or dense, saying which in the log: the RunSetup, which the
     server's ServingEngine keeps until it stops (the hybrid engine must outlive the loading)."""
     from hotcold.executors.from_plan import open_for_run
 
     setup = open_for_run(path, plan, not no_plan, device, dtype, quantize=quantize, gpu_int4=gpu_int4,
-                         map_experts=map_experts, input_sparse=input_sparse)
+                         map_experts=map_experts, input_sparse=input_sparse, defer_experts=defer_experts)
     for note in setup.notes:
         log.info("%s", note)
     return setup

@@ -2,14 +2,17 @@
 """How closely hotcold's next-token distributions follow llama.cpp's on the same GGUF file and ids.
 
     python tools/agreement.py MODEL.gguf [--tokens 256] [--decode 32] [--no-plan] [--dense]
-        [--exact] [--device cpu|cuda] [--threads N] [--llama-gpu-layers N] [--llama-repack] [--json OUT]
+        [--defer-experts] [--exact] [--device cpu|cuda] [--threads N] [--llama-gpu-layers N]
+        [--llama-repack] [--json OUT]
 
 The ids are Python's documentation text cut to --tokens by hotcold's tokenizer (as tools/bench.py
 makes its prompt). llama.cpp evaluates them in one batch with every position's logits kept. hotcold
 computes them twice, as its engines do when they generate: the whole sequence in one prefill
 forward, and the first --decode positions one token at a time over the KV cache (the decode path:
 on CUDA the graphed step). Each is run by the model's plan (hybrid or CPU engine: what `hotcold run`
-does; --no-plan: the dense model), and with --dense also dense, for the plan's own cost. With
+does; --no-plan: the dense model), and with --dense also dense, for the plan's own cost; with --defer-experts also by the plan with expert
+deferral (`run --defer-experts`: it changes the decode path only), compared with llama.cpp and with
+the plan's exact decode. With
 --exact both are also compared with the exact function they approximate: the file's weights
 dequantised to float32 and run without quantised activations (needs the model in float32 in RAM).
 
@@ -79,14 +82,14 @@ def _llama_logits(model: Path, ids: list[int], threads: int, gpu_layers: int, re
 
 
 def hotcold_logits(model: Path, ids: list[int], use_plan: bool, device: str | None, threads: int,
-                   decode: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+                   decode: int, defer: bool = False) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """([T, V] prefill logits, [decode, V] one-token-step logits, the setup's notes), float32."""
     import torch
 
     from hotcold.executors.from_plan import open_for_run
     from hotcold.models.transformer import KVCache
 
-    setup = open_for_run(model, use_plan=use_plan, device=device, threads=threads)
+    setup = open_for_run(model, use_plan=use_plan, device=device, threads=threads, defer_experts=defer)
     lm, notes = setup.lm, list(setup.notes)
     try:
         toks = torch.tensor([ids], dtype=torch.long, device=lm.device)
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=32, help="of them, through the one-token step (default 32)")
     ap.add_argument("--no-plan", action="store_true", help="hotcold dense, ignoring the model's plan")
     ap.add_argument("--dense", action="store_true", help="also hotcold dense beside the planned run")
+    ap.add_argument("--defer-experts", action="store_true", help="also by the plan with expert deferral")
     ap.add_argument("--exact", action="store_true", help="also compare both with the dequantised float32 model")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="hotcold's device (default: as run)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of both (default: every core)")
@@ -174,16 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     gpu_layers = a.llama_gpu_layers if a.llama_gpu_layers is not None else (99 if a.device == "cuda" else 0)
     ids = prompt_ids(a.model, a.tokens)
     ref = llama_logits(a.model, ids, threads, gpu_layers, a.llama_repack)
-    runs = [("run", not a.no_plan)] + ([("dense", False)] if a.dense and not a.no_plan else [])
+    runs = ([("run", not a.no_plan, False)] + ([("dense", False, False)] if a.dense and not a.no_plan else [])
+            + ([("deferred", True, True)] if a.defer_experts and not a.no_plan else []))
     report = {"model": str(a.model), "tokens": a.tokens, "decode": a.decode, "llama_gpu_layers": gpu_layers, "runs": {}}
-    for name, use_plan in runs:
-        full, steps, notes = hotcold_logits(a.model, ids, use_plan, a.device, threads, a.decode)
+    decoded = {}
+    for name, use_plan, defer in runs:
+        full, steps, notes = hotcold_logits(a.model, ids, use_plan, a.device, threads, a.decode, defer)
         r = {"notes": notes, "prefill": compare(ref, full)}
         if len(steps):
             r["decode"] = compare(ref[: len(steps)], steps)
+            decoded[name] = steps
+            if defer:
+                r["decode vs the plan's exact decode"] = compare(decoded["run"], steps)
         report["runs"][name] = r
-        for path, c in ((k, r[k]) for k in ("prefill", "decode") if k in r):
-            print(f"hotcold ({name}) {path} vs llama.cpp over {c['positions']} positions: top-1 "
+        for path, c in ((k, r[k]) for k in ("prefill", "decode", "decode vs the plan's exact decode") if k in r):
+            against = "" if path.startswith("decode vs") else " vs llama.cpp"
+            print(f"hotcold ({name}) {path}{against} over {c['positions']} positions: top-1 "
                   f"{c['top1_agreement']:.1%} (in its top 5: {c['top1_in_ref_top5']:.1%}), KL mean "
                   f"{c['kl_mean']:.2e} max {c['kl_max']:.2e} nats, logits within {c['max_rel_logit_diff']:.1%} "
                   "of their range")
@@ -192,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.exact:
         exact = exact_logits(a.model, ids)
         report["exact"] = {"llama.cpp": compare(exact, ref)}
-        for name, _ in runs:
-            full, steps, _ = hotcold_logits(a.model, ids, name == "run" and not a.no_plan, a.device, threads,
-                                            a.decode)
+        for name, use_plan, defer in runs:
+            full, steps, _ = hotcold_logits(a.model, ids, use_plan, a.device, threads, a.decode, defer)
             report["exact"][f"hotcold ({name}) prefill"] = compare(exact, full)
             if len(steps):
                 report["exact"][f"hotcold ({name}) decode"] = compare(exact[: len(steps)], steps)

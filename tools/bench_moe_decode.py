@@ -17,6 +17,7 @@ synchronise, median of 30).
     python tools/bench_moe_decode.py /tmp/q4/model.gguf --fractions 0.2 --graphs yes --int4 yes --fused no,yes
     python tools/bench_moe_decode.py /tmp/q4/model.gguf --fractions 0.2 --graphs yes --int4 yes --host-nodes no,yes --repeats 3
     python tools/bench_moe_decode.py /tmp/q4/model.gguf --fractions 0.2 --graphs yes --int4 yes --pipeline no,yes --threads 14,15
+    python tools/bench_moe_decode.py /tmp/q4/model.gguf --fractions 0.33 --graphs yes --int4 yes --defer no,yes --idle
 """
 
 from __future__ import annotations
@@ -94,12 +95,12 @@ def idle_shares(gen, lm, prompt, greedy, n: int) -> str:
 
 
 def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None, int4: bool, fused: bool,
-            host: bool, block: bool, pipeline: bool, threads: int | None, release: bool, args) -> str:
+            host: bool, block: bool, pipeline: bool, threads: int | None, release: bool, defer: bool, args) -> str:
     layers.fused_ready = moe.fused_ready = FUSED_READY if fused else (lambda x: False)  # read at each call
     lm = load_model(path, "cpu", args.dtype)
     eng = make_hybrid(lm, {}, None, device=args.device, gpu_experts=random_experts(lm, fraction),
                       expert_cache_bytes=cache, stats=False, threads=threads, cuda_graphs=graphs,
-                      cpu_inline=inline, gpu_int4=int4, host_nodes=host)
+                      cpu_inline=inline, gpu_int4=int4, host_nodes=host, defer_experts=defer)
     try:
         gen = Generator(eng.lm, 512)
         gen.blocking_wait, gen.pipeline = block, "auto" if pipeline else False
@@ -117,7 +118,8 @@ def measure(path: str, fraction: float, cache: int, graphs, inline: bool | None,
                 f" {'block' if block else 'spin':>5} {'yes' if pipeline else 'no':>5} {threads or 'auto':>7}"
                 f" {tps:>9.1f} {1e3 / tps:>9.2f}"
                 f" {graph_us(lm) if graphs is True else float('nan'):>9.0f}"
-                f" {'inline' if eng.cpu.inline else 'worker':>7} {'ended' if ended else 'kept':>6}")
+                f" {'inline' if eng.cpu.inline else 'worker':>7} {'ended' if ended else 'kept':>6}"
+                f" {sum(b.defers() for b in lm.model.layers if hasattr(b, 'defers')):>6}")
         if args.idle:
             line += "\n" + idle_shares(gen, lm, prompt, greedy, args.tokens)
         if args.profile:
@@ -169,12 +171,15 @@ def main() -> None:
                     "prompt is in (Generator.release_threads, the engine's default, where the decoding team leaves "
                     "two CPUs: the last column says what ran) or keep it beside the host nodes' team: release / "
                     "keep / keep,release")
+    ap.add_argument("--defer", default="no", help="expert deferral (a layer's CPU experts join one layer late, "
+                    "beside the next layer's GPU work; not exact): no / yes / no,yes; the last column counts the "
+                    "layers that defer")
     ap.add_argument("--idle", action="store_true", help="per configuration, the share of decode time the GPU "
                     "(its kernels) and the CPU (its experts, timed by the host nodes) each sit idle")
     args = ap.parse_args()
     cache = parse_size(args.cache) if args.cache != "0" else 0
     print(f"model {args.model}, device {args.device}, {args.dtype}, greedy {args.tokens} tokens after 64")
-    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'wait':>5} {'pipe':>5} {'threads':>7} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9} {'worker':>7} {'main team':>6}"
+    print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'wait':>5} {'pipe':>5} {'threads':>7} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9} {'worker':>7} {'main team':>6} {'defer':>6}"
           + (f" {'launches':>9}" if args.profile else ""))
     yes = {"yes": True, "no": False}
     configs = [(frac, graphs, inline, int4, fused, host, block, pipe, threads, release)
@@ -187,7 +192,8 @@ def main() -> None:
                for block in (w.strip() == "block" for w in args.wait.split(","))
                for pipe in (p.strip() == "yes" for p in args.pipeline.split(","))
                for threads in (None if t.strip() == "auto" else int(t) for t in args.threads.split(","))
-               for release in (m.strip() == "release" for m in args.main_team.split(","))]
+               for release in (m.strip() == "release" for m in args.main_team.split(","))
+               for defer in (d.strip() == "yes" for d in args.defer.split(","))]
     for _ in range(args.repeats):
         for config in configs:
             print(measure(args.model, config[0], cache, *config[1:], args), flush=True)

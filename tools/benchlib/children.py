@@ -74,7 +74,8 @@ def run_hotcold(spec: dict) -> dict:
     t = time.perf_counter()
     # As `hotcold run` does: by the model's plan (hybrid engine) when there is one, else dense.
     setup = open_for_run(Path(spec["model"]["hotcold"]), opts.plan, not opts.no_plan, opts.device, opts.dtype,
-                         threads=spec["threads"], input_sparse=not opts.no_sparse, map_experts=opts.map_experts)
+                         threads=spec["threads"], input_sparse=not opts.no_sparse, map_experts=opts.map_experts,
+                         defer_experts=opts.defer_experts)
     lm = setup.lm
     if lm.device.type == "cuda":
         torch.cuda.synchronize()

@@ -76,6 +76,7 @@ def hotcold_options(args: list[str], device: str, dtype: str | None) -> argparse
     p.add_argument("--no-plan", action="store_true")  # the dense reference engine
     p.add_argument("--no-sparse", action="store_true")  # without the profile's input sparsity
     p.add_argument("--map-experts", action="store_true")  # a plan's CPU experts read in place from the file
+    p.add_argument("--defer-experts", action="store_true")  # a plan's CPU experts one layer late (not exact)
     p.add_argument("--env", action="append", default=[])  # NAME=VALUE for the row's process (engine switches)
     try:
         ns, extra = p.parse_known_args(args)
@@ -83,7 +84,7 @@ def hotcold_options(args: list[str], device: str, dtype: str | None) -> argparse
         raise BenchError(f"hotcold options {shlex.join(args)!r}: {e}") from None
     if extra:
         raise BenchError(f"hotcold options: unknown {shlex.join(extra)!r} (known: --device, --dtype, --plan, "
-                         "--no-plan, --no-sparse, --map-experts, --env)")
+                         "--no-plan, --no-sparse, --map-experts, --defer-experts, --env)")
     for kv in ns.env:
         if not re.fullmatch(r"[A-Za-z_]\w*=.*", kv):
             raise BenchError(f"hotcold options: --env {kv!r} is not NAME=VALUE")
