@@ -182,7 +182,7 @@ def main() -> None:
     print(f"{'GPU share':>9} {'cache GiB':>9} {'graphs':>9} {'inline':>7} {'int4':>5} {'fused':>5} {'host':>5} {'wait':>5} {'pipe':>5} {'threads':>7} {'tok/s':>9} {'ms/token':>9} {'graph µs':>9} {'worker':>7} {'main team':>6} {'defer':>6}"
           + (f" {'launches':>9}" if args.profile else ""))
     yes = {"yes": True, "no": False}
-    configs = [(frac, graphs, inline, int4, fused, host, block, pipe, threads, release)
+    configs = [(frac, graphs, inline, int4, fused, host, block, pipe, threads, release, defer)
                for frac in (float(f) for f in args.fractions.split(","))
                for graphs in (yes.get(g.strip(), g.strip()) for g in args.graphs.split(","))
                for inline in (yes.get(i.strip()) for i in args.inline.split(","))
