@@ -171,13 +171,16 @@ def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
         blk.ffn.down = copy.deepcopy(blk.ffn.down)
         assert isinstance(blk.ffn.down, QuantLinear)
         assert block_step(blk, x, pos, cache, 0) is not None and blk.__dict__["_cpu_step"] is not old
-        blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=True)
-        assert block_step(blk, x, pos, cache, 0) is None  # a biased o projection: the module path
-        blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=False)
-        got = block_step(blk, x, pos, cache, 0)  # a float o projection: seen, and read in place
-        with _module_path():
-            want = blk(x, pos, cache, 0)
-        assert got is not None and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+        q = blk.attn.q
+        blk.attn.q = torch.nn.Linear(q.in_features, q.out_features, bias=True)
+        assert block_step(blk, x, pos, cache, 0) is None  # a bias on q but not on k, v: the module path
+        blk.attn.q = q
+        for bias in (False, True):  # a float o projection, with and without bias: seen, and read in place
+            blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=bias)
+            got = block_step(blk, x, pos, cache, 0)
+            with _module_path():
+                want = blk(x, pos, cache, 0)
+            assert got is not None and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
         # what the block remembers holds no reference to its modules: a replaced FFN is freed
         gone = weakref.ref(blk.ffn)
         blk.ffn = torch.nn.Identity()
