@@ -116,11 +116,12 @@ def _norm(x, w, eps, plus_one, out):
 @njit(nogil=True, cache=True)
 def _block_norm(x, w, b, eps, plus_one, layer_norm, out):
     # a block's norm of one row: LayerNorm (weight w, bias b, empty for none) with layer_norm, else
-    # RMSNorm (b unread); x, w, out [D]
+    # RMSNorm (b unread) through _norm, as batch_step's rows call it (the same compiled reduction:
+    # a sequence's bits alone and in a batch); x, w, out [D]
     if layer_norm:
         _layer_norm(x.reshape(1, -1), w, b, eps, out.reshape(1, -1))
     else:
-        _rms_norm(x.reshape(1, -1), w, eps, plus_one, out.reshape(1, -1))
+        _norm(x, w, eps, plus_one, out)
 
 
 @njit(nogil=True, cache=True)
