@@ -27,7 +27,7 @@ from numba import njit
 
 from hotcold.models import cpu_run, cpu_step, transformer
 from hotcold.models.batch_gemv import _gemv_batch
-from hotcold.models.cpu_step import _heads, _hooked, _mat, _norm, _parts, _plan, _residual, _weights
+from hotcold.models.cpu_step import _NONE, _bias, _heads, _hooked, _mat, _norm, _parts, _plan, _residual, _weights
 from hotcold.models.quantized import QuantEmbedding, QuantLinear
 from hotcold.models.transformer import KVCache
 from hotcold.sparse_ops.attention import _decode_attention
@@ -120,7 +120,7 @@ def _run_rows(X, statics, kps, vps, COS, SIN, slots, pos):
         for b in range(B):
             lo[b] = max(0, pos[b] - s[22] + 1) if s[22] > 0 else 0
         _block_rows(cur, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14],
-                    COS[s[23]], SIN[s[23]], s[15], kps[i], vps[i], slots, pos, lo, s[16], s[17], s[18], s[19], s[20],
+                    COS[s[27]], SIN[s[27]], s[15], kps[i], vps[i], slots, pos, lo, s[16], s[17], s[18], s[19], s[20],
                     s[21], nxt)
         cur, nxt = nxt, cur
     return cur
@@ -174,12 +174,11 @@ def _fused_args(block):
     a, f = block.attn, block.ffn
     q, k, v = _mat(a.q), _mat(a.k), _mat(a.v)
     w = _weights(block.attn_norm)
-    aa = (_mat(a.qkv) if plan.fused else q, q, k, v, _mat(a.o),
-          tuple(lin.bias.detach().numpy() for lin in (a.q, a.k, a.v)) if plan.has_bias else (w, w, w),
+    aa = (_mat(a.qkv) if plan.fused else q, q, k, v, _mat(a.o), (*(_bias(lin) for lin in (a.q, a.k, a.v)), _NONE),
           (_weights(a.q_norm), _weights(a.k_norm)) if plan.qk_norm else (w, w))
     fa = (_mat(f.gate), _mat(f.up), _mat(f.down))
     norm_w = (w, _weights(block.ffn_norm), *((_weights(block.post_attn_norm), _weights(block.post_ffn_norm))
-                                            if plan.sandwich else (w, w)), *aa[6])
+                                            if plan.sandwich else (w, w)), *aa[6], _NONE, _NONE)  # (cpu_step's types)
     return plan, aa, fa, norm_w
 
 

@@ -1,7 +1,7 @@
 """Consecutive blocks' one-token steps on the CPU in one numba call.
 
 A block's fused step (models/cpu_step.py) is one numba call, but each call costs ~40 µs of Python
-around it (checks that the block has not changed, its arguments, numba's dispatch of 36 of them, the
+around it (checks that the block has not changed, its arguments, numba's dispatch of 38 of them, the
 tensor conversions): 1.2 ms of SmolLM2-135M's ~7 ms token on 2 cores. Here a run of consecutive
 whole blocks whose kernel arguments have one numba type (a model's layers mostly do: the GGUF
 types are run-time values) goes in one call of `_run_blocks`, which loops over the blocks and calls
@@ -12,8 +12,9 @@ arguments are still those the run was made of (`cpu_step.prepared`).
 The run's static arguments (norms, matrices, shapes, each layer's rotary kind and window) are made
 once and kept per model (beside it, not in it: numba's typed Lists neither pickle nor deep-copy, and
 a copy of a model makes its own runs); per step it passes the token's activation, the rotary tables of this
-position (one row per rotary kind: Gemma 3 has two), the layers' KV arrays (kept per cache) and
-shared scratch.
+position (one row per rotary kind: Gemma 3 has two; a row of zeros for OPT's blocks, which have no
+rotary), the layers' KV arrays (kept per cache) and shared scratch. OPT's blocks (LayerNorm, biases,
+DenseFFN, pre- or post-norm) join runs as the others do: the step's flags are run-time values.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _run_blocks(x, statics, kcs, vcs, cos_t, sin_t, pos, abuf, fbuf):
     # statics: a typed List (its numba type does not depend on the run's length: one build for every
     # model whose blocks have these types); statics[i]: block i's (norm_w, eps, plus_one, sandwich,
     # qkv, q, k, v, fused, biases, has_bias, qk_norm, H, Hkv, Dh, rotary, scale, o, gate, up, down,
-    # act, window, rotary kind); kcs/vcs[i] its KV arrays (typed Lists too); cos_t/sin_t [kinds, Dh].
+    # act, window, layer_norm, pre_norm, gated, FFN biases, rotary kind); kcs/vcs[i] its KV arrays
+    # (typed Lists too); cos_t/sin_t [kinds, Dh] (a row of zeros for blocks without rotary).
     # Returns the last block's output [D].
     cur = x.copy()
     nxt = np.empty_like(x)
@@ -46,9 +48,9 @@ def _run_blocks(x, statics, kcs, vcs, cos_t, sin_t, pos, abuf, fbuf):
     for i in range(len(statics)):
         s = statics[i]
         lo = max(0, pos - s[22] + 1) if s[22] > 0 else 0
-        _block_step(cur, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13],
-                    s[14], cos_t[s[23]], sin_t[s[23]], s[15], kcs[i], vcs[i], pos, lo, s[16], s[17], abuf, s[18],
-                    s[19], s[20], s[21], fbuf, r, f_in, nxt)
+        _block_step(cur, s[0], s[1], s[2], s[23], s[24], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11],
+                    s[12], s[13], s[14], cos_t[s[27]], sin_t[s[27]], s[15], kcs[i], vcs[i], pos, lo, s[16], s[17],
+                    abuf, s[18], s[19], s[20], s[25], s[26], s[21], fbuf, r, f_in, nxt)
         cur, nxt = nxt, cur
     return cur
 
@@ -96,24 +98,26 @@ def _same(a: tuple | None, b: tuple | None) -> bool:
 
 
 def _statics(block, blocks_only: bool = False) -> tuple | None:
-    """(static arguments, rotary) of a block the run can take, else None. blocks_only: only blocks
-    whose matrices are all GGUF blocks and norms float32 (what the batched step takes)."""
+    """(static arguments, rotary or None) of a block the run can take, else None. blocks_only: only
+    blocks the batched step takes (cpu_step._Plan.blocks)."""
     got = prepared(block)
     if got is None or not got[1] or (blocks_only and not got[0].blocks):
         return None
     plan, _, aa = got
     a = block.attn
-    if a.rotary is None:
-        return None
     fa = ffn_args(block.ffn)
     norm_w = _norm_weights(block, plan, aa)
     if block.__dict__.get("_cpu_norms", (None, None, None))[2] is not norm_w:
         return None  # half norms converted at each step: the block-by-block path tracks their versions
     H, Hkv, Dh = plan.heads
     st = (norm_w, plan.eps, plan.plus_one, plan.sandwich, aa[0], aa[1], aa[2], aa[3], plan.fused, aa[5],
-          plan.has_bias, plan.qk_norm, H, Hkv, Dh, True, plan.scale, aa[4], fa[0], fa[1], fa[2], plan.act,
-          int(plan.window or 0))
+          plan.has_bias, plan.qk_norm, H, Hkv, Dh, a.rotary is not None, plan.scale, aa[4], fa[0], fa[1], fa[2],
+          plan.act, int(plan.window or 0), plan.layer_norm, plan.pre_norm, plan.gated, fa[3])
     return st, a.rotary
+
+
+def _rot_key(rotary) -> str | None:
+    return None if rotary is None else rotary._key
 
 
 def make_runs(layers, blocks_only: bool = False) -> list[BlockRun]:
@@ -123,12 +127,12 @@ def make_runs(layers, blocks_only: bool = False) -> list[BlockRun]:
 
     def close():
         if len(cur) >= 2:
-            rot_keys = []
+            rot_keys = []  # the rotaries' kinds (None: a block without rotary, OPT's)
             for _, rot, _ in cur:
-                if rot._key not in rot_keys:
-                    rot_keys.append(rot._key)
-            statics = _as_list([(*st, rot_keys.index(rot._key)) for st, rot, _ in cur])
-            rotaries = [next(rot for _, rot, _ in cur if rot._key == k) for k in rot_keys]
+                if _rot_key(rot) not in rot_keys:
+                    rot_keys.append(_rot_key(rot))
+            statics = _as_list([(*st, rot_keys.index(_rot_key(rot))) for st, rot, _ in cur])
+            rotaries = [next(rot for _, rot, _ in cur if _rot_key(rot) == k) for k in rot_keys]
             need_f = max(2 * st[18][4].shape[0] for st, _, _ in cur)
             runs.append(BlockRun(cur[0][2], cur[-1][2] + 1, statics, rotaries, need_f, cur[0][0][12:15]))
         cur.clear()
@@ -191,11 +195,12 @@ def _run(run: BlockRun, layers, x: torch.Tensor, positions: torch.Tensor, cache,
         kv = [kv_arrays(cache.layers[i]) for i in range(run.i0, run.i1)]
         run.kv = (cache.layers, _as_list([k for k, _ in kv]), _as_list([v for _, v in kv]))
     pos = int(positions[0]) if start is None else start
-    tables = [_rotary_tables(rot, positions, start, pos) for rot in run.rotaries]
+    H, Hkv, Dh = run.heads
+    zero = np.zeros(Dh, np.float32)  # the row of a kind without rotary (read by no block)
+    tables = [(zero, zero) if rot is None else _rotary_tables(rot, positions, start, pos) for rot in run.rotaries]
     cos_t, sin_t = np.stack([c for c, _ in tables]), np.stack([s for _, s in tables])
     xv = np.ascontiguousarray(x.detach().reshape(-1).float().numpy())
     d = xv.shape[0]
-    H, Hkv, Dh = run.heads
     owner = layers[run.i0]
     abuf = cpu_step._scratch(owner, "_cpu_attn_buf", attn_scratch(d, H, Hkv, Dh, pos))
     fbuf = cpu_step._scratch(owner, "_cpu_ffn_buf", run.need_f + d)

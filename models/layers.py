@@ -376,6 +376,7 @@ class DenseFFN(FFN):
         self.up = nn.Linear(dim, hidden, bias=True)
         self.down = nn.Linear(hidden, dim, bias=True)
         self.act = activation_fn(act)
+        self.act_name = act
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input h: [B, T, I]."""

@@ -10,7 +10,8 @@ import torch
 
 import hotcold.models.cpu_run as cpu_run
 from hotcold.models.transformer import KVCache
-from tiny_models import quantised_tiny
+from hotcold.models.loader import load_model
+from tiny_models import make_tiny, quantised_tiny
 
 pytest.importorskip("transformers")
 
@@ -40,11 +41,14 @@ def _decode(lm, toks, runs: bool, prefix: int = 4) -> torch.Tensor:
 
 @pytest.mark.parametrize("family, kind, fused", [("llama", "q8_0", False), ("llama", "q4_0", True),
                                                  ("qwen2", "q8_0", False), ("qwen3", "q4_0", False),
-                                                 ("mistral", "q4_0", False), ("gemma3", "q8_0", False)])
+                                                 ("mistral", "q4_0", False), ("gemma3", "q8_0", False),
+                                                 ("opt", "q8_0", False), ("opt", "q4_0", False),
+                                                 ("opt_post", "q4_0", False)])
 def test_runs_give_the_block_by_block_bits(tiny_dir, family, kind, fused):
     """Every block of these models joins one run, and a decode through it gives bit for bit the
-    logits of the blocks' fused steps one by one (biases: qwen2; QK-norm: qwen3, gemma3; sliding
-    windows: mistral, gemma3; gemma3's two rotary kinds and sandwich norms)."""
+    logits of the blocks' fused steps one by one (biases: qwen2, opt; QK-norm: qwen3, gemma3; sliding
+    windows: mistral, gemma3; gemma3's two rotary kinds and sandwich norms; OPT's LayerNorm, DenseFFN
+    and no rotary, pre-norm and post-norm)."""
     lm = _quantised(tiny_dir, family, kind, fused)
     toks = torch.randint(3, 160, (1, 16), generator=torch.Generator().manual_seed(4))
     want = _decode(lm, toks, runs=False)
@@ -54,6 +58,24 @@ def test_runs_give_the_block_by_block_bits(tiny_dir, family, kind, fused):
     if family == "gemma3":
         assert len(runs[0].rotaries) == 2
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["opt", "opt_post"])
+def test_opt_runs_match_transformers(tiny_dir, family):
+    """A float32 OPT model (pre-norm; post-norm with its embeddings projected in and out) decodes
+    through one run of all its blocks, and its prompt and decode logits are transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    path = make_tiny(family, tiny_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    lm = load_model(path, "cpu", "float32")
+    toks = torch.randint(3, 160, (1, 18), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = ref(toks).logits
+    cache = KVCache(lm.config, 20)
+    with torch.inference_mode():
+        got = torch.cat([lm.model(toks[:, :6], 0, cache)] + [lm.model(toks[:, p:p + 1], p, cache) for p in range(6, 18)], 1)
+    assert [(r.i0, r.i1) for r in cpu_run.runs_of(lm.model)] == [(0, lm.config.num_layers)]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
 def test_a_changed_block_leaves_the_run_and_comes_back(tiny_dir):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hotcold.models.transformer as transformer
-from hotcold.models.cpu_step import block_step
+from hotcold.models.cpu_step import block_step, prepared
+from hotcold.models.layers import FFN
 from hotcold.models.loader import load_model
 from hotcold.models.quantized import QuantLinear, fuse_qkv
 from hotcold.models.transformer import KVCache
@@ -62,14 +63,20 @@ def _each_block(lm, toks, prefix: int, ca: KVCache, cb: KVCache):
 
 @pytest.mark.parametrize("family, kind, fused", [("llama", "q8_0", False), ("llama", "q4_0", True),
                                                  ("qwen2", "q8_0", False), ("qwen3", "q4_0", False),
-                                                 ("mistral", "q4_0", False), ("gemma3", "q8_0", False)])
+                                                 ("mistral", "q4_0", False), ("gemma3", "q8_0", False),
+                                                 ("opt", "q8_0", False), ("opt", "q4_0", False),
+                                                 ("opt_post", "q4_0", False)])
 def test_block_step_equals_the_module_path(tiny_dir, family, kind, fused):
     """Each block's fused step, fed the module path's input at every position of a decode, gives the
-    module path's output and writes the same keys and values (biases: qwen2; QK-norm: qwen3, gemma3;
-    sliding windows: mistral, gemma3; sandwich norms and GeGLU: gemma3)."""
+    module path's output and writes the same keys and values (biases: qwen2, opt; QK-norm: qwen3, gemma3;
+    sliding windows: mistral, gemma3; sandwich norms and GeGLU: gemma3; LayerNorm, no rotary and a
+    DenseFFN with biases: opt, pre-norm and post-norm)."""
     lm = _quantised(tiny_dir, family, kind, fused)
     m, cfg = lm.model, lm.config
     assert all(getattr(b.attn, "qkv", None) is not None for b in m.layers) == fused
+    if family.startswith("opt"):  # the whole OPT block in the one call, not its attention half
+        plans = [prepared(b)[0] for b in m.layers]
+        assert all(p.layer_norm and p.ffn and not p.gated and p.pre_norm == (family == "opt") for p in plans)
     ca, cb = KVCache(cfg, 32), KVCache(cfg, 32)
     toks = torch.randint(3, 160, (1, 20), generator=torch.Generator().manual_seed(1))
     for p, i, _, got, want in _each_block(lm, toks, 6, ca, cb):
@@ -79,10 +86,11 @@ def test_block_step_equals_the_module_path(tiny_dir, family, kind, fused):
         assert torch.allclose(ka[:, :, :20], kb[:, :, :20], atol=1e-5) and torch.allclose(va[:, :, :20], vb[:, :, :20], atol=1e-5)
 
 
-def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
+@pytest.mark.parametrize("family, kind", [("llama", "q8_0"), ("opt", "q4_0"), ("opt_post", "q8_0")])
+def test_decode_takes_the_fused_step_and_stays_close(tiny_dir, family, kind):
     """Decoding through the model uses the fused step in every block (float32, quantised) and its
     logits stay within Q8-activation noise of the module path's."""
-    lm = _quantised(tiny_dir, "llama", "q8_0")
+    lm = _quantised(tiny_dir, family, kind)
     toks = torch.randint(3, 160, (1, 12), generator=torch.Generator().manual_seed(2))
 
     def decode(cache):
@@ -91,13 +99,13 @@ def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
 
     calls = []
     orig, runs = transformer.block_step, transformer.cpu_run.applies
-    transformer.block_step = lambda *a: calls.append(1) or orig(*a)
+    transformer.block_step = lambda *a: calls.append(orig(*a)) or calls[-1]
     transformer.cpu_run.applies = lambda *a: False  # block by block (runs of blocks: tests/test_cpu_run.py)
     try:
         got = decode(KVCache(lm.config, 16))
     finally:
         transformer.block_step, transformer.cpu_run.applies = orig, runs
-    assert len(calls) == 12 * lm.config.num_layers
+    assert len(calls) == 12 * lm.config.num_layers and all(c is not None for c in calls)
     assert all(b.__dict__["_cpu_step"][1] is not None for b in lm.model.layers)
     with _module_path():
         want = decode(KVCache(lm.config, 16))
@@ -106,13 +114,15 @@ def test_decode_takes_the_fused_step_and_stays_close(tiny_dir):
 
 
 @pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("qwen2", "float16"), ("gemma3", "bfloat16"),
-                                           ("qwen3", "float16")])
+                                           ("qwen3", "float16"), ("opt", "float32"), ("opt_post", "float32"),
+                                           ("opt", "bfloat16"), ("opt_post", "float16")])
 def test_float_block_step_equals_the_float32_module_path(tiny_dir, family, dtype):
     """Blocks of float weights (nn.Linear float32 / float16 / bfloat16, read in place by the row kernel;
     a half model's q/k/v fused into one matrix by fuse_qkv) take the fused step, and each block's output
     is the float32 module path's over the same weight values, within the rounding of the output and of a
     half model's float16 cache, at every position of a decode (biases: qwen2; QK-norm: qwen3, gemma3;
-    sandwich norms and GeGLU: gemma3)."""
+    sandwich norms and GeGLU: gemma3; LayerNorm, no rotary and biases on every projection: opt,
+    pre-norm and post-norm)."""
     lm = load_model(make_tiny(family, tiny_dir), "cpu", dtype)
     half = dtype != "float32"
     if half:
@@ -171,13 +181,16 @@ def test_block_step_gives_way_to_hooks_and_replaced_modules(tiny_dir):
         blk.ffn.down = copy.deepcopy(blk.ffn.down)
         assert isinstance(blk.ffn.down, QuantLinear)
         assert block_step(blk, x, pos, cache, 0) is not None and blk.__dict__["_cpu_step"] is not old
-        blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=True)
-        assert block_step(blk, x, pos, cache, 0) is None  # a biased o projection: the module path
-        blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=False)
-        got = block_step(blk, x, pos, cache, 0)  # a float o projection: seen, and read in place
-        with _module_path():
-            want = blk(x, pos, cache, 0)
-        assert got is not None and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+        q = blk.attn.q
+        blk.attn.q = torch.nn.Linear(q.in_features, q.out_features, bias=True)
+        assert block_step(blk, x, pos, cache, 0) is None  # a bias on q but not on k, v: the module path
+        blk.attn.q = q
+        for bias in (False, True):  # a float o projection, with and without bias: seen, and read in place
+            blk.attn.o = torch.nn.Linear(blk.attn.o.in_features, blk.attn.o.out_features, bias=bias)
+            got = block_step(blk, x, pos, cache, 0)
+            with _module_path():
+                want = blk(x, pos, cache, 0)
+            assert got is not None and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
         # what the block remembers holds no reference to its modules: a replaced FFN is freed
         gone = weakref.ref(blk.ffn)
         blk.ffn = torch.nn.Identity()
@@ -210,16 +223,34 @@ def test_block_step_sees_new_and_updated_norm_weights(tiny_dir):
     assert not torch.allclose(first, second) and not torch.allclose(second, third)
 
 
-@pytest.mark.parametrize("family, kind", [("qwen3_moe", "q4_0"), ("qwen2_moe", "q8_0"), ("llama", "q8_0")])
+class _OtherFFN(FFN):
+    """An FFN module of a type the fused step does not take (as a hybrid split's HybridFFN): the inner one's
+    forward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("family, kind", [("qwen3_moe", "q4_0"), ("qwen2_moe", "q8_0"), ("llama", "q8_0"),
+                                          ("opt", "q8_0"), ("opt_post", "q4_0")])
 def test_attention_half_before_an_ffn_module(tiny_dir, family, kind):
-    """A block whose FFN is not a GatedFFN of host matrices without biases (MoE layers here; the llama
-    FFN's down given a bias) runs its attention half as one call and its FFN as a module: the block's output equals
-    the module path's at every position of a decode."""
+    """A block whose FFN is not a GatedFFN of host matrices without biases nor a DenseFFN (MoE layers
+    here; the llama FFN's down given a bias; OPT's FFN inside another FFN module, as a hybrid split's)
+    runs its attention half as one call and its FFN as a module: the block's output equals the module
+    path's at every position of a decode (OPT pre-norm and post-norm: the FFN's residual add and
+    ffn_norm after the module)."""
     lm = _quantised(tiny_dir, family, kind)
     m = lm.model
     if family == "llama":
         for blk in m.layers:
             blk.ffn.down = torch.nn.Linear(blk.ffn.down.in_features, blk.ffn.down.out_features, bias=True)
+    if family.startswith("opt"):
+        for blk in m.layers:
+            blk.ffn = _OtherFFN(blk.ffn)
     ca, cb = KVCache(lm.config, 24), KVCache(lm.config, 24)
     toks = torch.randint(3, 160, (1, 14), generator=torch.Generator().manual_seed(3))
     for p, i, blk, got, want in _each_block(lm, toks, 4, ca, cb):

@@ -29,6 +29,7 @@ from hotcold.executors.layer_node import L_S
 from hotcold.executors.host_attention import HostEmbedding, HostHead, HostLinear
 from hotcold.executors.weights import split_ffn
 from hotcold.executors.prefill import STREAM_SLOTS_BYTES
+from hotcold.models.cpu_step import prepared
 from hotcold.models.generate import Generator
 from hotcold.models.loader import LoadedModel, load_model
 from hotcold.models.sampling import SamplingParams
@@ -40,9 +41,9 @@ from hotcold.profiler.instrument import instrumented
 
 from tiny_models import make_tiny
 
-DENSE = ["llama", "llama_relu", "mistral", "qwen2", "qwen3", "opt", "gemma3"]
+DENSE = ["llama", "llama_relu", "mistral", "qwen2", "qwen3", "opt", "opt_post", "gemma3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
-RELU = {"llama_relu", "opt"}
+RELU = {"llama_relu", "opt", "opt_post"}
 T = 10
 TOL = 2e-5  # float32 everywhere: relative to the largest |logit|
 
@@ -175,6 +176,8 @@ def test_oracle_decode_matches_thresholded_reference(folder, family):
     with make_hybrid(lm, random_hot(lm, 0.5, seed=2), "oracle", cpu_dtype="f32", thresholds=thr, threads=2) as eng:
         got = decode_logits(lm, toks)
         st = eng.stats()["decode"]
+        # each block's attention half ran as one compiled call before its HybridFFN (models/cpu_step.py)
+        assert all(prepared(b) is not None and not prepared(b)[1] for b in lm.model.layers)
     assert_close(got, want, 1e-4)
     assert st["tokens"] == T and st["layer_calls"] == 3 * T
     assert st["rows_gpu"] + st["rows_cpu"] == active

@@ -25,6 +25,10 @@ def tiny_configs() -> dict:
         "qwen3": T.Qwen3Config(**COMMON, head_dim=24),
         "opt": T.OPTConfig(vocab_size=160, hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4,
                            max_position_embeddings=256, word_embed_proj_dim=64, init_std=0.1),
+        # OPT-350m's layout: norms after the residual adds, embeddings projected in and out of the blocks' width
+        "opt_post": T.OPTConfig(vocab_size=160, hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4,
+                                max_position_embeddings=256, word_embed_proj_dim=48, init_std=0.1,
+                                do_layer_norm_before=False),
         "gemma3": T.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                                      layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
         "mixtral": T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
@@ -47,7 +51,7 @@ def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
     return out
 
 
-FAMILIES = ["llama", "llama_relu", "mistral", "qwen2", "qwen3", "opt", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "llama_relu", "mistral", "qwen2", "qwen3", "opt", "opt_post", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def add_tiny_tokenizer(folder: Path, vocab_size: int = 160) -> Path:
