@@ -162,7 +162,7 @@ class GraphedBlock(BlockWrapper):
         (expert deferral, see the module docstring): its FFN allows it (HostNodeStep.defer_host), both
         blocks step as one graph with a host node, and neither has sandwich norms."""
         nxt, ffn = self.next_block, self.block.ffn
-        return bool(nxt is not None and isinstance(ffn, HostNodeStep) and ffn.defer_host()
+        return bool(nxt is not None and step_kinds(ffn)[1] and ffn.defer_host()
                     and self.block_graphable() and nxt.block_graphable() and not self.block.sandwich
                     and not nxt.block.sandwich and self.mode() == "host" and nxt.mode() == "host")
 
@@ -177,11 +177,11 @@ class GraphedBlock(BlockWrapper):
     def split_ffn(self) -> bool:
         """Whether the FFN's device half joins the graph (see the module docstring)."""
         ffn = self.block.ffn
-        return self.ffn_in_graph and isinstance(ffn, SplitStep) and ffn.graph_ready()
+        return self.ffn_in_graph and step_kinds(ffn)[0] and ffn.graph_ready()
 
     def host_ffn(self) -> bool:
         """Whether the split FFN's host half can be a host node of the graph (executors/step.py)."""
-        return isinstance(self.block.ffn, HostNodeStep) and self.block.ffn.host_node_ready()
+        return step_kinds(self.block.ffn)[1] and self.block.ffn.host_node_ready()
 
     def device_ffn(self) -> bool:
         """Whether the FFN is a plain dense/gated one with every weight on the device (captured whole;
@@ -206,7 +206,7 @@ class GraphedBlock(BlockWrapper):
         res, f_in = self._attention_half(x, positions, cache_kv)
         if split == "whole":
             ffn = self.block.ffn
-            if isinstance(ffn, SplitStep):  # device_only: no host share
+            if step_kinds(ffn)[0]:  # device_only: no host share
                 return res, f_in, None, ffn.graph_fast(f_in, ffn.graph_pre(f_in)).reshape(f_in.shape)
             return res, f_in, None, ffn(f_in)
         return res, f_in, self.block.ffn.graph_pre(f_in) if split else None, None
@@ -295,6 +295,19 @@ class GraphedBlock(BlockWrapper):
             with torch.cuda.graph(c.fast, pool=self.pool):
                 c.y = ffn.graph_fast(f_in, pre)
         return c
+
+
+_STEP_KINDS: dict[type, tuple[bool, bool]] = {}
+
+
+def step_kinds(ffn) -> tuple[bool, bool]:
+    """(ffn is a SplitStep, ffn is a HostNodeStep), decided once per class: an isinstance check against a
+    runtime-checkable Protocol looks up every method (5-15 µs each on a 2-core EPYC), and a one-token
+    step asks several times a block."""
+    kinds = _STEP_KINDS.get(type(ffn))
+    if kinds is None:
+        kinds = _STEP_KINDS[type(ffn)] = (isinstance(ffn, SplitStep), isinstance(ffn, HostNodeStep))
+    return kinds
 
 
 def _on_cuda(module: nn.Module) -> bool:
@@ -436,4 +449,4 @@ def graph_blocks(model: nn.Module, ffn: bool = True, step: bool | str = True) ->
     return done
 
 
-__all__ = ["GraphedBlock", "StepGraph", "graph_blocks", "split_step"]  # split_step: executors/step.py
+__all__ = ["GraphedBlock", "StepGraph", "graph_blocks", "split_step", "step_kinds"]  # split_step: executors/step.py

@@ -14,11 +14,11 @@ import torch
 
 from hotcold.executors import make_hybrid
 from hotcold.executors.engine import random_hot
-from hotcold.executors.graphs import GraphedBlock, split_step
+from hotcold.executors.graphs import GraphedBlock, split_step, step_kinds
 from hotcold.executors.hybrid import HybridFFN
 from hotcold.executors.moe import HybridMoE, random_experts
 from hotcold.executors.step import HostNodeStep, SplitStep
-from hotcold.models.transformer import KVCache
+from hotcold.models.transformer import Block, KVCache
 from test_executors import assert_close, folder, fresh, random_predictors, reference, tokens  # noqa: F401 (fixture)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,6 +39,23 @@ def test_cpu_tier_is_not_wrapped(folder):
     lm = fresh(folder, "llama")
     with make_hybrid(lm, random_hot(lm, 0.5), None, threads=2):
         assert not any(isinstance(b, GraphedBlock) for b in lm.model.layers)
+
+
+def test_step_kinds_and_modes_on_a_cpu_tier(folder):
+    """step_kinds answers as the Protocols' isinstance checks do (decided once per class); blocks wrapped
+    by hand on a CPU tier take no graph mode, and none defers (deferral needs CUDA host nodes)."""
+    lm = fresh(folder, "qwen3_moe")
+    with make_hybrid(lm, {}, None, cpu_dtype="f32", threads=2, gpu_experts=random_experts(lm, 0.5),
+                     defer_experts=True):
+        blocks = [GraphedBlock(b if isinstance(b, Block) else b.block) for b in lm.model.layers]
+        for b in blocks:
+            assert step_kinds(b.ffn) == (isinstance(b.ffn, SplitStep), isinstance(b.ffn, HostNodeStep)) == (True, True)
+        assert step_kinds(torch.nn.Linear(2, 2)) == (False, False)
+        for a, b in zip(blocks, blocks[1:]):
+            object.__setattr__(a, "next_block", b)
+            object.__setattr__(b, "prev_block", a)
+        assert [b.mode() for b in blocks] == [False] * len(blocks)
+        assert not any(b.defers() for b in blocks)
 
 
 @pytest.mark.parametrize("family,frac,learned", [("llama", 0.5, True), ("llama", 0.0, True), ("llama", 1.0, False),
