@@ -98,3 +98,10 @@ def test_bad_fractions_exit_2():
     r = subprocess.run([sys.executable, str(REPO / "tools" / "defer_quality.py"), "--fractions", "0,2"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: ")
+
+
+def test_a_model_the_engine_would_not_defer_exits_2(tmp_path):
+    """Gemma 3's sandwich norms: the engine never defers across them, and the tool says so (exit 2)."""
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "defer_quality.py"), str(make_tiny("gemma3", tmp_path)),
+                        "--windows", "1", "--ctx", "16"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: block 0 ") and r.stderr.count("\n") == 1, r.stderr

